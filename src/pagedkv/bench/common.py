@@ -1,0 +1,47 @@
+"""What every benchmark shares: where results go and the provenance stamped on them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_commit() -> str:
+    """The checkout's HEAD commit (with '-dirty' when it has changes), or 'unknown'."""
+    try:
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True,
+            timeout=5,
+        ).stdout.strip()
+        return (commit + ("-dirty" if dirty else "")) or os.environ.get("PAGEDKV_COMMIT", "unknown")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("PAGEDKV_COMMIT", "unknown")
+
+
+def provenance(device: str | None = None) -> dict:
+    """Date, commit, host and device of a benchmark run."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": os.environ.get("PAGEDKV_COMMIT") or git_commit(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "device": device or "cpu",
+    }
+
+
+def write_json(out_dir: str | os.PathLike, name: str, payload: dict) -> Path:
+    """Write `payload` as `<out_dir>/<name>.json` and return the path."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    target = path / f"{name}.json"
+    target.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return target
