@@ -1,75 +1,66 @@
 """The `pagedkv` command line: a thin argparse layer over typed functions.
 
-Every subcommand's work lives elsewhere; heavy modules are imported only by the subcommand
-that needs them. A `PagedKVError` becomes one line on stderr and exit status 2.
+Each subcommand is a `main(argv) -> int` in the module that owns the work, imported only
+when that subcommand runs (so `pagedkv calc` never imports torch). A `PagedKVError`
+becomes one line on stderr and exit status 2, with no traceback.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
 
 from pagedkv.errors import PagedKVError
 
+#: subcommand -> (module with `main(argv)`, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("pagedkv.demo", "the main demo: the embedded model through the engine (--memory: paging core only)"),
+    "generate": ("pagedkv.engine.cli", "generate text for one or more prompts"),
+    "serve": ("pagedkv.server.cli", "OpenAI-compatible HTTP server"),
+    "calc": ("pagedkv.calc", "KV-cache capacity calculator"),
+    "sim": ("pagedkv.sim.cli", "deterministic serving simulator (drives the engine's scheduler)"),
+}
 
-def _cmd_bench_allocator(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from pagedkv.bench import allocator
-    from pagedkv.bench.common import provenance, write_json
-
-    result = allocator.run(num_pairs=args.pairs)
-    result["provenance"] = provenance()
-    table = Table(title="Allocator throughput (CPython, one core)")
-    for column in ("pool blocks", "alloc+free pairs/s (single)", "pairs/s (list API)",
-                   f"allocs/s ({result['rows'][0]['blocks_per_multi_alloc']} blocks)"):
-        table.add_column(column, justify="right")
-    for row in result["rows"]:
-        table.add_row(f"{row['num_blocks']:,}", f"{row['single_pairs_per_s']:,.0f}",
-                      f"{row['list_api_pairs_per_s']:,.0f}", f"{row['multi_allocs_per_s']:,.0f}")
-    Console().print(table)
-    best = result["rows"][0]["single_pairs_per_s"]
-    print(f"target >= {result['target_pairs_per_s']:,} pairs/s: {'met' if best >= 2e6 else 'MISSED'} "
-          f"({best:,.0f}); 1M-block pool / 1K-block pool = {result['large_over_small_single']:.2f} "
-          f"(O(1) target: >= 0.80, {'met' if result['large_over_small_single'] >= 0.8 else 'MISSED'})")
-    print(f"wrote {write_json(args.out, 'allocator', result)}")
-    return 0
+#: `pagedkv bench NAME` -> module with `main(argv)`
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "allocator": ("pagedkv.bench.allocator", "allocator alloc/free throughput (CPU)"),
+    "kernel": ("pagedkv.bench.kernel", "paged attention kernels vs SDPA (GPU)"),
+    "hf": ("pagedkv.bench.hf", "PagedCache vs DynamicCache/StaticCache in model.generate (GPU)"),
+    "engine": ("pagedkv.bench.engine", "engine throughput on nano-vllm's offline workload (GPU)"),
+}
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from pagedkv.demo import memory_demo
-
-    memory_demo(num_seqs=args.seqs, seed=args.seed, block_size=args.block_size)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (exposed for tests and docs)."""
-    parser = argparse.ArgumentParser(prog="pagedkv", description="A paged KV cache for LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="run the main demonstration")
-    demo.add_argument("--memory", action="store_true", help="the paging-core memory demo only (no model)")
-    demo.add_argument("--seqs", type=int, default=32)
-    demo.add_argument("--seed", type=int, default=42)
-    demo.add_argument("--block-size", type=int, default=16)
-    demo.set_defaults(func=_cmd_demo)
-
-    bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    alloc = bench_sub.add_parser("allocator", help="allocator alloc/free throughput")
-    alloc.add_argument("--pairs", type=int, default=1_000_000)
-    alloc.add_argument("--out", default="benchmarks/results")
-    alloc.set_defaults(func=_cmd_bench_allocator)
-    return parser
+def _usage() -> str:
+    lines = ["usage: pagedkv COMMAND [ARGS...]   (pagedkv COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["  bench      benchmarks (print a table, write JSON):"]
+    lines += [f"    {name:<10} {help_text}" for name, (_, help_text) in BENCHMARKS.items()]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` and run the subcommand; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    """Dispatch `argv` to the subcommand's own `main(argv, prog)` and return its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            print(_usage(), file=sys.stderr)
+            print(f"pagedkv: error: unknown benchmark {rest[0] if rest else '(none)'!r}; "
+                  f"choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+            return 2
+        module_name, prog, rest = BENCHMARKS[rest[0]][0], f"pagedkv bench {rest[0]}", rest[1:]
+    elif command in COMMANDS:
+        module_name, prog = COMMANDS[command][0], f"pagedkv {command}"
+    else:
+        print(_usage(), file=sys.stderr)
+        print(f"pagedkv: error: unknown command {command!r}", file=sys.stderr)
+        return 2
     try:
-        return args.func(args)
+        module = importlib.import_module(module_name)
+        return int(module.main(rest, prog=prog) or 0)
     except PagedKVError as error:
         print(f"pagedkv: error: {error}", file=sys.stderr)
         return 2

@@ -6,6 +6,8 @@ block-size sweep); `engine_demo` (in `pagedkv.engine.demo`) runs the real model.
 
 from __future__ import annotations
 
+import argparse
+
 from rich.console import Console
 from rich.table import Table
 
@@ -68,3 +70,15 @@ def memory_demo(num_seqs: int = 32, seed: int = 42, max_seq_len: int = 2048, blo
                   f"peak {allocator.peak_used}.")
     return {"lengths": lengths, "naive_reserved_bytes": report.naive_reserved_bytes,
             "paged_reserved_bytes": report.paged_reserved_bytes, "sweep": sweep_rows}
+
+
+def main(argv: list[str] | None = None, prog: str = "pagedkv demo") -> int:
+    """`pagedkv demo`: the engine demo on the embedded model, or `--memory` for the paging core alone."""
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
+    parser.add_argument("--memory", action="store_true", help="the paging-core memory demo only (no model)")
+    parser.add_argument("--seqs", type=int, default=32, help="sequences in the memory demo")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    memory_demo(num_seqs=args.seqs, seed=args.seed, block_size=args.block_size)
+    return 0
