@@ -61,7 +61,7 @@ class BlockTable:
         """Blocks `append_tokens(num_new_tokens)` would take from the pool, copy-on-write included."""
         require_positive_int("num_new_tokens", num_new_tokens, allow_zero=True)
         total = num_blocks_for(self.num_tokens + num_new_tokens, self.block_size)
-        needed = total - len(self.block_ids)
+        needed = max(0, total - len(self.block_ids))
         if num_new_tokens and self._last_block_is_shared_partial():
             needed += 1
         return needed
@@ -119,6 +119,21 @@ class BlockTable:
             self.block_ids.extend(new_ids)
         self.num_tokens = new_total
         return copies
+
+    def reserve(self, num_tokens: int) -> None:
+        """Claim blocks up front so that `num_tokens` tokens fit without further allocation.
+
+        This is naive, max-length reservation (for comparison with paging): the blocks are
+        held from now on, and later appends fill them without touching the allocator.
+        """
+        require_positive_int("num_tokens", num_tokens, allow_zero=True)
+        if self.max_num_tokens is not None and num_tokens > self.max_num_tokens:
+            raise SequenceTooLongError(
+                f"Cannot reserve {num_tokens} tokens, past the maximum of {self.max_num_tokens}"
+            )
+        needed = num_blocks_for(num_tokens, self.block_size) - len(self.block_ids)
+        if needed > 0:
+            self.block_ids.extend(self.allocator.allocate(needed))
 
     def extend_shared(self, block_ids: list[int]) -> None:
         """Append full blocks owned elsewhere (prefix-cache hits), adding one owner to each.

@@ -1,0 +1,269 @@
+"""The KV block manager: every sequence's block table over one pool, plus prefix cache and swap space.
+
+This is the bookkeeping half of the KV cache; the tensors live elsewhere (the runner's
+`KVPool`). The scheduler asks it questions in blocks ("can this prompt be admitted and
+still leave the watermark free?") and tells it what happened ("these tokens were
+computed"). Everything it decides that touches K/V tensors comes back as a list of block
+copies for the runner: copy-on-write copies, swap-outs (GPU block -> CPU block) and
+swap-ins (CPU block -> GPU block).
+
+Free capacity counts evictable prefix-cache blocks: they hold valid KV that nobody uses,
+and are reclaimed (LRU) the moment an allocation needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.core.allocator import BlockAllocator
+from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
+from pagedkv.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
+
+
+class KVBlockManager:
+    """Block tables by sequence id, over a GPU pool and an optional CPU swap pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0, max_num_tokens: int | None = None):
+        require_positive_int("block_size", block_size)
+        require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
+        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        self._tables: dict[int, BlockTable] = {}
+        self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (CPU blocks, num tokens)
+        self._block_keys: dict[int, list[BlockHash]] = {}  # seq id -> keys of its full blocks so far
+        self.num_prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the GPU pool."""
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could get now: the free list plus evictable cached blocks."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return self.allocator.num_free + evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by sequences (cached-but-unused blocks count as free)."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by sequences."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        """CPU swap blocks still free (0 without swap space)."""
+        return self.swap_allocator.num_free if self.swap_allocator else 0
+
+    def watermark_blocks(self, watermark: float) -> int:
+        """Blocks that admission keeps free for running sequences to grow into."""
+        return int(watermark * self.num_blocks)
+
+    def has_table(self, seq_id: int) -> bool:
+        """Whether `seq_id` holds GPU blocks."""
+        return seq_id in self._tables
+
+    def table(self, seq_id: int) -> BlockTable:
+        """The block table of a sequence on the GPU."""
+        return self._tables[seq_id]
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens with slots in the sequence's table."""
+        return self._tables[seq_id].num_tokens
+
+    # ------------------------------------------------------------------ admission
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[BlockHash]]:
+        """Cached blocks that can be shared for a new prompt, and the keys of its full blocks.
+
+        At least one prompt token is always left to compute: the model must run on the last
+        prompt token to produce the first output's logits.
+        """
+        if self.prefix_cache is None:
+            return [], []
+        keys = hash_blocks(token_ids, self.block_size)
+        max_hit_blocks = (len(token_ids) - 1) // self.block_size
+        return self.prefix_cache.match(keys[:max_hit_blocks]), keys
+
+    def blocks_to_admit(self, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+        """New blocks a prompt takes at admission (after prefix hits; or `reserve_tokens` worth)."""
+        if reserve_tokens is not None:
+            return num_blocks_for(reserve_tokens, self.block_size)
+        hits, _ = self.match_prefix(token_ids)
+        # Hit blocks that are evictable stop being free once shared.
+        evictable_hits = sum(1 for b in hits if self.allocator.ref_count(b) == 1)
+        return num_blocks_for(len(token_ids), self.block_size) - len(hits) + evictable_hits
+
+    def can_admit(self, num_new_blocks: int, watermark: float) -> bool:
+        """Whether `num_new_blocks` fit while `watermark` of the pool stays free."""
+        return self.num_free_blocks - num_new_blocks >= self.watermark_blocks(watermark)
+
+    def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+        """Create the sequence's table, sharing cached prefix blocks; returns the cached token count.
+
+        With `reserve_tokens` (naive, max-length reservation) the table claims blocks for that
+        many tokens at once and shares nothing. Raises `OutOfBlocksError` (no change) if the
+        reservation does not fit.
+        """
+        if seq_id in self._tables or seq_id in self._swapped:
+            raise InvalidArgumentError(f"sequence {seq_id} already has blocks")
+        table = BlockTable(self.allocator, self.block_size, self.max_num_tokens)
+        if reserve_tokens is not None:
+            self._ensure_free(num_blocks_for(reserve_tokens, self.block_size))
+            table.reserve(reserve_tokens)
+            self._tables[seq_id] = table
+            self._block_keys[seq_id] = []
+            return 0
+        hits, keys = self.match_prefix(token_ids)
+        if self.prefix_cache is not None:
+            self.prefix_cache.record_lookup(len(keys), len(hits))
+            self.prefix_cache.acquire(hits)
+        table.extend_shared(hits)
+        self._tables[seq_id] = table
+        self._block_keys[seq_id] = keys[:len(hits)]
+        num_cached = len(hits) * self.block_size
+        self.num_prefix_hit_tokens += num_cached
+        return num_cached
+
+    # ------------------------------------------------------------------ growth
+    def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        """New blocks `append_slots(seq_id, num_new_tokens)` would take."""
+        return self._tables[seq_id].num_blocks_needed(num_new_tokens)
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        """Whether the sequence can get slots for `num_new_tokens` more tokens now."""
+        return self.blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq_id: int, num_new_tokens: int) -> list[BlockCopy]:
+        """Give the sequence slots for `num_new_tokens` tokens; returns copy-on-write copies.
+
+        Raises `OutOfBlocksError` (no change) when even evicting every cached block would not
+        free enough.
+        """
+        table = self._tables[seq_id]
+        self._ensure_free(table.num_blocks_needed(num_new_tokens))
+        return table.append_tokens(num_new_tokens)
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Slots of the sequence's tokens at positions [start, end)."""
+        return self._tables[seq_id].slot_mapping(start, end)
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        """The sequence's physical blocks in logical order."""
+        return self._tables[seq_id].block_ids
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Tokens up to `num_computed_tokens` now have KV: cache the sequence's newly full blocks."""
+        if self.prefix_cache is None:
+            return
+        keys = self._block_keys[seq_id]
+        table = self._tables[seq_id]
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= len(keys):
+            return
+        new_keys = hash_blocks(token_ids[len(keys) * self.block_size:num_full * self.block_size],
+                               self.block_size, keys[-1] if keys else None)
+        for offset, key in enumerate(new_keys):
+            self.prefix_cache.insert(key, table.block_ids[len(keys) + offset])
+        keys.extend(new_keys)
+
+    # ------------------------------------------------------------------ release
+    def free(self, seq_id: int) -> None:
+        """Return all the sequence's blocks, GPU and swap (no-op for an unknown sequence)."""
+        table = self._tables.pop(seq_id, None)
+        self._block_keys.pop(seq_id, None)
+        if table is not None:
+            held = list(table.block_ids)
+            table.free()
+            if self.prefix_cache is not None:
+                self.prefix_cache.on_released(held)
+        swapped = self._swapped.pop(seq_id, None)
+        if swapped is not None and swapped[0]:
+            self.swap_allocator.free(swapped[0])
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (parallel sampling)."""
+        if child_id in self._tables:
+            raise InvalidArgumentError(f"sequence {child_id} already has blocks")
+        self._tables[child_id] = self._tables[parent_id].fork()
+        self._block_keys[child_id] = list(self._block_keys[parent_id])
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, seq_id: int) -> bool:
+        """Whether the swap space can take all the sequence's blocks."""
+        return self.swap_allocator is not None and self._tables[seq_id].num_blocks <= self.swap_allocator.num_free
+
+    def swap_out(self, seq_id: int) -> list[BlockCopy]:
+        """Move the sequence to CPU blocks; returns (GPU src, CPU dst) copies to run *before* reuse."""
+        table = self._tables[seq_id]
+        if not self.can_swap_out(seq_id):
+            free = self.swap_allocator.num_free if self.swap_allocator else 0
+            raise OutOfBlocksError(table.num_blocks, free)
+        cpu_blocks = self.swap_allocator.allocate(table.num_blocks) if table.num_blocks else []
+        copies = [BlockCopy(gpu, cpu) for gpu, cpu in zip(table.block_ids, cpu_blocks)]
+        num_tokens = table.num_tokens
+        self.free(seq_id)
+        self._swapped[seq_id] = (cpu_blocks, num_tokens)
+        return copies
+
+    def is_swapped(self, seq_id: int) -> bool:
+        """Whether the sequence's KV lives in the swap space."""
+        return seq_id in self._swapped
+
+    def blocks_to_swap_in(self, seq_id: int) -> int:
+        """GPU blocks a swap-in takes."""
+        return len(self._swapped[seq_id][0])
+
+    def swap_in(self, seq_id: int) -> list[BlockCopy]:
+        """Bring a swapped sequence back to fresh GPU blocks; returns (CPU src, GPU dst) copies."""
+        cpu_blocks, num_tokens = self._swapped[seq_id]
+        self._ensure_free(len(cpu_blocks))
+        table = BlockTable(self.allocator, self.block_size, self.max_num_tokens)
+        table.append_tokens(num_tokens)
+        del self._swapped[seq_id]
+        self._tables[seq_id] = table
+        self._block_keys[seq_id] = []  # swapped-in blocks are private; they are not re-cached
+        copies = [BlockCopy(cpu, gpu) for cpu, gpu in zip(cpu_blocks, table.block_ids)]
+        if cpu_blocks:
+            self.swap_allocator.free(cpu_blocks)
+        return copies
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_free(self, num_blocks: int) -> None:
+        shortfall = num_blocks - self.allocator.num_free
+        if shortfall <= 0:
+            return
+        if self.prefix_cache is None or self.prefix_cache.num_evictable < shortfall:
+            raise OutOfBlocksError(num_blocks, self.num_free_blocks)
+        self.prefix_cache.evict(shortfall)
+
+    def check_integrity(self) -> None:
+        """Assert tables, cache and allocators agree: every owner accounted for, nothing leaked."""
+        self.allocator.check_integrity()
+        owners: dict[int, int] = {}
+        for table in self._tables.values():
+            assert table.num_blocks >= num_blocks_for(table.num_tokens, self.block_size)
+            for block_id in table.block_ids:
+                owners[block_id] = owners.get(block_id, 0) + 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+            for block_id in self.prefix_cache._key_of:
+                owners[block_id] = owners.get(block_id, 0) + 1
+        for block_id in range(self.num_blocks):
+            count = self.allocator.ref_count(block_id)
+            assert count == owners.get(block_id, 0), (
+                f"block {block_id}: ref count {count}, but {owners.get(block_id, 0)} owners found"
+            )
+        if self.swap_allocator is not None:
+            self.swap_allocator.check_integrity()
+            swapped = sum(len(blocks) for blocks, _ in self._swapped.values())
+            assert swapped == self.swap_allocator.num_used, "swap space leaked"

@@ -1,0 +1,137 @@
+"""The prefix cache: full blocks keyed by a hash chain over their tokens, evicted LRU.
+
+A full block's key is `sha256(parent_key || its token ids)`, so equal keys mean equal whole
+prefixes, not just equal blocks. A new request walks its prompt block by block and shares
+every leading block whose key is cached instead of recomputing it:
+
+    prompt blocks  | t0..t15 | t16..t31 | t32..t47 | t48..t50 |
+    keys           |   h0    |   h1     |   h2     |  (partial: never cached)
+    cache          |  hit    |  hit     |  miss    |
+                   └ shared (ref count + 1) ┘└ computed by this request ┘
+
+The cache holds one reference on every cached block, so a cached block outlives the
+sequences that made it. A block referenced only by the cache (ref count 1) is free in all
+but name: it still holds valid KV, sits in an LRU queue, and is evicted (its reference
+dropped, back to the free list) only when the allocator runs short.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pagedkv.core.allocator import BlockAllocator
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The chained key of one full block: sha256 over the parent's key and the token ids."""
+    digest = hashlib.sha256(parent or b"\x00" * 32)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None) -> list[BlockHash]:
+    """Keys of every full block of `token_ids`, chained from `parent`."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        keys.append(parent)
+    return keys
+
+
+class PrefixCache:
+    """Maps block keys to physical blocks; holds one reference per cached block."""
+
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
+        self._block_of: dict[BlockHash, int] = {}
+        self._key_of: dict[int, BlockHash] = {}
+        # Cached blocks that only the cache references, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_queries = 0  # blocks looked up
+        self.num_hits = 0  # blocks found
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks the cache holds (in use by sequences or evictable)."""
+        return len(self._block_of)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks no sequence uses: reclaimable on demand."""
+        return len(self._evictable)
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether `block_id` is a cached (read-only, full) block."""
+        return block_id in self._key_of
+
+    def match(self, keys: Sequence[BlockHash]) -> list[int]:
+        """The blocks of the longest cached prefix of `keys` (no references taken)."""
+        hits = []
+        for key in keys:
+            block_id = self._block_of.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count a lookup for the hit-rate statistics."""
+        self.num_queries += num_queried
+        self.num_hits += num_hit
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """A sequence is about to share these cached blocks: they stop being evictable."""
+        for block_id in block_ids:
+            self._evictable.pop(block_id, None)
+
+    def insert(self, key: BlockHash, block_id: int) -> bool:
+        """Cache a full, computed block under `key` (the cache takes a reference).
+
+        Returns False (and changes nothing) if the key is already cached by another block or
+        the block is already cached: two sequences that computed the same prefix in one step
+        keep the first copy, and the second stays private.
+        """
+        if key in self._block_of or block_id in self._key_of:
+            return False
+        self.allocator.incref([block_id])
+        self._block_of[key] = block_id
+        self._key_of[block_id] = key
+        return True
+
+    def on_released(self, block_ids: Sequence[int]) -> None:
+        """Sequences dropped references to these blocks: those now held only by the cache become evictable."""
+        for block_id in block_ids:
+            if block_id in self._key_of and self.allocator.ref_count(block_id) == 1:
+                self._evictable[block_id] = None
+                self._evictable.move_to_end(block_id)
+
+    def evict(self, num_blocks: int) -> int:
+        """Drop up to `num_blocks` least recently used evictable blocks; returns how many were freed."""
+        freed = 0
+        while freed < num_blocks and self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block_id)]
+            self.allocator.free_one(block_id)
+            freed += 1
+        return freed
+
+    def clear(self) -> int:
+        """Evict every evictable block; returns how many were freed."""
+        return self.evict(len(self._evictable))
+
+    def check_integrity(self) -> None:
+        """Assert the two maps agree and evictable blocks are referenced by the cache alone."""
+        assert len(self._block_of) == len(self._key_of), "key and block maps differ in size"
+        for key, block_id in self._block_of.items():
+            assert self._key_of.get(block_id) == key, f"block {block_id} maps back to another key"
+            assert self.allocator.ref_count(block_id) >= 1, f"cached block {block_id} is free"
+        for block_id in self._evictable:
+            assert block_id in self._key_of, f"evictable block {block_id} is not cached"
+            assert self.allocator.ref_count(block_id) == 1, (
+                f"evictable block {block_id} has {self.allocator.ref_count(block_id)} owners"
+            )

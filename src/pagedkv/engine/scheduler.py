@@ -1,0 +1,427 @@
+"""The scheduler: which tokens of which sequences run in the next step.
+
+Pure Python, no torch: the engine drives it with a real model and the simulator drives the
+very same object against a simulated clock.
+
+One `schedule()` call, under a budget of `max_num_batched_tokens`:
+
+1. **Running sequences**, least likely victim first. Each gets its next tokens (1 for a
+   decode, a chunk for a prefill). When the pool cannot give it a slot, a victim is
+   preempted (the most victim-like sequence not yet scheduled, possibly itself): by
+   *recompute* (its blocks are freed and it goes back to the front of the waiting queue) or
+   by *swap* (its blocks are copied to the CPU swap space).
+2. **Swapped sequences** come back (FIFO) when nothing was preempted this step.
+3. **Waiting sequences** are admitted in order while the pool keeps `watermark` of its
+   blocks free after taking the whole prompt (chunked prefill then spends the token budget
+   over several steps). A request that could never fit is rejected, not queued forever.
+
+Decodes are listed before prefills in the output, so the runner can run one decode kernel
+over the first rows and one prefill kernel over the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable, Sequence as SequenceT
+from dataclasses import dataclass, field
+
+from pagedkv.core.block_manager import KVBlockManager
+from pagedkv.core.block_table import BlockCopy, num_blocks_for
+from pagedkv.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagedkv.errors import ConfigError, RequestRejectedError, require_positive_int
+
+
+class PreemptionMode(str, enum.Enum):
+    """What happens to a victim's KV: thrown away and recomputed later, or copied to CPU."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class VictimPolicy(str, enum.Enum):
+    """Which running sequence gives up its blocks when the pool runs short."""
+
+    NEWEST = "newest"  # the most recently admitted request
+    PRIORITY = "priority"  # the lowest `priority` (ties: newest)
+    CHEAPEST = "cheapest"  # the fewest computed tokens, i.e. the least work lost (ties: newest)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits and policies. `reservation="naive"` reserves max_model_len per sequence."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    watermark: float = 0.01
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    victim_policy: VictimPolicy = VictimPolicy.NEWEST
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_swap_blocks: int = 0
+    reservation: str = "paged"
+
+    def __post_init__(self):
+        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            require_positive_int(name, getattr(self, name))
+        require_positive_int("num_swap_blocks", self.num_swap_blocks, allow_zero=True)
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        object.__setattr__(self, "preemption_mode", _parse_enum(PreemptionMode, self.preemption_mode, "preemption_mode"))
+        object.__setattr__(self, "victim_policy", _parse_enum(VictimPolicy, self.victim_policy, "victim_policy"))
+        if self.reservation not in ("paged", "naive"):
+            raise ConfigError(f"reservation must be 'paged' or 'naive', got {self.reservation!r}")
+        if self.preemption_mode is PreemptionMode.SWAP and self.num_swap_blocks == 0:
+            raise ConfigError("preemption_mode 'swap' needs num_swap_blocks > 0 (CPU swap space)")
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.num_blocks * self.block_size
+
+
+def _parse_enum(kind: type[enum.Enum], value: object, name: str):
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise ConfigError(f"{name} must be one of {choices}; got {value!r}") from None
+
+
+@dataclass
+class ScheduledSequence:
+    """A sequence's share of one step: tokens [start, start + num_new_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the last token, so the step samples a new one."""
+        return self.end == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token (a decode, or a prefill's last chunk of one token)."""
+        return self.num_new_tokens == 1
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner must do for one step, in order: swaps, copies, then the model."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[BlockCopy] = field(default_factory=list)  # GPU block -> CPU block
+    swap_in: list[BlockCopy] = field(default_factory=list)  # CPU block -> GPU block
+    block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, GPU -> GPU
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since construction."""
+
+    num_preemptions: int = 0
+    num_recomputes: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_rejected: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Owns the waiting, running and swapped queues and the block manager."""
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()):
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = KVBlockManager(
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching and config.reservation == "paged",
+            num_swap_blocks=config.num_swap_blocks,
+            max_num_tokens=max(config.max_model_len, config.block_size),
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ requests
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise `RequestRejectedError` if a request of this size could never be served."""
+        cfg = self.config
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens < 1:
+            raise RequestRejectedError("the prompt is empty: at least one token is needed")
+        if total > cfg.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds "
+                f"max_model_len {cfg.max_model_len}"
+            )
+        reserve = cfg.max_model_len if cfg.reservation == "naive" else total
+        if num_blocks_for(reserve, cfg.block_size) > cfg.num_blocks:
+            raise RequestRejectedError(
+                f"a request of {reserve} tokens needs {num_blocks_for(reserve, cfg.block_size)} blocks, but the "
+                f"whole KV pool has {cfg.num_blocks} blocks ({cfg.capacity_tokens} tokens)"
+            )
+        if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
+            raise RequestRejectedError(
+                f"without chunked prefill, {total} tokens cannot run in one step of at most "
+                f"{cfg.max_num_batched_tokens} batched tokens"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; raises `RequestRejectedError` (nothing queued) if it can never fit."""
+        self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_ids: Iterable[int]) -> list[Sequence]:
+        """Remove these sequences from every queue and free their blocks at once."""
+        wanted = set(seq_ids)
+        aborted = []
+        for queue in (self.waiting, self.running, self.swapped):
+            for seq in [s for s in queue if s.seq_id in wanted]:
+                queue.remove(seq)
+                self._finish(seq, FinishReason.ABORT)
+                aborted.append(seq)
+        return aborted
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a running sequence (the engine calls this for stop strings)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._finish(seq, reason)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child` beside `parent`, sharing all its blocks (parallel sampling, n > 1)."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring)."""
+        cfg = self.config
+        bm = self.block_manager
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        decodes: list[ScheduledSequence] = []
+        prefills: list[ScheduledSequence] = []
+
+        # 1. Running sequences, least likely victim first; victims come off the back.
+        queue = deque(sorted(self.running, key=self._keep_key, reverse=True))
+        still_running: list[Sequence] = []
+        while queue:
+            seq = queue.popleft()
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                still_running.append(seq)
+                continue
+            slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
+            while slots_needed > 0 and not bm.can_append(seq.seq_id, slots_needed):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if slots_needed > 0:
+                out.block_copies.extend(bm.append_slots(seq.seq_id, slots_needed))
+            item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
+            (decodes if item.is_decode else prefills).append(item)
+            budget -= num_new
+            still_running.append(seq)
+        self.running = still_running
+
+        # 2. Swapped sequences come back first, and only in a step without preemption.
+        if not out.preempted:
+            while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.swapped[0]
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                need = bm.blocks_to_swap_in(seq.seq_id) + 1
+                watermark = cfg.watermark if self.running else 0.0
+                if not bm.can_admit(need, watermark):
+                    break
+                self.swapped.popleft()
+                out.swap_in.extend(bm.swap_in(seq.seq_id))
+                self.stats.num_swap_ins += 1
+                slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
+                if slots_needed > 0:
+                    out.block_copies.extend(bm.append_slots(seq.seq_id, slots_needed))
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
+                (decodes if item.is_decode else prefills).append(item)
+                budget -= num_new
+
+        # 3. Waiting sequences, in order, while the watermark holds.
+        if not out.preempted and not self.swapped:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[0]
+                item = self._try_admit(seq, budget, out)
+                if item is None:
+                    break
+                self.waiting.popleft()
+                if item is _REJECTED:
+                    continue
+                self.running.append(seq)
+                (decodes if item.is_decode else prefills).append(item)
+                budget -= item.num_new_tokens
+
+        out.scheduled = decodes + prefills
+        self.stats.num_steps += 1
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a finished step: advance computed tokens, append sampled tokens, finish by length/EOS.
+
+        `sampled` maps seq id -> new token for every scheduled sequence whose chunk reached
+        its last token. Returns the sequences that finished in this step.
+        """
+        finished = []
+        bm = self.block_manager
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished while the step ran
+            seq.num_computed_tokens = item.end
+            bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # ------------------------------------------------------------------ internals
+    def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput):
+        """Admit `seq` with its first chunk, or return None (blocked) or _REJECTED."""
+        cfg = self.config
+        bm = self.block_manager
+        try:
+            self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        except RequestRejectedError:
+            self._finish(seq, FinishReason.REJECTED)
+            self.stats.num_rejected += 1
+            out.rejected.append(seq)
+            return _REJECTED
+        reserve = cfg.max_model_len if cfg.reservation == "naive" else None
+        new_blocks = bm.blocks_to_admit(seq.token_ids, reserve)
+        # Alone in the pool, a request may use the reserve: holding it back could only stall.
+        watermark = cfg.watermark if self.running or self.swapped else 0.0
+        if not bm.can_admit(new_blocks, watermark):
+            return None
+        num_cached = bm.admit(seq.seq_id, seq.token_ids, reserve)
+        num_new = seq.num_tokens - num_cached
+        if num_new > budget:
+            if not cfg.enable_chunked_prefill:
+                bm.free(seq.seq_id)
+                return None
+            num_new = budget
+        # Slots for the whole uncomputed part now, so later chunks cannot run short.
+        out.block_copies.extend(bm.append_slots(seq.seq_id, seq.num_tokens - bm.num_tokens(seq.seq_id)))
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        return ScheduledSequence(seq, num_cached, num_new)
+
+    def _keep_key(self, seq: Sequence):
+        """Sort key: larger = keep longer (scheduled first, preempted last)."""
+        policy = self.config.victim_policy
+        if policy is VictimPolicy.PRIORITY:
+            return (seq.priority, -seq.arrival_index)
+        if policy is VictimPolicy.CHEAPEST:
+            return (seq.num_computed_tokens, -seq.arrival_index)
+        return (-seq.arrival_index,)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        self.stats.num_preemptions += 1
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption_mode is PreemptionMode.SWAP and bm.can_swap_out(seq.seq_id):
+            out.swap_out.extend(bm.swap_out(seq.seq_id))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.stats.num_swap_outs += 1
+            return
+        bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.num_recomputes += 1
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def check_integrity(self) -> None:
+        """Assert queues and blocks agree: running sequences hold blocks, others hold none on the GPU."""
+        bm = self.block_manager
+        bm.check_integrity()
+        ids = [s.seq_id for s in (*self.waiting, *self.running, *self.swapped)]
+        assert len(ids) == len(set(ids)), "a sequence is in two queues"
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING and bm.has_table(seq.seq_id), seq
+        for seq in self.waiting:
+            assert seq.status is SequenceStatus.WAITING and not bm.has_table(seq.seq_id), seq
+        for seq in self.swapped:
+            assert seq.status is SequenceStatus.SWAPPED and bm.is_swapped(seq.seq_id), seq
+
+
+_REJECTED = object()
+
+__all__: SequenceT[str] = [
+    "PreemptionMode",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "VictimPolicy",
+]
