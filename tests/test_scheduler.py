@@ -80,7 +80,7 @@ def test_decodes_come_first_in_the_step():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("policy", ["newest", "priority", "cheapest"])
+@pytest.mark.parametrize("policy", ["newest", "priority", "cheapest", "requester"])
 def test_preemption_gives_the_same_outputs_as_a_large_pool(mode, policy):
     def run(num_blocks):
         cfg = SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_batched_tokens=16,

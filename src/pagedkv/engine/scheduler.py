@@ -45,6 +45,7 @@ class VictimPolicy(str, enum.Enum):
     NEWEST = "newest"  # the most recently admitted request
     PRIORITY = "priority"  # the lowest `priority` (ties: newest)
     CHEAPEST = "cheapest"  # the fewest computed tokens, i.e. the least work lost (ties: newest)
+    REQUESTER = "requester"  # whichever sequence fails to get a block (PageFault's undeliberate choice)
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,8 @@ class Scheduler:
                 continue
             slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
             while slots_needed > 0 and not bm.can_append(seq.seq_id, slots_needed):
-                victim = queue.pop() if queue else seq
+                requester = self.config.victim_policy is VictimPolicy.REQUESTER
+                victim = queue.pop() if queue and not requester else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
