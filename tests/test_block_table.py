@@ -139,3 +139,15 @@ def test_extend_shared():
     reader.free()
     owner.free()
     assert allocator.num_used == 0
+
+
+def test_truncate_releases_trailing_blocks():
+    allocator = BlockAllocator(8)
+    table = BlockTable(allocator, 4)
+    table.append_tokens(10)  # 3 blocks
+    assert table.truncate(5) == [2]
+    assert table.num_tokens == 5 and table.block_ids == [0, 1]
+    assert table.truncate(0) == [0, 1]
+    assert allocator.num_used == 0
+    with pytest.raises(InvalidArgumentError):
+        table.truncate(3)

@@ -155,6 +155,21 @@ class BlockTable:
         self.block_ids.extend(block_ids)
         self.num_tokens = new_total
 
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Keep only the first `num_tokens` tokens; blocks past them lose this table's ownership.
+
+        Returns the ids that became free. Used to roll back an append and to crop a cache.
+        """
+        require_positive_int("num_tokens", num_tokens, allow_zero=True)
+        if num_tokens > self.num_tokens:
+            raise InvalidArgumentError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        keep_blocks = num_blocks_for(num_tokens, self.block_size)
+        dropped = self.block_ids[keep_blocks:]
+        released = self.allocator.free(dropped) if dropped else []
+        del self.block_ids[keep_blocks:]
+        self.num_tokens = num_tokens
+        return released
+
     def fork(self) -> BlockTable:
         """A new table that shares every block of this one (each block gains an owner).
 

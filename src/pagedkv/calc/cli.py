@@ -1,0 +1,317 @@
+"""`pagedkv calc`: the KV-cache calculator's command line (argparse over the typed functions).
+
+Three sections, each printed when its arguments ask for it:
+
+    no model args          the toy workload: naive vs paged, block-size sweep (PageFault's calculator)
+    --model / --config     KV sizing of a real model
+    + --budget-gb          concurrent sequences a KV budget holds, naive vs paged
+
+Then the formulas used, with this run's numbers. `--json` prints one JSON object instead.
+Bad input raises `InvalidArgumentError` / `ConfigError` (argparse's own errors too), which
+`pagedkv.cli` prints as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from typing import Any
+
+from pagedkv.calc.capacity import (
+    GB,
+    MB,
+    SWEEP_BLOCK_SIZES,
+    TOY_SPEC,
+    BudgetCapacity,
+    Formula,
+    block_size_sweep,
+    budget_capacity,
+    budget_formulas,
+    format_bytes,
+    format_per_token,
+    sizing_formulas,
+    workload_formulas,
+)
+from pagedkv.calc.sizing import PRESETS, KVSizing, custom_sizing, preset_sizing, spec_from_config_file
+from pagedkv.core import DEFAULT_MIX, MemoryReport, generate_lengths, memory_report
+from pagedkv.errors import InvalidArgumentError
+
+DEFAULT_NUM_SEQS = 32
+DEFAULT_SEED = 42
+DEFAULT_MAX_SEQ_LEN = 2048
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_NUM_POOL_BLOCKS = 4096
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one `InvalidArgumentError` line, not a usage dump and exit."""
+
+    def error(self, message: str):
+        raise InvalidArgumentError(message)
+
+
+def build_parser(prog: str = "pagedkv calc") -> argparse.ArgumentParser:
+    """The `pagedkv calc` arguments (workload flags default to None so we can tell they were given)."""
+    parser = _Parser(prog=prog, description="KV-cache capacity calculator: naive contiguous vs paged.")
+    workload = parser.add_argument_group("toy workload (no model args)")
+    workload.add_argument("--seqs", type=int, help=f"sequences in the workload (default {DEFAULT_NUM_SEQS})")
+    workload.add_argument("--seed", type=int, help=f"workload seed (default {DEFAULT_SEED})")
+    workload.add_argument("--num-blocks", type=int, help=f"blocks in the pool (default {DEFAULT_NUM_POOL_BLOCKS})")
+    common = parser.add_argument_group("both")
+    common.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block (default 16)")
+    common.add_argument("--max-len", type=int, help=f"max sequence length (default {DEFAULT_MAX_SEQ_LEN} for the "
+                        "workload, the model's max_position_embeddings otherwise)")
+    model = parser.add_argument_group("model sizing")
+    source = model.add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"a preset: {', '.join(PRESETS)}, or custom")
+    source.add_argument("--config", help="a Hugging Face config.json (or a model folder holding one)")
+    model.add_argument("--layers", type=int, help="--model custom: attention layers")
+    model.add_argument("--kv-heads", type=int, help="--model custom: KV heads")
+    model.add_argument("--head-dim", type=int, help="--model custom: head dimension")
+    model.add_argument("--dtype-bytes", type=int, help="bytes per KV value (overrides the config's dtype; "
+                       "default 2 for custom)")
+    budget = parser.add_argument_group("budget")
+    budget.add_argument("--budget-gb", type=float, help="KV memory budget in GB (1e9 bytes)")
+    budget.add_argument("--mean-len", type=int, help="mean sequence length for the paged estimate")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every size given must be positive, and every flag must belong to a section that runs."""
+    for flag in ("seqs", "num_blocks", "block_size", "max_len", "layers", "kv_heads", "head_dim",
+                 "dtype_bytes", "mean_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.budget_gb is not None and not (math.isfinite(args.budget_gb) and args.budget_gb > 0):
+        raise InvalidArgumentError(f"--budget-gb must be a positive number of GB, got {args.budget_gb}")
+    has_model = args.model is not None or args.config is not None
+    if has_model:
+        given = [f"--{flag.replace('_', '-')}" for flag in ("seqs", "seed", "num_blocks")
+                 if getattr(args, flag) is not None]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise InvalidArgumentError(f"{', '.join(given)} {verb} only to the toy workload, "
+                                       "not with --model/--config")
+    if args.model != "custom":
+        given = [f"--{flag.replace('_', '-')}" for flag in ("layers", "kv_heads", "head_dim")
+                 if getattr(args, flag) is not None]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise InvalidArgumentError(f"{', '.join(given)} {verb} only with --model custom")
+    if args.budget_gb is not None:
+        if not has_model:
+            raise InvalidArgumentError("--budget-gb needs a model: pass --model or --config")
+        if args.mean_len is None:
+            raise InvalidArgumentError("--budget-gb needs --mean-len (the mean sequence length)")
+    elif args.mean_len is not None:
+        raise InvalidArgumentError("--mean-len applies only with --budget-gb")
+
+
+def sizing_from_args(args: argparse.Namespace) -> KVSizing | None:
+    """The model the arguments name, or None for the toy workload."""
+    if args.config is not None:
+        return spec_from_config_file(args.config, dtype_bytes=args.dtype_bytes)
+    if args.model is None:
+        return None
+    if args.model == "custom":
+        missing = [f"--{flag.replace('_', '-')}" for flag in ("layers", "kv_heads", "head_dim")
+                   if getattr(args, flag) is None]
+        if missing:
+            raise InvalidArgumentError(f"--model custom needs --layers, --kv-heads and --head-dim "
+                                       f"(missing {', '.join(missing)})")
+        return custom_sizing(args.layers, args.kv_heads, args.head_dim, args.dtype_bytes or 2)
+    return preset_sizing(args.model, dtype_bytes=args.dtype_bytes)
+
+
+# ---------------------------------------------------------------------- sections as JSON-ready dicts
+def _sizing_dict(sizing: KVSizing, block_size: int, max_len: int | None) -> dict[str, Any]:
+    fields = dataclasses.asdict(sizing)
+    fields.pop("notes")
+    return {**fields, "bytes_per_token": sizing.bytes_per_token,
+            "bytes_per_token_per_layer": sizing.bytes_per_token_per_layer, "block_size": block_size,
+            "page_size_bytes": sizing.page_size_bytes(block_size), "max_len": max_len,
+            "seq_kv_bytes_at_max_len": sizing.seq_kv_bytes(max_len) if max_len else None}
+
+
+def _capacity_dict(capacity: BudgetCapacity) -> dict[str, Any]:
+    return {**dataclasses.asdict(capacity), "num_blocks_per_seq": capacity.num_blocks_per_seq,
+            "num_naive_seqs": capacity.num_naive_seqs, "num_paged_seqs": capacity.num_paged_seqs,
+            "gain": capacity.gain}
+
+
+def _report_dict(report: MemoryReport) -> dict[str, Any]:
+    return {"block_size": report.block_size, "num_blocks": report.num_blocks,
+            "stored_tokens": report.stored_tokens, "naive_reserved_bytes": report.naive_reserved_bytes,
+            "paged_reserved_bytes": report.paged_reserved_bytes, "fragmentation_bytes": report.fragmentation_bytes,
+            "fragmentation_per_seq": report.fragmentation_per_seq, "naive_utilization": report.naive_utilization,
+            "paged_utilization": report.paged_utilization, "savings": report.savings,
+            "table_entries_per_seq": report.table_entries_per_seq}
+
+
+def _workload(args: argparse.Namespace, notes: list[str]) -> tuple[dict[str, Any], list[Formula]]:
+    num_seqs = DEFAULT_NUM_SEQS if args.seqs is None else args.seqs
+    seed = DEFAULT_SEED if args.seed is None else args.seed
+    max_seq_len = args.max_len or DEFAULT_MAX_SEQ_LEN
+    num_pool_blocks = args.num_blocks or DEFAULT_NUM_POOL_BLOCKS
+    lengths = generate_lengths(num_seqs, seed=seed)
+    if max(lengths) > max_seq_len:
+        raise InvalidArgumentError(f"--max-len {max_seq_len} is below the workload's longest sequence "
+                                   f"({max(lengths):,} tokens; the length mix reaches {DEFAULT_MIX[-1].max_len:,})")
+    report = memory_report(lengths, args.block_size, max_seq_len, TOY_SPEC.bytes_per_token)
+    sweep_sizes = sorted({*SWEEP_BLOCK_SIZES, args.block_size})
+    sweep = block_size_sweep(lengths, max_seq_len, TOY_SPEC.bytes_per_token, sweep_sizes)
+    if report.num_blocks > num_pool_blocks:
+        notes.append(f"the workload needs {report.num_blocks:,} blocks, more than the pool's {num_pool_blocks:,}")
+    notes.append(f"bytes/token is {TOY_SPEC.name}; pass --model or --config to size a real model")
+    buckets = {bucket.name: sum(bucket.min_len <= n <= bucket.max_len for n in lengths) for bucket in DEFAULT_MIX}
+    section = {"num_seqs": num_seqs, "seed": seed, "max_seq_len": max_seq_len, "num_pool_blocks": num_pool_blocks,
+               "bytes_per_token": TOY_SPEC.bytes_per_token, "lengths": lengths, "buckets": buckets,
+               **_report_dict(report), "sweep": [_report_dict(r) for r in sweep]}
+    return section, workload_formulas(TOY_SPEC, report, num_pool_blocks)
+
+
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """Every section the arguments ask for, as one JSON-ready dict (what `--json` prints)."""
+    _check_args(args)
+    sizing = sizing_from_args(args)
+    result: dict[str, Any] = {"model": None, "budget": None, "workload": None, "formulas": [], "notes": []}
+    notes: list[str] = result["notes"]
+    formulas: list[Formula] = []
+    if sizing is None:
+        result["workload"], formulas = _workload(args, notes)
+    else:
+        notes.extend(sizing.notes)
+        max_len = args.max_len or sizing.max_position_embeddings
+        if args.max_len and sizing.max_position_embeddings and args.max_len > sizing.max_position_embeddings:
+            notes.append(f"--max-len {args.max_len:,} is past the model's max_position_embeddings "
+                         f"{sizing.max_position_embeddings:,}")
+        result["model"] = _sizing_dict(sizing, args.block_size, max_len)
+        formulas = sizing_formulas(sizing, args.block_size)
+        if args.budget_gb is not None:
+            if max_len is None:
+                raise InvalidArgumentError("--budget-gb needs --max-len (the model gives no max_position_embeddings)")
+            if args.mean_len > max_len:
+                limit = f"--max-len {max_len:,}" if args.max_len else \
+                    f"the model's max_position_embeddings {max_len:,} (pass --max-len)"
+                raise InvalidArgumentError(f"--mean-len {args.mean_len:,} is over {limit}")
+            capacity = budget_capacity(sizing, round(args.budget_gb * GB), max_len, args.mean_len, args.block_size)
+            result["budget"] = _capacity_dict(capacity)
+            formulas += budget_formulas(sizing, capacity)
+            if capacity.num_naive_seqs == 0:
+                notes.append("the budget cannot hold one sequence reserved at the max length")
+            notes.append("the paged count assumes sequences average --mean-len; a batch of longer ones holds fewer")
+    result["formulas"] = [formula._asdict() for formula in formulas]
+    return result
+
+
+# ---------------------------------------------------------------------- rendering
+def _table(title: str, *columns: str):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    return table
+
+
+def _print_workload(console, w: dict[str, Any]) -> None:
+    lengths = w["lengths"]
+    pool_tokens = w["num_pool_blocks"] * w["block_size"]
+    config = _table("Configuration", "", "value")
+    config.add_row("sequences / seed", f"{w['num_seqs']} / {w['seed']}")
+    config.add_row("max_seq_len", f"{w['max_seq_len']:,} tokens")
+    config.add_row("block size (B)", f"{w['block_size']} tokens")
+    config.add_row("pool", f"{w['num_pool_blocks']:,} blocks = {pool_tokens:,} tokens = "
+                   f"{format_bytes(pool_tokens * w['bytes_per_token'])}")
+    config.add_row("bytes/token", f"{w['bytes_per_token']:,} B")
+    console.print(config)
+    mix = ", ".join(f"{count} {name}" for name, count in w["buckets"].items())
+    console.print(f"Workload: lengths {min(lengths):,}..{max(lengths):,}, mean {sum(lengths) / len(lengths):,.0f} "
+                  f"({mix}), {w['stored_tokens']:,} tokens stored", highlight=False)
+
+    util = _table("KV memory: naive contiguous vs paged", "", "naive", "paged")
+    util.add_row("reserved tokens", f"{w['num_seqs'] * w['max_seq_len']:,}", f"{w['num_blocks'] * w['block_size']:,}")
+    util.add_row("reserved memory", format_bytes(w["naive_reserved_bytes"]), format_bytes(w["paged_reserved_bytes"]))
+    util.add_row("utilization", f"{w['naive_utilization']:.1%}", f"{w['paged_utilization']:.1%}")
+    util.add_row("blocks in pool", "-", f"{w['num_blocks']:,} / {w['num_pool_blocks']:,}")
+    util.add_row("fragmentation / seq", "-", f"{w['fragmentation_per_seq']:.2f} tokens")
+    util.add_row("savings", "1.00x", f"{w['savings']:.2f}x")
+    console.print(util)
+
+    sweep = _table("Block-size sweep (the page-size trade-off)", "block size", "reserved", "fragmentation",
+                   "utilization", "table entries / seq")
+    for row in w["sweep"]:
+        # One unit down the column, as PageFault prints it, so the rows compare at a glance.
+        sweep.add_row(f"{row['block_size']}", f"{row['paged_reserved_bytes'] / MB:,.2f} MB",
+                      f"{row['fragmentation_bytes'] / MB:,.2f} MB", f"{row['paged_utilization']:.1%}",
+                      f"{row['table_entries_per_seq']:,}")
+    console.print(sweep)
+
+
+def _print_model(console, m: dict[str, Any]) -> None:
+    table = _table(f"KV cache of {m['name']}", "", "value")
+    layers = f"{m['num_layers']}"
+    if m["num_sliding_layers"]:
+        layers += (f" ({m['num_layers'] - m['num_sliding_layers']} full, {m['num_sliding_layers']} sliding, "
+                   f"window {m['sliding_window_tokens']:,})")
+    table.add_row("layers", layers)
+    if m["is_mla"]:
+        table.add_row("cached per token per layer", f"1 MLA latent of {m['head_dim']}")
+    else:
+        table.add_row("KV heads x head_dim", f"{m['num_kv_heads']} x {m['head_dim']}")
+    table.add_row("dtype bytes", f"{m['dtype_bytes']}")
+    table.add_row("KV per token", format_per_token(m["bytes_per_token"]))
+    table.add_row(f"KV per block ({m['block_size']} tokens)", format_bytes(m["page_size_bytes"]))
+    if m["max_position_embeddings"]:
+        table.add_row("max_position_embeddings", f"{m['max_position_embeddings']:,}")
+    if m["max_len"]:
+        table.add_row(f"KV per {m['max_len']:,}-token sequence", format_bytes(m["seq_kv_bytes_at_max_len"]))
+    console.print(table)
+
+
+def _print_budget(console, b: dict[str, Any]) -> None:
+    table = _table(f"KV budget {format_bytes(b['budget_bytes'])}: naive vs paged", "", "naive", "paged")
+    table.add_row("tokens per sequence", f"{b['max_len']:,} (max len)",
+                  f"{b['num_blocks_per_seq'] * b['block_size']:,} ({b['num_blocks_per_seq']:,} blocks of "
+                  f"{b['block_size']})")
+    table.add_row("KV per sequence", format_bytes(b["naive_bytes_per_seq"]), format_bytes(b["paged_bytes_per_seq"]))
+    table.add_row("concurrent sequences", f"{b['num_naive_seqs']:,}", f"{b['num_paged_seqs']:,}")
+    gain = "-" if b["gain"] is None else f"{b['gain']:.1f}x"
+    table.add_row("vs naive", "1.0x" if b["num_naive_seqs"] else "-", gain)
+    console.print(table)
+
+
+def render(result: dict[str, Any]) -> None:
+    """Print `compute`'s result as tables, then the formulas and notes."""
+    from rich.console import Console
+
+    console = Console()
+    if result["workload"]:
+        _print_workload(console, result["workload"])
+    if result["model"]:
+        _print_model(console, result["model"])
+    if result["budget"]:
+        _print_budget(console, result["budget"])
+    block_size = (result["workload"] or result["model"])["block_size"]
+    console.print(f"Core formulas (B = block size = {block_size}, GB = 1e9 B, MB = 1e6 B):", highlight=False)
+    width = max(len(f["name"]) for f in result["formulas"])
+    for f in result["formulas"]:
+        console.print(f"  {f['name']:<{width}} = {f['formula']}\n  {'':<{width}} = {f['value']}",
+                      markup=False, highlight=False, soft_wrap=True)
+    for note in result["notes"]:
+        console.print(f"Note: {note}", markup=False, highlight=False)
+
+
+def main(argv: list[str] | None = None, prog: str = "pagedkv calc") -> int:
+    """`pagedkv calc`: config and workload, model sizing, or budget -> concurrent sequences."""
+    args = build_parser(prog).parse_args(argv)
+    result = compute(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        render(result)
+    return 0

@@ -1,0 +1,384 @@
+"""KV sizing: what one token costs in a model's KV cache, read from a Hugging Face config.
+
+A model's cache is a stack of attention layers. Each layer stores, per token:
+
+    standard / GQA / MQA   K and V:  2 * num_kv_heads * head_dim * dtype_bytes
+    MLA (DeepSeek)         one latent: (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
+
+Sliding-window layers attend to the last `sliding_window` tokens only, so a window-aware
+cache keeps at most that many per sequence in those layers:
+
+    | full layers:    every token of the sequence            |
+    | sliding layers: min(num_tokens, sliding_window) tokens |
+
+Config fields are read the way serving engines (vLLM) read them: `head_dim` missing or null
+means hidden_size // num_attention_heads, missing KV heads means MHA, GPT-2 names
+(n_layer, n_head, n_embd, n_positions) are aliases, and a multimodal config is sized from
+its `text_config`. Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from pagedkv.core import ModelSpec, num_blocks_for
+from pagedkv.errors import ConfigError, InvalidArgumentError, require_positive_int
+
+#: Config names of one quantity, first match wins (vLLM's and transformers' aliases).
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+KV_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+#: dtype name in a config -> bytes per element.
+DTYPE_BYTES = {
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float32": 4, "float": 4, "fp32": 4,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+}
+DEFAULT_DTYPE_BYTES = 2
+
+#: Gemma-style alternation when the config does not spell out layer_types: every
+#: `pattern`-th layer is full attention, the others slide.
+GEMMA_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """The KV-cache shape of one model: layers, per-layer cost of a token, and window caps.
+
+    For MLA models `is_mla` is True, `num_kv_heads` is 1 and `head_dim` is the latent width
+    (kv_lora_rank + qk_rope_head_dim): one vector per token per layer, with no separate V.
+    `notes` say how the numbers were read from the config (for people; not compared).
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    is_mla: bool = False
+    num_sliding_layers: int = 0
+    sliding_window_tokens: int | None = None
+    max_position_embeddings: int | None = None
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        require_positive_int("num_layers", self.num_layers)
+        require_positive_int("num_kv_heads", self.num_kv_heads)
+        require_positive_int("head_dim", self.head_dim)
+        require_positive_int("dtype_bytes", self.dtype_bytes)
+        require_positive_int("num_sliding_layers", self.num_sliding_layers, allow_zero=True)
+        if self.num_sliding_layers > self.num_layers:
+            raise InvalidArgumentError(
+                f"num_sliding_layers {self.num_sliding_layers} is over num_layers {self.num_layers}")
+        if self.num_sliding_layers:
+            require_positive_int("sliding_window_tokens", self.sliding_window_tokens)
+        elif self.sliding_window_tokens is not None:
+            raise InvalidArgumentError("sliding_window_tokens is set but no layer slides (num_sliding_layers 0)")
+        if self.max_position_embeddings is not None:
+            require_positive_int("max_position_embeddings", self.max_position_embeddings)
+
+    @property
+    def kv_factor(self) -> int:
+        """2 for separate K and V, 1 for an MLA latent."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """kv_factor * num_kv_heads * head_dim * dtype_bytes."""
+        return self.kv_factor * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token in every layer (a token inside every window): num_layers * bytes/token/layer."""
+        return self.num_layers * self.bytes_per_token_per_layer
+
+    @property
+    def num_full_layers(self) -> int:
+        """Layers that keep every token of a sequence."""
+        return self.num_layers - self.num_sliding_layers
+
+    def page_size_bytes(self, block_size: int) -> int:
+        """Bytes of one block of `block_size` tokens across all layers."""
+        require_positive_int("block_size", block_size)
+        return block_size * self.bytes_per_token
+
+    def window_blocks(self, block_size: int) -> int | None:
+        """Most blocks a sliding layer holds per sequence (None without sliding layers).
+
+        The window seldom starts on a block boundary, so it can touch one block more than
+        ceil(window / B): ceil((window - 1) / B) + 1, as vLLM counts it.
+        """
+        require_positive_int("block_size", block_size)
+        if not self.num_sliding_layers:
+            return None
+        return num_blocks_for(self.sliding_window_tokens - 1, block_size) + 1
+
+    def seq_kv_bytes(self, num_tokens: int) -> int:
+        """Contiguous KV bytes of one sequence of `num_tokens` (sliding layers hold a ring of the window)."""
+        require_positive_int("num_tokens", num_tokens, allow_zero=True)
+        sliding_tokens = min(num_tokens, self.sliding_window_tokens or 0)
+        return (self.num_full_layers * num_tokens + self.num_sliding_layers * sliding_tokens) \
+            * self.bytes_per_token_per_layer
+
+    def paged_seq_kv_bytes(self, num_tokens: int, block_size: int) -> int:
+        """Paged KV bytes of one sequence: whole blocks, sliding layers capped at `window_blocks`."""
+        require_positive_int("num_tokens", num_tokens, allow_zero=True)
+        num_blocks = num_blocks_for(num_tokens, block_size)
+        sliding_blocks = min(num_blocks, self.window_blocks(block_size) or 0)
+        return (self.num_full_layers * num_blocks + self.num_sliding_layers * sliding_blocks) \
+            * block_size * self.bytes_per_token_per_layer
+
+    def to_model_spec(self) -> ModelSpec:
+        """The core's `ModelSpec` (K and V in every layer, no window cap). MLA has none: raises ConfigError."""
+        if self.is_mla:
+            raise ConfigError(f"{self.name}: an MLA cache has no separate K and V, so no ModelSpec")
+        return ModelSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes, self.name)
+
+    def bytes_per_token_formula(self) -> tuple[str, str]:
+        """(symbolic, with numbers) for `bytes_per_token`."""
+        if self.is_mla:
+            return ("layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes",
+                    f"{self.num_layers} * {self.head_dim} * {self.dtype_bytes}")
+        return ("2 * layers * kv_heads * head_dim * dtype_bytes",
+                f"2 * {self.num_layers} * {self.num_kv_heads} * {self.head_dim} * {self.dtype_bytes}")
+
+
+def custom_sizing(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = DEFAULT_DTYPE_BYTES,
+                  name: str = "custom") -> KVSizing:
+    """Sizing from the four numbers alone (every layer full attention, K and V)."""
+    return KVSizing(name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype_bytes=dtype_bytes)
+
+
+# ---------------------------------------------------------------------- config reading
+def _field_value(config: Mapping[str, Any], keys: Sequence[str]) -> tuple[str, Any]:
+    """(key, value) of the first key present with a non-null value, else (keys[0], None)."""
+    for key in keys:
+        if config.get(key) is not None:
+            return key, config[key]
+    return keys[0], None
+
+
+def _positive_int(value: Any, field_name: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: {field_name} must be a positive int, got {value!r}")
+    return value
+
+
+def _optional_int(config: Mapping[str, Any], keys: Sequence[str], prefix: str, source: str) -> int | None:
+    key, value = _field_value(config, keys)
+    return None if value is None else _positive_int(value, prefix + key, source)
+
+
+def _required_int(config: Mapping[str, Any], keys: Sequence[str], prefix: str, source: str,
+                  why: str = "") -> int:
+    key, value = _field_value(config, keys)
+    if value is None:
+        aliases = f" (looked for {', '.join(keys)})" if len(keys) > 1 else ""
+        raise ConfigError(f"{source}: missing {prefix}{keys[0]}{aliases}{why}")
+    return _positive_int(value, prefix + key, source)
+
+
+def _dtype_bytes(text: Mapping[str, Any], outer: Mapping[str, Any], source: str,
+                 notes: list[str]) -> int:
+    """Bytes per element from `dtype` / `torch_dtype` (text config first, then the outer config)."""
+    for config in (text, outer):
+        for key in ("dtype", "torch_dtype"):
+            value = config.get(key)
+            if value is None:
+                continue
+            # str() also reads a torch.dtype from a live config's to_dict() ("torch.bfloat16").
+            name = str(value).removeprefix("torch.")
+            if name not in DTYPE_BYTES:
+                raise ConfigError(f"{source}: {key} {value!r} is not a dtype calc knows "
+                                  f"({', '.join(sorted(DTYPE_BYTES))})")
+            num_bytes = DTYPE_BYTES[name]
+            if num_bytes == 4:
+                notes.append(f"{key} {name} gives 4 bytes per value; vLLM's dtype=auto serves float32 "
+                             "checkpoints in 16-bit, which --dtype-bytes 2 models")
+            return num_bytes
+    notes.append(f"no dtype/torch_dtype in the config (a float32 checkpoint): assuming {DEFAULT_DTYPE_BYTES} "
+                 "bytes, as vLLM's dtype=auto serves it in float16")
+    return DEFAULT_DTYPE_BYTES
+
+
+def _sliding_layers(text: Mapping[str, Any], num_layers: int, prefix: str, source: str) -> list[bool]:
+    """Which layers slide, from layer_types, use_sliding_window/max_window_layers, Gemma alternation, or
+    a bare sliding_window (Mistral v0.1: every layer)."""
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ConfigError(f"{source}: {prefix}layer_types must list one type per layer "
+                              f"({num_layers}), got {layer_types!r:.80}")
+        for layer_type in layer_types:
+            if layer_type not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"{source}: {prefix}layer_types has {layer_type!r}; calc sizes "
+                                  "full_attention and sliding_attention layers only")
+        return [layer_type == "sliding_attention" for layer_type in layer_types]
+    if text.get("sliding_window") is None:
+        return [False] * num_layers
+    if "use_sliding_window" in text:
+        # Qwen2/Qwen3: the first max_window_layers layers are full, the rest slide.
+        if not text["use_sliding_window"]:
+            return [False] * num_layers
+        num_full = text.get("max_window_layers")
+        num_full = 0 if num_full is None else _positive_int(num_full, prefix + "max_window_layers", source)
+        return [i >= num_full for i in range(num_layers)]
+    pattern = text.get("sliding_window_pattern", GEMMA_SLIDING_PATTERNS.get(text.get("model_type")))
+    if pattern is not None:
+        pattern = _positive_int(pattern, prefix + "sliding_window_pattern", source)
+        return [(i + 1) % pattern != 0 for i in range(num_layers)]
+    return [True] * num_layers
+
+
+def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, dtype_bytes: int | None = None,
+                        source: str = "config") -> KVSizing:
+    """Read a Hugging Face `config.json` (as a dict) into a `KVSizing`, with notes on how.
+
+    `dtype_bytes` overrides the config's dtype (an fp8 KV cache is 1). `source` prefixes
+    every error message. Raises `ConfigError` naming the field that is missing or bad.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    notes: list[str] = []
+    text, prefix = config, ""
+    if isinstance(config.get("text_config"), Mapping):
+        text, prefix = config["text_config"], "text_config."
+        notes.append("multimodal config: sized the language model from text_config "
+                     "(the vision encoder keeps no KV cache)")
+    num_layers = _required_int(text, LAYER_KEYS, prefix, source)
+    num_heads = _optional_int(text, HEAD_KEYS, prefix, source)
+    if dtype_bytes is None:
+        dtype_bytes = _dtype_bytes(text, config, source, notes)
+    else:
+        require_positive_int("dtype_bytes", dtype_bytes)
+        notes.append(f"dtype bytes {dtype_bytes} given explicitly (the config's dtype is ignored)")
+    max_positions = _optional_int(text, MAX_POSITION_KEYS, prefix, source)
+    name = name or str(config.get("_name_or_path") or text.get("model_type") or config.get("model_type") or source)
+
+    kv_lora_rank = _optional_int(text, ("kv_lora_rank",), prefix, source)
+    if kv_lora_rank is not None:
+        rope_dim = _required_int(text, ("qk_rope_head_dim",), prefix, source, why=" (an MLA config has kv_lora_rank)")
+        latent_dim = kv_lora_rank + rope_dim
+        note = (f"MLA: each layer caches one latent of kv_lora_rank + qk_rope_head_dim = {kv_lora_rank} + "
+                f"{rope_dim} = {latent_dim} values per token, shared by every head, instead of K and V")
+        nope_dim = _optional_int(text, ("qk_nope_head_dim",), prefix, source)
+        v_dim = _optional_int(text, ("v_head_dim",), prefix, source)
+        if num_heads and nope_dim and v_dim:
+            full_dim = num_heads * (nope_dim + rope_dim + v_dim)
+            note += (f"; a plain cache of per-head K and V would hold {num_heads} * ({nope_dim} + {rope_dim} + "
+                     f"{v_dim}) = {full_dim:,} values ({full_dim / latent_dim:.1f}x more)")
+        notes.append(note)
+        return KVSizing(name=name, num_layers=num_layers, num_kv_heads=1, head_dim=latent_dim,
+                        dtype_bytes=dtype_bytes, is_mla=True, max_position_embeddings=max_positions,
+                        notes=tuple(notes))
+
+    def heads() -> int:
+        return _required_int(text, HEAD_KEYS, prefix, source)
+
+    head_dim = _optional_int(text, ("head_dim",), prefix, source)
+    if head_dim is None:
+        hidden_size = _required_int(text, HIDDEN_KEYS, prefix, source, why=" (needed because head_dim is not set)")
+        if hidden_size % heads():
+            raise ConfigError(f"{source}: {prefix}hidden_size {hidden_size} is not divisible by "
+                              f"num_attention_heads {heads()}, and head_dim is not set")
+        head_dim = hidden_size // heads()
+        notes.append(f"head_dim not set: hidden_size // num_attention_heads = {hidden_size} // {heads()} = {head_dim}")
+
+    is_new_falcon = text.get("model_type") in ("falcon", "RefinedWeb", "RefinedWebModel") \
+        and text.get("new_decoder_architecture")
+    if text.get("multi_query") and not is_new_falcon:
+        num_kv_heads = 1
+        notes.append("multi_query: one KV head shared by all query heads (MQA)")
+    else:
+        num_kv_heads = _optional_int(text, KV_HEAD_KEYS, prefix, source)
+        if num_kv_heads is None:
+            num_kv_heads = heads()
+            notes.append(f"num_key_value_heads not set: MHA, one KV head per attention head ({num_kv_heads})")
+
+    sliding = _sliding_layers(text, num_layers, prefix, source)
+    num_sliding = sum(sliding)
+    window = None
+    if num_sliding:
+        window = _positive_int(text.get("sliding_window"), prefix + "sliding_window", source)
+        notes.append(f"sliding window: {num_sliding} of {num_layers} layers attend to the last {window:,} tokens "
+                     f"only; a window-aware cache keeps at most that many per sequence there, so sequence "
+                     f"costs below are capped (bytes/token counts a token inside every window)")
+    return KVSizing(name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype_bytes=dtype_bytes, num_sliding_layers=num_sliding, sliding_window_tokens=window,
+                    max_position_embeddings=max_positions, notes=tuple(notes))
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """Read a `config.json` (or a model folder holding one). Raises `ConfigError` with one clear line."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"config file {path}: no such file")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {path}: cannot read it ({error.__class__.__name__})") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config file {path}: not valid JSON ({error.msg} at line {error.lineno}, "
+                          f"column {error.colno})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"config file {path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def spec_from_config_file(path: str | Path, *, dtype_bytes: int | None = None) -> KVSizing:
+    """`load_hf_config` then `spec_from_hf_config`, with errors naming the file."""
+    config = load_hf_config(path)
+    model_type = config.get("model_type")
+    name = config.get("_name_or_path") or (f"{path} ({model_type})" if model_type else str(path))
+    return spec_from_hf_config(config, name=name, dtype_bytes=dtype_bytes, source=f"config file {path}")
+
+
+# ---------------------------------------------------------------------- presets
+class Preset(NamedTuple):
+    """A published model: its name, Hugging Face id, and the KV-relevant part of its config.json."""
+
+    display_name: str
+    hf_id: str
+    config: Mapping[str, Any]
+
+
+#: The published config.json numbers (only the fields sizing reads).
+PRESETS: Mapping[str, Preset] = {
+    "llama2-7b": Preset("Llama-2-7B", "meta-llama/Llama-2-7b-hf", {
+        "model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "hidden_size": 4096, "max_position_embeddings": 4096, "torch_dtype": "float16"}),
+    "llama3-8b": Preset("Llama-3-8B", "meta-llama/Meta-Llama-3-8B", {
+        "model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_size": 4096, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}),
+    "llama3-70b": Preset("Llama-3-70B", "meta-llama/Meta-Llama-3-70B", {
+        "model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "hidden_size": 8192, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}),
+    "qwen3-0.6b": Preset("Qwen3-0.6B", "Qwen/Qwen3-0.6B", {
+        "model_type": "qwen3", "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_size": 1024, "max_position_embeddings": 40960, "sliding_window": None,
+        "use_sliding_window": False, "max_window_layers": 28, "torch_dtype": "bfloat16"}),
+    "gpt2": Preset("GPT-2", "openai-community/gpt2", {
+        "model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}),
+    "smollm2-135m": Preset("SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", {
+        "model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}),
+}
+
+
+def preset_sizing(name: str, *, dtype_bytes: int | None = None) -> KVSizing:
+    """Sizing of a named preset (`PRESETS`), read through the same path as any config.json."""
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise ConfigError(f"unknown model preset {name!r} (choose from {', '.join(PRESETS)}, custom)")
+    return spec_from_hf_config(preset.config, name=f"{preset.display_name} ({preset.hf_id})",
+                               dtype_bytes=dtype_bytes, source=f"preset {name}")
