@@ -1,0 +1,57 @@
+"""Engine configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.errors import ConfigError, require_positive_int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine runs and how.
+
+    kv_cache_memory: the KV pool's budget. An int is bytes; a float in (0, 1] is a fraction
+    of the device memory that is free once the model is loaded (CUDA), or of 1 GiB on CPU.
+    None means 0.5 on CUDA and 256 MiB on CPU. `num_blocks` overrides it with an exact count.
+
+    max_model_len: the longest sequence (prompt + output). None: the model's limit, capped
+    at what the pool holds. Given explicitly, startup fails if one such sequence cannot fit.
+    """
+
+    model: str | None = None
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None  # None: cuda if available, else cpu
+    block_size: int = 16
+    kv_cache_memory: int | float | None = None
+    num_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    watermark: float = 0.01
+    preemption_mode: str = "recompute"
+    victim_policy: str = "newest"
+    swap_space: int = 256 * 2**20  # bytes of CPU memory for swapped-out blocks (swap mode)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        require_positive_int("block_size", self.block_size)
+        require_positive_int("max_num_seqs", self.max_num_seqs)
+        require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        require_positive_int("swap_space", self.swap_space, allow_zero=True)
+        if self.num_blocks is not None:
+            require_positive_int("num_blocks", self.num_blocks)
+        if self.max_model_len is not None:
+            require_positive_int("max_model_len", self.max_model_len)
+        memory = self.kv_cache_memory
+        if memory is not None:
+            if isinstance(memory, bool) or not isinstance(memory, (int, float)):
+                raise ConfigError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {memory!r}")
+            if isinstance(memory, float) and not 0.0 < memory <= 1.0:
+                raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
+            if isinstance(memory, int) and memory <= 0:
+                raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {memory}")
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
