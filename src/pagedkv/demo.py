@@ -1,7 +1,9 @@
 """`pagedkv demo`: the main job, shown to a person.
 
-`memory_demo` runs the paging core alone (a mixed workload, naive vs paged reservation, a
-block-size sweep); `engine_demo` (in `pagedkv.engine.demo`) runs the real model.
+`engine_demo` answers chat prompts with the embedded SmolLM2-135M-Instruct through the
+continuous-batching engine, then shows what paging did and checks the answers against HF
+`generate`. `memory_demo` runs the paging core alone (a mixed workload, naive vs paged
+reservation, a block-size sweep), with no model.
 """
 
 from __future__ import annotations
@@ -72,13 +74,120 @@ def memory_demo(num_seqs: int = 32, seed: int = 42, max_seq_len: int = 2048, blo
             "paged_reserved_bytes": report.paged_reserved_bytes, "sweep": sweep_rows}
 
 
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Write one sentence about the ocean.",
+    "What does a CPU do?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water in Celsius?",
+    "Translate 'thank you' into Spanish.",
+]
+
+
+def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | None = None,
+                verify: bool = True, console: Console | None = None) -> dict:
+    """Answer DEMO_QUESTIONS through the engine; print answers, a paging table and the HF check."""
+    import time
+
+    import torch
+    from transformers import DynamicCache
+
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.sampling import SamplingParams
+
+    console = console or Console()
+    with console.status("loading the model (the first run converts the GGUF weights once)..."):
+        started = time.perf_counter()
+        llm = LLM(model, device=device)
+        load_seconds = time.perf_counter() - started
+    engine = llm.engine
+    console.print(f"[bold]Model[/bold] {model or 'SmolLM2-135M-Instruct (embedded GGUF)'} on {engine.device}, "
+                  f"{engine.dtype}, loaded in {load_seconds:.1f} s. KV pool: {engine.pool.num_blocks} blocks x "
+                  f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}.")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    prompts = [llm.apply_chat_template(c) for c in conversations]
+    # One question first, then the rest together: the chat template's shared system prompt is
+    # then in the prefix cache, and the batch shares its blocks instead of recomputing them.
+    started = time.perf_counter()
+    outputs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params, use_tqdm=True)
+    wall = time.perf_counter() - started
+    for question, output in zip(DEMO_QUESTIONS, outputs):
+        console.print(f"[bold cyan]Q:[/bold cyan] {question}\n[bold green]A:[/bold green] "
+                      f"{output.outputs[0].text.strip()}")
+
+    stats = llm.stats()
+    lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
+    bytes_per_block = engine.pool.bytes_per_block
+    naive_blocks = len(outputs) * -(-engine.max_model_len // engine.pool.block_size)
+    report = memory_report(lengths, engine.pool.block_size, engine.max_model_len)
+    table = Table(title="What paging did")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("requests", str(len(outputs)))
+    table.add_row("peak KV blocks used (paged)", f"{stats['peak_used_blocks']} "
+                  f"({stats['peak_used_blocks'] * bytes_per_block / 2**20:.1f} MiB)")
+    table.add_row("naive reservation (max_model_len each)", f"{naive_blocks} blocks "
+                  f"({naive_blocks * bytes_per_block / 2**20:.1f} MiB)")
+    table.add_row("utilization of held blocks", f"{report.paged_utilization:.1%}")
+    table.add_row("utilization under naive", f"{report.naive_utilization:.2%}")
+    table.add_row("preemptions", str(stats["num_preemptions"]))
+    table.add_row("prefix-cache hits", f"{stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} blocks "
+                  f"({stats['prefix_cache_hit_tokens']} tokens not recomputed)")
+    table.add_row("generated tokens", str(stats["num_generated_tokens"]))
+    table.add_row("throughput", f"{stats['num_generated_tokens'] / wall:.1f} tokens/s "
+                  f"({stats['tokens_per_second']:.1f} in engine steps)")
+    table.add_row("KV blocks in use after the run", str(stats["num_used_blocks"]))
+    console.print(table)
+
+    result = {"outputs": [o.outputs[0].text for o in outputs], "stats": stats, "matches_hf": None}
+    if verify:
+        model_sdpa = engine.model
+        matches = 0
+        with console.status("checking against HF generate (DynamicCache, sdpa), one prompt at a time..."):
+            model_sdpa.set_attn_implementation("sdpa")
+            try:
+                for prompt, output in zip(prompts, outputs):
+                    ids = torch.tensor([prompt], device=engine.device)
+                    reference = model_sdpa.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                    max_new_tokens=max_tokens, past_key_values=DynamicCache(),
+                                                    pad_token_id=engine.scheduler.eos_token_ids and
+                                                    min(engine.scheduler.eos_token_ids))
+                    expected = reference[0, len(prompt):].tolist()
+                    eos = engine.scheduler.eos_token_ids
+                    matches += output.outputs[0].token_ids == _trim_after_eos(expected, eos)
+            finally:
+                model_sdpa.set_attn_implementation("pagedkv")
+        ok = matches == len(outputs)
+        console.print(f"[bold]{'OK' if ok else 'MISMATCH'}[/bold]: greedy outputs equal HF generate's for "
+                      f"{matches}/{len(outputs)} prompts.")
+        result["matches_hf"] = ok
+    return result
+
+
+def _trim_after_eos(tokens: list[int], eos_ids) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
 def main(argv: list[str] | None = None, prog: str = "pagedkv demo") -> int:
     """`pagedkv demo`: the engine demo on the embedded model, or `--memory` for the paging core alone."""
     parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("--memory", action="store_true", help="the paging-core memory demo only (no model)")
+    parser.add_argument("--model", default=None, help="HF id, path, .gguf or random:NAME (default: embedded)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--no-verify", action="store_true", help="skip the check against HF generate")
     parser.add_argument("--seqs", type=int, default=32, help="sequences in the memory demo")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
-    memory_demo(num_seqs=args.seqs, seed=args.seed, block_size=args.block_size)
-    return 0
+    if args.memory:
+        memory_demo(num_seqs=args.seqs, seed=args.seed, block_size=args.block_size)
+        return 0
+    result = engine_demo(args.model, max_tokens=args.max_tokens, device=args.device, verify=not args.no_verify)
+    return 0 if result["matches_hf"] in (True, None) else 1

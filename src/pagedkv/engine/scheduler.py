@@ -216,12 +216,20 @@ class Scheduler:
             self.running.remove(seq)
         self._finish(seq, reason)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Run `child` beside `parent`, sharing all its blocks (parallel sampling, n > 1)."""
+    def fork(self, parent: Sequence, child: Sequence, out: SchedulerOutput | None = None,
+             item: ScheduledSequence | None = None) -> None:
+        """Run `child` beside `parent`, sharing all its blocks (parallel sampling, n > 1).
+
+        Called between `schedule()` and `update()` of the step in which `parent` sampled
+        (`item` is the parent's share of `out`): the child is added to that step as if it
+        had run the same chunk, so `update()` advances it and appends its own sample.
+        """
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+        if out is not None and item is not None:
+            out.scheduled.append(ScheduledSequence(child, item.start, item.num_new_tokens))
 
     @property
     def num_unfinished(self) -> int:

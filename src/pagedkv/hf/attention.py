@@ -64,6 +64,7 @@ def _model_sliding_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     return int(window) if window else None
 
 
+@torch.no_grad()  # inference only: nothing differentiates through K/V written into pages
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, None]:

@@ -1,0 +1,350 @@
+"""The engine: `add_request` / `step` / `abort` over the scheduler and the model runner.
+
+`step()` is the whole loop body: schedule, run the model, hand the sampled tokens back to
+the scheduler, apply stop strings, and report every request that moved. The engine also
+sizes the KV pool at startup from a memory budget and refuses configurations where one
+max-length request could not fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.core.block_table import num_blocks_for
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.sequence import FinishReason, Sequence
+from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError
+from pagedkv.hf.cache import kv_shape_of
+from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
+from pagedkv.kernels import KVPool
+
+logger = logging.getLogger("pagedkv")
+
+_CPU_DEFAULT_KV_BYTES = 256 * 2**20
+
+
+@dataclass
+class Request:
+    """A request's sequences (n of them once parallel sampling forks) and its timing."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    texts: dict[int, str] = field(default_factory=dict)  # sample index -> detokenized text
+    forked: bool = False
+
+
+@dataclass
+class EngineStats:
+    """What `stats()` reports."""
+
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    num_free_blocks: int
+    peak_used_blocks: int
+    num_preemptions: int
+    num_swap_outs: int
+    num_swap_ins: int
+    num_rejected: int
+    prefix_cache_queries: int  # blocks looked up
+    prefix_cache_hits: int  # blocks found
+    prefix_cache_hit_tokens: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_steps: int
+    busy_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of time spent in `step()`."""
+        return self.num_generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        data = dict(self.__dict__)
+        data["tokens_per_second"] = self.tokens_per_second
+        return data
+
+
+def _pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for, but torch sees no CUDA device")
+    return device
+
+
+class LLMEngine:
+    """A continuous-batching engine over any HF causal LM with standard attention."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
+        self.config = config
+        self.device = _pick_device(config.device)
+        if model is None:
+            dtype = parse_dtype(config.dtype) if config.dtype else (
+                torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            model = load_model(config.model, dtype, self.device)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(config.model)
+        elif model.config._attn_implementation != "pagedkv":
+            model.set_attn_implementation("pagedkv")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dtype = next(model.parameters()).dtype
+        num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
+        bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        num_blocks = self._num_blocks(bytes_per_block)
+        capacity_tokens = num_blocks * config.block_size
+        max_model_len = self._max_model_len(capacity_tokens)
+        self.max_model_len = max_model_len
+        num_swap_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
+        if config.preemption_mode == "swap" and num_swap_blocks == 0:
+            raise ConfigError(f"swap_space {config.swap_space} bytes holds no block of {bytes_per_block} bytes")
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=num_blocks, block_size=config.block_size, max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                watermark=config.watermark, preemption_mode=config.preemption_mode,
+                victim_policy=config.victim_policy, enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=num_swap_blocks,
+            ),
+            eos_token_ids=self._eos_ids(),
+        )
+        self.pool = KVPool(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(model, self.pool, num_swap_blocks=num_swap_blocks,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_blocks_per_seq=num_blocks_for(max_model_len, config.block_size),
+                                  seed=config.seed)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._seq_to_request: dict[int, Request] = {}
+        self._num_prompt_tokens = 0
+        self._num_generated = 0
+        self._busy = 0.0
+        logger.info(
+            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
+            "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
+            num_blocks * bytes_per_block / 2**20, self.dtype, max_model_len, capacity_tokens / max_model_len)
+
+    # ------------------------------------------------------------------ startup sizing
+    def _num_blocks(self, bytes_per_block: int) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        memory = cfg.kv_cache_memory
+        if isinstance(memory, int):
+            budget = memory
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * (memory if memory is not None else 0.5))
+        else:
+            budget = int(2**30 * memory) if memory is not None else _CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory of {budget} bytes holds no block ({bytes_per_block} bytes per block)")
+        return num_blocks
+
+    def _max_model_len(self, capacity_tokens: int) -> int:
+        cfg = self.model.config
+        text = getattr(cfg, "text_config", None) or cfg
+        model_limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        wanted = self.config.max_model_len
+        if wanted is not None:
+            if model_limit and wanted > model_limit:
+                raise ConfigError(f"max_model_len {wanted} exceeds the model's limit of {model_limit} positions")
+            if wanted > capacity_tokens:
+                raise ConfigError(
+                    f"max_model_len {wanted} does not fit: the KV pool holds {capacity_tokens} tokens, so the "
+                    f"largest model length that fits is {capacity_tokens} (raise kv_cache_memory or lower "
+                    f"max_model_len)"
+                )
+            return wanted
+        limit = model_limit or capacity_tokens
+        return min(limit, capacity_tokens)
+
+    def _eos_ids(self) -> list[int]:
+        ids = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(eos)
+        return sorted(ids)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a text or token-id prompt."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgumentError("this model has no tokenizer: pass prompts as lists of token ids")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+            raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.model.config.get_text_config().vocab_size
+        for token in prompt:
+            if not 0 <= token < vocab:
+                raise InvalidArgumentError(f"token id {token} is outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request. Raises (and queues nothing) if it is malformed or could never fit."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority)
+        request = Request(request_id, text, token_ids, params, [seq], time.perf_counter())
+        self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self._seq_to_request[seq.seq_id] = request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks return at once. False if it is unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort([s.seq_id for s in request.seqs])
+        self._forget(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for every request that progressed or finished."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for seq in out.rejected:
+            touched[seq.request_id] = self._seq_to_request[seq.seq_id]
+        if not out.is_empty:
+            num_samples = {}
+            for item in out.scheduled:
+                request = self._seq_to_request[item.seq.seq_id]
+                if item.samples and request.params.n > 1 and not request.forked:
+                    num_samples[item.seq.seq_id] = request.params.n
+            samples = self.runner.execute(out, self.scheduler.block_manager.block_ids, num_samples)
+            sampled = {}
+            for seq_id, tokens in samples.items():
+                sampled[seq_id] = tokens[0]
+                if len(tokens) > 1:
+                    sampled.update(self._fork(self._seq_to_request[seq_id], tokens, out))
+            for item in out.scheduled:
+                self._num_prompt_tokens += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
+            self.scheduler.update(out, sampled)
+            self._num_generated += len(sampled)
+            now = time.perf_counter()
+            for seq_id in sampled:
+                request = self._seq_to_request[seq_id]
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                touched[request.request_id] = request
+        outputs = [self._output(request) for request in touched.values()]
+        for request, output in zip(list(touched.values()), outputs):
+            if output.finished:
+                request.finish_time = time.perf_counter()
+                output.metrics["finish_time"] = request.finish_time
+                self.requests.pop(request.request_id, None)
+                self._forget(request)
+        self._busy += time.perf_counter() - start
+        return outputs
+
+    def _fork(self, request: Request, tokens: list[int], out) -> dict[int, int]:
+        """Parallel sampling: the prompt's blocks are shared by n sequences, one per sample."""
+        parent = request.seqs[0]
+        item = next(i for i in out.scheduled if i.seq is parent)
+        extra = {}
+        for index, token in enumerate(tokens[1:], start=1):
+            child = Sequence(next(self._seq_ids), request.request_id, parent.prompt_token_ids, request.params,
+                             parent.arrival_index, priority=parent.priority, sample_index=index,
+                             token_ids=list(parent.token_ids))
+            self.scheduler.fork(parent, child, out, item)
+            request.seqs.append(child)
+            self._seq_to_request[child.seq_id] = request
+            extra[child.seq_id] = token
+        request.forked = True
+        return extra
+
+    def _text(self, request: Request, seq: Sequence) -> str:
+        """Detokenized output, cut at the first stop string (which finishes the sequence)."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        params = seq.sampling_params
+        for stop in params.stop:
+            at = text.find(stop)
+            if at != -1:
+                text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+        return text
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = self._text(request, seq)
+            reason = seq.finish_reason.value if seq.finish_reason else None
+            completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason))
+        error = None
+        if any(s.finish_reason is FinishReason.REJECTED for s in request.seqs):
+            error = "rejected: it can never fit in the KV pool"
+        finished = all(c.finish_reason is not None for c in completions) and (
+            request.params.n == len(completions) or error is not None)
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+            num_cached_tokens=request.seqs[0].num_cached_tokens, error=error,
+            metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time},
+        )
+
+    def _forget(self, request: Request) -> None:
+        for seq in request.seqs:
+            self._seq_to_request.pop(seq.seq_id, None)
+            self.runner.sampler.release((seq.seq_id, seq.sample_index))
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> EngineStats:
+        """Blocks, preemptions, swaps, prefix-cache hits and throughput so far."""
+        bm = self.scheduler.block_manager
+        st = self.scheduler.stats
+        cache = bm.prefix_cache
+        return EngineStats(
+            num_blocks=bm.num_blocks, block_size=bm.block_size, num_used_blocks=bm.num_used_blocks,
+            num_free_blocks=bm.num_free_blocks, peak_used_blocks=bm.allocator.peak_used,
+            num_preemptions=st.num_preemptions, num_swap_outs=st.num_swap_outs, num_swap_ins=st.num_swap_ins,
+            num_rejected=st.num_rejected, prefix_cache_queries=cache.num_queries if cache else 0,
+            prefix_cache_hits=cache.num_hits if cache else 0, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+            num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated,
+            num_steps=st.num_steps, busy_seconds=self._busy,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's queues and blocks agree (tests call this)."""
+        self.scheduler.check_integrity()

@@ -1,0 +1,210 @@
+"""The engine on CPU: HF-identical greedy output, preemption, prefix caching, n > 1, aborts, rejection."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import hf_greedy, smollm2, tiny
+from pagedkv import LLM, SamplingParams
+from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError, SamplingParamsError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(count, vocab=500, seed=0, lengths=(5, 17, 1, 33, 8, 16, 24)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(count)]
+
+
+def _llm(name, **options):
+    options.setdefault("block_size", 4)
+    options.setdefault("num_blocks", 512)
+    return LLM(hf_model=tiny(name), **options)
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-mistral", "tiny-qwen2"])
+def test_greedy_equals_hf_generate(name):
+    llm = _llm(name, max_num_batched_tokens=24)  # forces chunked prefill of the 33-token prompt
+    prompts = _prompts(7)
+    outputs = llm.generate(prompts, GREEDY)
+    assert _tokens(outputs) == [hf_greedy(tiny(name), p, 12) for p in prompts]
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert llm.stats()["num_used_blocks"] == 0
+    llm.engine.check_integrity()
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_greedy_equals_hf_generate_and_answers():
+    model, tokenizer = smollm2()
+    llm = LLM(hf_model=model, tokenizer=tokenizer, kv_cache_memory=64 * 2**20)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts = [llm.apply_chat_template(question), tokenizer("def add(a, b):")["input_ids"]]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_greedy(model, prompt, 16, eos=True)
+        assert output.outputs[0].token_ids == expected
+    assert "Paris" in outputs[0].outputs[0].text
+    chat = llm.chat(question, params)[0]
+    assert chat.outputs[0].text.strip() == "The capital of France is Paris."
+    assert chat.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_pool_preempts_and_matches_a_large_pool(mode):
+    prompts = _prompts(8, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    large = _llm("tiny-llama").generate(prompts, params)
+    small_llm = _llm("tiny-llama", num_blocks=24, watermark=0.0, preemption_mode=mode, swap_space=64 * 2**10,
+                     max_num_batched_tokens=64)
+    small = small_llm.generate(prompts, params)
+    stats = small_llm.stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] == stats["num_swap_outs"]
+    assert _tokens(small) == _tokens(large)
+    assert stats["num_used_blocks"] == 0
+    small_llm.engine.check_integrity()
+
+
+def test_prefix_cache_hit_equals_miss():
+    shared = _prompts(1, lengths=(40,))[0]
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    cold = _llm("tiny-qwen3", enable_prefix_caching=False).generate(prompts, GREEDY)
+    llm = _llm("tiny-qwen3")
+    first = llm.generate(prompts[:1], GREEDY)
+    second = llm.generate(prompts[1:], GREEDY)
+    assert second[0].num_cached_tokens == 40  # 10 full blocks of 4 shared
+    assert llm.stats()["prefix_cache_hit_tokens"] == 40
+    assert _tokens(first + second) == _tokens(cold)
+
+
+def test_parallel_sampling_shares_the_prompt_blocks():
+    llm = _llm("tiny-llama", num_blocks=64)
+    prompt = _prompts(1, lengths=(30,))[0]  # 7 full blocks + 2 tokens
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
+    engine.step()  # prefill and the first samples; the request forks into 4 sequences
+    seqs = engine.requests["r"].seqs
+    assert len(seqs) == 4
+    bm = engine.scheduler.block_manager
+    tables = [bm.block_ids(s.seq_id) for s in seqs]
+    assert all(t[:7] == tables[0][:7] for t in tables)  # full prompt blocks shared
+    assert len({b for t in tables for b in t}) < 4 * len(tables[0])
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    final = outputs[0]
+    assert final.finished and len(final.outputs) == 4
+    assert all(len(c.token_ids) == 6 for c in final.outputs)
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1  # independent samples
+    assert bm.num_used_blocks == 0
+    engine.check_integrity()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch():
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=123, max_tokens=10, ignore_eos=True)
+    prompt = _prompts(1)[0]
+    alone = _llm("tiny-llama").generate([prompt], params)
+    batched = _llm("tiny-llama").generate([prompt] + _prompts(5, seed=9), [params] + [GREEDY] * 5)
+    assert _tokens(alone)[0] == _tokens(batched)[0]
+
+
+def test_abort_mid_prefill_and_mid_decode_returns_blocks():
+    llm = _llm("tiny-llama", max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add_request("long", _prompts(1, lengths=(40,))[0], GREEDY)
+    engine.add_request("short", [5, 6, 7], GREEDY)
+    engine.step()
+    long_seq = engine.requests["long"].seqs[0]
+    assert 0 < long_seq.num_computed_tokens < long_seq.num_prompt_tokens  # mid-prefill
+    assert engine.abort("long")
+    for _ in range(3):
+        engine.step()
+    assert engine.requests["short"].seqs[0].num_output_tokens > 0  # mid-decode
+    assert engine.abort("short")
+    assert not engine.abort("short")
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+
+
+def test_never_fit_is_rejected_while_others_finish():
+    llm = _llm("tiny-llama", num_blocks=16)  # 64 tokens
+    prompts = [_prompts(1, lengths=(10,))[0], _prompts(1, lengths=(60,))[0], [4, 5]]
+    outputs = llm.generate(prompts, GREEDY)
+    assert outputs[1].outputs[0].finish_reason == "rejected"
+    assert "64" in outputs[1].error and "72" in outputs[1].error
+    assert [o.outputs[0].finish_reason for o in (outputs[0], outputs[2])] == ["length", "length"]
+    with pytest.raises(RequestRejectedError):
+        llm.engine.add_request("x", list(range(3, 70)), GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stop_token_ids_and_stop_strings():
+    llm = _llm("tiny-llama")
+    prompt = _prompts(1)[0]
+    free = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    stop_id = free[3]
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id],
+                                                    ignore_eos=True))[0].outputs[0]
+    assert stopped.token_ids == free[:free.index(stop_id) + 1] and stopped.finish_reason == "stop"
+
+
+def test_stop_strings_on_the_real_tokenizer():
+    model, tokenizer = smollm2()
+    llm = LLM(hf_model=model, tokenizer=tokenizer, kv_cache_memory=32 * 2**20)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=[" is"]))[0].outputs[0]
+    assert out.text == "The capital of France" and out.finish_reason == "stop"
+    assert llm.stats()["num_used_blocks"] == 0
+
+
+def test_thousand_random_lifecycles_with_aborts_end_clean():
+    rng = random.Random(7)
+    llm = _llm("tiny-llama", num_blocks=20, watermark=0.05, max_num_batched_tokens=32, max_num_seqs=16)
+    engine = llm.engine
+    submitted, live = 0, []
+    steps_without_progress = 0
+    while submitted < 1000 or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 4)):
+            if submitted < 1000:
+                prompt = [rng.randint(3, 499) for _ in range(rng.randint(1, 20))]
+                params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True)
+                engine.add_request(f"q{submitted}", prompt, params)
+                live.append(f"q{submitted}")
+                submitted += 1
+        if live and rng.random() < 0.2:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        outputs = engine.step()
+        finished = {o.request_id for o in outputs if o.finished}
+        live = [r for r in live if r not in finished]
+        steps_without_progress = 0 if outputs else steps_without_progress + 1
+        assert steps_without_progress < 3 or not engine.has_unfinished_requests(), "engine stalled"
+        engine.check_integrity()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("max_tokens", 0), ("n", 0),
+    ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(SamplingParamsError, match=field) as info:
+        SamplingParams(**{field: value})
+    assert info.value.field == field
+
+
+def test_bad_engine_input():
+    with pytest.raises(ConfigError, match="largest model length that fits is 64"):
+        _llm("tiny-llama", num_blocks=16, max_model_len=100)
+    llm = _llm("tiny-llama")
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        llm.generate([[1, 2, 99999]])
+    with pytest.raises(InvalidArgumentError, match="no tokenizer"):
+        llm.generate(["text needs a tokenizer"])
+    assert not llm.engine.has_unfinished_requests()
