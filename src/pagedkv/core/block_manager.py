@@ -150,7 +150,9 @@ class KVBlockManager:
         free enough.
         """
         table = self._tables[seq_id]
-        self._ensure_free(table.num_blocks_needed(num_new_tokens))
+        needed = table.num_blocks_needed(num_new_tokens)
+        if needed:
+            self._ensure_free(needed)
         return table.append_tokens(num_new_tokens)
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
@@ -231,7 +233,7 @@ class KVBlockManager:
         table.append_tokens(num_tokens)
         del self._swapped[seq_id]
         self._tables[seq_id] = table
-        self._block_keys[seq_id] = []  # swapped-in blocks are private; they are not re-cached
+        self._block_keys[seq_id] = []  # the next commit() re-hashes the full blocks, re-caching them
         copies = [BlockCopy(cpu, gpu) for cpu, gpu in zip(cpu_blocks, table.block_ids)]
         if cpu_blocks:
             self.swap_allocator.free(cpu_blocks)

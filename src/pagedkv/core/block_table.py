@@ -59,10 +59,17 @@ class BlockTable:
 
     def num_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks `append_tokens(num_new_tokens)` would take from the pool, copy-on-write included."""
-        require_positive_int("num_new_tokens", num_new_tokens, allow_zero=True)
-        total = num_blocks_for(self.num_tokens + num_new_tokens, self.block_size)
-        needed = max(0, total - len(self.block_ids))
-        if num_new_tokens and self._last_block_is_shared_partial():
+        if num_new_tokens.__class__ is not int or num_new_tokens < 0:
+            require_positive_int("num_new_tokens", num_new_tokens, allow_zero=True)
+        block_size = self.block_size
+        num_tokens = self.num_tokens
+        block_ids = self.block_ids
+        needed = -(-(num_tokens + num_new_tokens) // block_size) - len(block_ids)
+        if needed < 0:
+            needed = 0
+        # Shared partial last block (copy-on-write): only possible when the table is mid-block.
+        if num_new_tokens and num_tokens % block_size and block_ids \
+                and self.allocator._ref_counts[block_ids[-1]] > 1:
             needed += 1
         return needed
 
@@ -96,7 +103,8 @@ class BlockTable:
         nothing on failure. Returns the copy-on-write copies the caller must perform on the
         device before writing the new tokens (at most one: the shared partial last block).
         """
-        require_positive_int("num_new_tokens", num_new_tokens, allow_zero=True)
+        if num_new_tokens.__class__ is not int or num_new_tokens < 0:
+            require_positive_int("num_new_tokens", num_new_tokens, allow_zero=True)
         new_total = self.num_tokens + num_new_tokens
         if self.max_num_tokens is not None and new_total > self.max_num_tokens:
             raise SequenceTooLongError(

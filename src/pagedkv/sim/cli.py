@@ -1,0 +1,253 @@
+"""`pagedkv sim`: the deterministic serving simulator's command line (argparse over `sim.sweep`).
+
+    pagedkv sim                         naive vs paged at --watermark (PageFault's stage 4)
+    pagedkv sim --sweep                 watermarks 0-50% x victim policies x preemption modes;
+                                        writes <out>/sim_sweep.json and <out>/sim_sweep.png
+    pagedkv sim --fidelity RUN.json     predict a measured engine run's throughput
+
+Standard output depends only on the arguments and the cost model, never on the machine or
+the clock (wall time and provenance go to the JSON files only). Bad input raises
+`InvalidArgumentError` / `ConfigError` (argparse's own errors too), which `pagedkv.cli`
+prints as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.errors import InvalidArgumentError, require_positive_int
+from pagedkv.sim.cost_model import CostModel, resolve_cost_model
+from pagedkv.sim.fidelity import TARGET_RELATIVE_ERROR, load_engine_run, predict
+from pagedkv.sim.sweep import (
+    ALL_PREEMPTIONS,
+    ALL_VICTIMS,
+    DEFAULT_WATERMARKS,
+    Run,
+    best_watermarks,
+    default_workers,
+    naive_config,
+    paged_config,
+    plot_sweep,
+    run_all,
+    series_label,
+    smallest_good_watermarks,
+    sweep_runs,
+)
+from pagedkv.sim.workload import DEFAULT_NUM_JOBS, DEFAULT_PROMPT_FRACTION, DEFAULT_SEED, make_jobs
+
+DEFAULT_NUM_CLIENTS = 128
+DEFAULT_NUM_BLOCKS = 4096
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_SWAP_BLOCKS = 1024
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one `InvalidArgumentError` line, not a usage dump and exit."""
+
+    def error(self, message: str):
+        raise InvalidArgumentError(message)
+
+
+def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
+    """The `pagedkv sim` arguments."""
+    parser = _Parser(prog=prog, description="Deterministic serving simulator: the engine's scheduler on a "
+                                            "simulated clock, naive vs paged (PageFault's stage 4).")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--jobs", type=int, default=DEFAULT_NUM_JOBS, help="jobs in all (default %(default)s)")
+    work.add_argument("--clients", type=int, default=DEFAULT_NUM_CLIENTS,
+                      help="closed-loop clients, each with one job in flight (default %(default)s)")
+    work.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload seed (default %(default)s)")
+    work.add_argument("--prompt-fraction", type=float, default=DEFAULT_PROMPT_FRACTION,
+                      help="share of each job's length that is prompt; the rest is generated (default %(default)s)")
+    pool = parser.add_argument_group("pool and scheduler")
+    pool.add_argument("--blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV pool blocks (default %(default)s)")
+    pool.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block (default %(default)s)")
+    pool.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                      help="tokens per sequence; naive reserves this much (default %(default)s)")
+    pool.add_argument("--max-num-seqs", type=int, default=256, help="scheduler max_num_seqs (default %(default)s)")
+    pool.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                      help="scheduler token budget per step (default %(default)s)")
+    pool.add_argument("--watermark", type=float, default=0.01,
+                      help="fraction of the pool admission keeps free, in [0, 1) (default %(default)s)")
+    pool.add_argument("--victim", default=None,
+                      help=f"victim policy: {', '.join(ALL_VICTIMS)} (default newest; --sweep: all)")
+    pool.add_argument("--preemption", default=None,
+                      help=f"preemption mode: {', '.join(ALL_PREEMPTIONS)} (default recompute; --sweep: both)")
+    pool.add_argument("--swap-blocks", type=int, default=DEFAULT_SWAP_BLOCKS,
+                      help="CPU swap space in blocks, used by swap preemption (default %(default)s)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--sweep", action="store_true", help=f"sweep watermarks {', '.join(f'{w:g}' for w in DEFAULT_WATERMARKS)}")
+    run.add_argument("--fidelity", metavar="RUN_JSON", help="predict a measured engine run (schema: pagedkv.sim.fidelity)")
+    run.add_argument("--cost-model", metavar="PATH",
+                     help="cost-model JSON (default benchmarks/results/cost_model.json if present, else built-in constants)")
+    run.add_argument("--workers", type=int, default=None, help="processes for a sweep (default: the CPUs available)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    run.add_argument("--out", default="benchmarks/results", help="where --sweep and --fidelity write (default %(default)s)")
+    run.add_argument("--tag", default="", help="suffix of the written file names: sim_sweep_TAG.json (default none)")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("jobs", "clients", "blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        require_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
+    require_positive_int("--swap-blocks", args.swap_blocks, allow_zero=True)
+    if args.workers is not None:
+        require_positive_int("--workers", args.workers)
+    if not 0.0 <= args.watermark < 1.0:
+        raise InvalidArgumentError(f"--watermark must be in [0, 1), got {args.watermark}")
+    if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
+        raise InvalidArgumentError(f"--tag may hold letters, digits, '-', '_' and '.' only; got {args.tag!r}")
+    if not 0.0 < args.prompt_fraction < 1.0:
+        raise InvalidArgumentError(f"--prompt-fraction must be in (0, 1), got {args.prompt_fraction}")
+    for flag, value, choices in (("--victim", args.victim, ALL_VICTIMS), ("--preemption", args.preemption,
+                                                                           ALL_PREEMPTIONS)):
+        if value is not None and value not in choices:
+            raise InvalidArgumentError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _base_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(num_blocks=args.blocks, block_size=args.block_size, max_model_len=args.max_model_len,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The runs as a markdown table."""
+    header = ("| mode | preemption | victim | watermark | preemptions | decoding (mean) | admission wait | "
+              "throughput (tok/s) | vs naive |")
+    lines = [header, "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        watermark = f"{100 * row['watermark']:g}%" if row["mode"] == "paged" else "-"
+        lines.append(
+            f"| {row['mode']} | {row['preemption'] or '-'} | {row['victim'] or '-'} | "
+            f"{watermark} | {row['num_preemptions']} | "
+            f"{row['mean_decoding_seqs']:.1f} | {1e3 * row['mean_admission_wait_s']:,.0f} ms | "
+            f"{row['throughput_tokens_per_s']:,.0f} | {_fmt(row['throughput_vs_naive'], '.2f')}x |")
+    return "\n".join(lines)
+
+
+def format_pivot(rows: list[dict]) -> str:
+    """Throughput vs naive: one row per watermark, one column per series, then where each series peaks."""
+    labels = list(dict.fromkeys(series_label(r) for r in rows if r["mode"] == "paged"))
+    watermarks = sorted({r["watermark"] for r in rows if r["mode"] == "paged"})
+    cell = {(series_label(r), r["watermark"]): r for r in rows if r["mode"] == "paged"}
+    lines = ["| watermark | " + " | ".join(labels) + " |", "|---:|" + "---:|" * len(labels)]
+    for watermark in watermarks:
+        values = [_fmt(cell[(label, watermark)]["throughput_vs_naive"], ".2f") + "x" if (label, watermark) in cell
+                  else "-" for label in labels]
+        lines.append(f"| {100 * watermark:g}% | " + " | ".join(values) + " |")
+    best = best_watermarks(rows)
+    good = smallest_good_watermarks(rows)
+    lines.append("| best | " + " | ".join(f"{100 * best[label]['watermark']:g}%" for label in labels) + " |")
+    lines.append("| within 1% of best from | " + " | ".join(f"{100 * good[label]['watermark']:g}%" for label in labels)
+                 + " |")
+    return "\n".join(lines)
+
+
+def _describe_workload(args: argparse.Namespace, jobs) -> str:
+    total = sum(job.num_tokens for job in jobs)
+    outputs = sum(job.num_output_tokens for job in jobs)
+    clients = f"{args.clients} closed-loop clients"
+    return (f"workload: {len(jobs)} jobs (seed {args.seed}, PageFault mix, prompt {args.prompt_fraction:g} of each "
+            f"length), {total:,} tokens, {outputs:,} generated; {clients}; pool {args.blocks} blocks x "
+            f"{args.block_size} tokens, max_model_len {args.max_model_len}")
+
+
+def _file_name(stem: str, tag: str) -> str:
+    return f"{stem}_{tag}" if tag else stem
+
+
+def _provenance() -> dict:
+    from pagedkv.bench.common import provenance
+
+    return provenance("simulated (cost model)")
+
+
+def _run_fidelity(args: argparse.Namespace, cost_model: CostModel) -> int:
+    from pagedkv.bench.common import write_json
+
+    run = load_engine_run(args.fidelity)
+    result = predict(run, cost_model)
+    payload = {"engine_run": str(args.fidelity), "name": result.name, "cost_model": cost_model.constants(),
+               "cost_model_source": cost_model.source, "measured_tokens_per_s": result.measured_tokens_per_s,
+               "predicted_tokens_per_s": result.predicted_tokens_per_s, "relative_error": result.relative_error,
+               "within_target": result.is_within_target, "target": TARGET_RELATIVE_ERROR, "sim": result.sim.to_dict()}
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        print(cost_model.describe())
+        print(f"engine run: {result.name}: {len(run.jobs)} requests, {run.config.num_blocks} blocks x "
+              f"{run.config.block_size}, max_num_seqs {run.config.max_num_seqs}, max_num_batched_tokens "
+              f"{run.config.max_num_batched_tokens}")
+        print(f"measured  {result.measured_tokens_per_s:,.1f} tok/s")
+        print(f"simulated {result.predicted_tokens_per_s:,.1f} tok/s ({result.sim.num_steps} steps, "
+              f"{result.sim.num_preemptions} preemptions)")
+        verdict = "within" if result.is_within_target else "OUTSIDE"
+        print(f"relative error {result.relative_error:+.1%} ({verdict} the {TARGET_RELATIVE_ERROR:.0%} target)")
+    write_json(args.out, _file_name("sim_fidelity", args.tag), {**payload, "provenance": _provenance()})
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
+    """`pagedkv sim`: naive vs paged, a watermark sweep, or a fidelity check against a measured engine run."""
+    args = build_parser(prog).parse_args(argv)
+    _check_args(args)
+    cost_model = resolve_cost_model(args.cost_model)
+    if args.fidelity:
+        return _run_fidelity(args, cost_model)
+
+    base = _base_config(args)
+    if args.sweep:
+        preemptions = [args.preemption] if args.preemption else list(ALL_PREEMPTIONS)
+        victims = [args.victim] if args.victim else list(ALL_VICTIMS)
+        runs = sweep_runs(base, DEFAULT_WATERMARKS, preemptions, victims, args.swap_blocks)
+    else:
+        runs = [Run("naive", naive_config(base)),
+                Run("paged", paged_config(base, args.watermark, args.preemption or "recompute",
+                                          args.victim or "newest", args.swap_blocks))]
+    jobs = make_jobs(args.jobs, seed=args.seed, prompt_fraction=args.prompt_fraction)
+    workers = args.workers or default_workers()
+    started = time.perf_counter()
+    rows = run_all(runs, jobs, cost_model, args.clients, workers=workers if args.sweep else 1)
+    wall_s = time.perf_counter() - started
+
+    payload = {
+        "workload": {"jobs": args.jobs, "clients": args.clients, "seed": args.seed,
+                     "prompt_fraction": args.prompt_fraction, "num_tokens": sum(j.num_tokens for j in jobs),
+                     "num_output_tokens": sum(j.num_output_tokens for j in jobs)},
+        "pool": {"num_blocks": args.blocks, "block_size": args.block_size, "max_model_len": args.max_model_len,
+                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                 "num_swap_blocks": args.swap_blocks},
+        "cost_model": cost_model.constants(),
+        "cost_model_source": cost_model.source,
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        print(cost_model.describe())
+        print(_describe_workload(args, jobs))
+        print()
+        print(format_rows(rows))
+        if args.sweep:
+            print()
+            print("Throughput relative to naive:")
+            print()
+            print(format_pivot(rows))
+    if args.sweep:
+        from pagedkv.bench.common import write_json
+
+        json_path = write_json(args.out, _file_name("sim_sweep", args.tag), {**payload, "wall_s": wall_s, "provenance": _provenance()})
+        png_path = plot_sweep(rows, json_path.with_suffix(".png"),
+                              f"pagedkv sim: {args.jobs} jobs, {args.clients} clients, {args.blocks} blocks")
+        if not args.json:
+            print()
+            print(f"wrote {json_path} and {png_path}")
+    return 0

@@ -1,0 +1,180 @@
+"""The step-time cost model: what one engine step costs, as a linear function of its shape.
+
+    t_step = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs + c_kv * kv_tokens
+              + c_swap * swapped_tokens
+
+- `prefill_tokens`: query tokens of the step's prefill chunks (a chunk of 1 counts as a decode);
+- `decode_seqs`: sequences with one query token;
+- `kv_tokens`: context tokens attention reads, the sum of every scheduled sequence's context
+  length after the step (`start + num_new_tokens`), for decodes and prefills alike;
+- `swapped_tokens`: block_size * (blocks swapped out + blocks swapped in) this step, each
+  copied over PCIe.
+
+Default constants (used until `benchmarks/results/cost_model.json` exists), of a plausible
+order for a ~0.6B model (Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, so
+2 * 28 * 8 * 128 * 2 = 114,688 B of KV per token) on an H200:
+
+    c0        4 ms          kernel launches and Python per step (HF model, no CUDA graphs)
+    c_prefill 20 us/token   ~50k prefill tokens/s
+    c_decode  30 us/seq     sampling, per-row packing and the per-sequence matmul share
+    c_kv      25 ns/token   114,688 B / ~4.8 TB/s of HBM bandwidth
+    c_swap    2.3 us/token  114,688 B / ~50 GB/s (PCIe 5 x16, pinned host memory)
+
+`c_swap` is not fitted (engine step measurements carry no swaps); a cost-model file may
+set it.
+
+Cost-model file (`benchmarks/results/cost_model.json`), written by the engine benchmark:
+
+    {
+      "model": "Qwen/Qwen3-0.6B",              # what was measured
+      "gpu": "NVIDIA H200",
+      "measurements": [                         # one entry per measured engine step
+        {"prefill_tokens": 0, "decode_seqs": 64, "kv_tokens": 41234, "seconds": 0.0061},
+        ...
+      ],
+      "constants": {                            # optional: fitted from "measurements" when absent
+        "c0_s": 0.004, "prefill_s_per_token": 2e-5, "decode_s_per_seq": 3e-5,
+        "kv_s_per_token": 2.5e-8,
+        "swap_s_per_token": 2.3e-6              # optional: the default above when absent
+      },
+      "provenance": {...}                       # optional, as pagedkv.bench.common.provenance()
+    }
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pagedkv.errors import ConfigError, InvalidArgumentError
+
+DEFAULT_COST_MODEL_PATH = Path("benchmarks") / "results" / "cost_model.json"
+
+_FITTED = ("c0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_s_per_token")
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One measured engine step: its shape and its wall time."""
+
+    prefill_tokens: int
+    decode_seqs: int
+    kv_tokens: int
+    seconds: float
+
+    def __post_init__(self):
+        for name in ("prefill_tokens", "decode_seqs", "kv_tokens", "seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidArgumentError(f"step measurement {name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step time from a step's shape (see the module docstring). All constants in seconds."""
+
+    c0_s: float = 4e-3
+    prefill_s_per_token: float = 20e-6
+    decode_s_per_seq: float = 30e-6
+    kv_s_per_token: float = 25e-9
+    swap_s_per_token: float = 2.3e-6
+    source: str = "default constants (~0.6B model on an H200; not calibrated)"
+
+    def __post_init__(self):
+        for name in (*_FITTED, "swap_s_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"cost model {name} must be a finite number >= 0, got {value!r}")
+        if self.c0_s + self.prefill_s_per_token + self.decode_s_per_seq + self.kv_s_per_token <= 0:
+            raise ConfigError("cost model: every constant is 0, so steps would take no time")
+
+    def step_time_s(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int, swapped_tokens: int = 0) -> float:
+        """Simulated seconds of one step of this shape."""
+        return (self.c0_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
+                + self.kv_s_per_token * kv_tokens + self.swap_s_per_token * swapped_tokens)
+
+    def constants(self) -> dict[str, float]:
+        """The constants under their file names."""
+        return {k: v for k, v in asdict(self).items() if k != "source"}
+
+    def describe(self) -> str:
+        """One line: where the constants come from, and their values."""
+        return (f"cost model: {self.source}: c0 {self.c0_s * 1e3:.3g} ms, prefill {self.prefill_s_per_token * 1e6:.3g} "
+                f"us/token, decode {self.decode_s_per_seq * 1e6:.3g} us/seq, kv {self.kv_s_per_token * 1e9:.3g} "
+                f"ns/token, swap {self.swap_s_per_token * 1e6:.3g} us/token")
+
+
+def fit(measurements: Sequence[StepMeasurement], swap_s_per_token: float = CostModel.swap_s_per_token,
+        source: str = "fitted") -> CostModel:
+    """Least-squares constants >= 0 from measured steps (exact NNLS over the 4 parameters).
+
+    With four parameters, non-negative least squares is solved exactly by trying every subset
+    of parameters allowed to be non-zero (16 ordinary least-squares solves) and keeping the
+    feasible one with the smallest residual. Columns are scaled to unit norm first, since
+    kv_tokens is ~1e5 times the constant column.
+    """
+    import numpy as np
+
+    if len(measurements) < 1:
+        raise InvalidArgumentError("fit needs at least one step measurement")
+    a = np.array([[1.0, m.prefill_tokens, m.decode_seqs, m.kv_tokens] for m in measurements], dtype=np.float64)
+    y = np.array([m.seconds for m in measurements], dtype=np.float64)
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = a / norms
+    best, best_residual = np.zeros(4), float(np.sum(y * y))
+    for size in range(1, 5):
+        for active in itertools.combinations(range(4), size):
+            cols = list(active)
+            coef, *_ = np.linalg.lstsq(scaled[:, cols], y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((scaled[:, cols] @ coef - y) ** 2))
+            if residual < best_residual * (1 - 1e-12):
+                best = np.zeros(4)
+                best[cols] = coef
+                best_residual = residual
+    constants = best / norms
+    return CostModel(*(float(c) for c in constants), swap_s_per_token=swap_s_per_token,
+                     source=f"{source} from {len(measurements)} steps")
+
+
+def load_cost_model(path: str | Path) -> CostModel:
+    """The cost model of a file in the schema above: its constants, or a fit of its measurements."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"cannot read cost model {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"cost model {path}: expected a JSON object, got {type(data).__name__}")
+    what = " ".join(str(data[k]) for k in ("model", "gpu") if data.get(k)) or "unnamed"
+    constants = data.get("constants")
+    swap = CostModel.swap_s_per_token
+    if isinstance(constants, dict) and constants.get("swap_s_per_token") is not None:
+        swap = constants["swap_s_per_token"]
+    if isinstance(constants, dict) and all(constants.get(k) is not None for k in _FITTED):
+        return CostModel(*(constants[k] for k in _FITTED), swap_s_per_token=swap, source=f"{path} ({what})")
+    rows = data.get("measurements")
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"cost model {path}: needs 'constants' ({', '.join(_FITTED)}) or a 'measurements' list")
+    try:
+        measurements = [StepMeasurement(r["prefill_tokens"], r["decode_seqs"], r["kv_tokens"], r["seconds"])
+                        for r in rows]
+    except (KeyError, TypeError) as error:
+        raise ConfigError(f"cost model {path}: each measurement needs prefill_tokens, decode_seqs, kv_tokens, "
+                          f"seconds ({error!r})") from None
+    return fit(measurements, swap_s_per_token=swap, source=f"{path} ({what}), fitted")
+
+
+def resolve_cost_model(path: str | Path | None = None) -> CostModel:
+    """The file at `path`; else `benchmarks/results/cost_model.json` if it exists; else the defaults."""
+    if path is not None:
+        return load_cost_model(path)
+    if DEFAULT_COST_MODEL_PATH.is_file():
+        return load_cost_model(DEFAULT_COST_MODEL_PATH)
+    return CostModel()
