@@ -138,6 +138,9 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generated = 0
         self._busy = 0.0
+        # Called as on_step(scheduler_output, seconds) after every step that ran the model
+        # (benchmarks record step times with it to calibrate the simulator's cost model).
+        self.on_step = None
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
@@ -274,7 +277,10 @@ class LLMEngine:
                 output.metrics["finish_time"] = request.finish_time
                 self.requests.pop(request.request_id, None)
                 self._forget(request)
-        self._busy += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self._busy += elapsed
+        if self.on_step is not None and not out.is_empty:
+            self.on_step(out, elapsed)
         return outputs
 
     def _fork(self, request: Request, tokens: list[int], out) -> dict[int, int]:

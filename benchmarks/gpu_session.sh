@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: GPU tests and benchmarks, everything under $OUT packed into one tarball
+# (the device tool brings back at most 8 files). Usage: bash benchmarks/gpu_session.sh STAGE...
+#   tests    GPU-marked tests (kernels at full size in bf16, cache and engine through Triton)
+#   kernel   pagedkv bench kernel --validate --variants
+#   hf       pagedkv bench hf
+#   engine   pagedkv bench engine
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PAGEDKV_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/r/nvidia_smi.txt"
+for stage in "$@"; do
+  start=$(date +%s)
+  case $stage in
+    tests)  python3 -m pytest -q -o addopts="" -m gpu tests/test_kernels_gpu.py tests/test_gpu_models.py \
+              2>&1 | tee "$OUT/r/gpu_tests.log" | tail -25 ;;
+    kernel) python3 -m pagedkv bench kernel --validate --variants --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
+    kernel-quick) python3 -m pagedkv bench kernel --validate --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
+    hf)     python3 -m pagedkv bench hf --out "$OUT/r" 2>&1 | tee "$OUT/r/hf.log" | tail -40 ;;
+    engine) python3 -m pagedkv bench engine --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "== stage $stage took $(( $(date +%s) - start )) s"
+done
+tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$OUT/r"

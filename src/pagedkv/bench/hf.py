@@ -1,0 +1,280 @@
+"""`pagedkv bench hf`: PagedCache against DynamicCache and StaticCache inside `model.generate`.
+
+PageForge's setting: GPT-2 124M (random weights of the real shape), fp16, 32 sequences,
+a 512-token budget, pages of 16 tokens.
+
+- Memory at decode steps 5, 50 and 200: naive pre-allocation (32 x 512 tokens), DynamicCache
+  (its tensors' bytes, left padding included), StaticCache (what it allocates), and
+  PagedCache, both as the blocks the allocator holds and as the max_memory_allocated delta
+  of the whole generate call (PagedCache's pool is allocated once, before the call, as a
+  server would; the delta is what generate itself adds on top).
+- Decode latency P50/P99 per generated token at batch 1 and batch 32, for all three caches.
+- Plots: KV memory against decode step; the two-batch lifecycle (batch 2 lands on batch 1's
+  pages and the pool ends at 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedkv.bench.common import provenance, write_json
+
+STEPS = (5, 50, 200)
+
+
+class _Clock:
+    """A stopping criterion that only records when generate finished each step (after its sync)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=gen)
+
+
+def _generate(model, ids, cache, steps: int, clock=None, **kwargs):
+    from transformers import StoppingCriteriaList
+
+    criteria = StoppingCriteriaList([clock]) if clock is not None else None
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                          do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None,
+                          stopping_criteria=criteria, disable_compile=True, **kwargs)
+
+
+def _latency(model, pool, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
+    """Per-token decode latency (ms) for each cache: P50 and P99 over `repeats` runs of `steps` tokens."""
+    from transformers import DynamicCache, StaticCache
+
+    from pagedkv.hf.cache import PagedCache
+
+    ids = _prompts(batch, prompt_len, model.config.vocab_size).to(model.device)
+    makers = {
+        "DynamicCache": ("sdpa", lambda: DynamicCache()),
+        "StaticCache": ("sdpa", lambda: StaticCache(config=model.config, max_cache_len=prompt_len + steps + 1)),
+        "PagedCache": ("pagedkv", lambda: PagedCache(pool)),
+    }
+    result = {}
+    for name, (attn, make) in makers.items():
+        model.set_attn_implementation(attn)
+        samples: list[float] = []
+        for repeat in range(repeats + 1):
+            cache = make()
+            clock = _Clock()
+            _generate(model, ids, cache, steps, clock)
+            torch.cuda.synchronize()
+            if isinstance(cache, PagedCache):
+                cache.free()
+            if repeat:  # the first run warms up kernels and allocator
+                samples += [(b - a) * 1e3 for a, b in zip(clock.times[1:], clock.times[2:])]
+        samples.sort()
+        result[name] = {"p50_ms": statistics.median(samples), "p99_ms": samples[int(0.99 * (len(samples) - 1))],
+                        "mean_ms": statistics.fmean(samples), "num_samples": len(samples)}
+    model.set_attn_implementation("pagedkv")
+    return result
+
+
+def _memory(model, pool, batch: int, prompt_len: int, budget: int) -> dict:
+    """KV bytes of each approach at each decode step in STEPS."""
+    from transformers import DynamicCache, StaticCache
+
+    from pagedkv.hf.cache import PagedCache
+
+    bytes_per_token = pool.bytes_per_token
+    ids = _prompts(batch, prompt_len, model.config.vocab_size, seed=1).to(model.device)
+    rows = {step: {"naive_bytes": batch * budget * bytes_per_token} for step in STEPS}
+    for step in STEPS:
+        model.set_attn_implementation("sdpa")
+        for name, make in (("dynamic", lambda: DynamicCache()),
+                           ("static", lambda: StaticCache(config=model.config, max_cache_len=budget))):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            cache = make()
+            _generate(model, ids, cache, step)
+            torch.cuda.synchronize()
+            held = sum(t.numel() * t.element_size() for layer in cache.layers
+                       for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+            rows[step][f"{name}_bytes"] = held
+            rows[step][f"{name}_peak_delta_bytes"] = torch.cuda.max_memory_allocated() - base
+            del cache
+        model.set_attn_implementation("pagedkv")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        cache = PagedCache(pool, max_cache_len=budget)
+        _generate(model, ids, cache, step)
+        torch.cuda.synchronize()
+        memory = cache.memory()
+        rows[step]["paged_bytes"] = memory.paged_bytes
+        rows[step]["paged_blocks"] = memory.num_blocks
+        rows[step]["paged_peak_delta_bytes"] = torch.cuda.max_memory_allocated() - base
+        rows[step]["paged_utilization"] = memory.utilization
+        cache.free()
+    # generate does not run the model on its last token, so after `step` decode steps each
+    # sequence holds prompt_len + step tokens (the step-th new token's K/V is not yet written).
+    return {str(k): v for k, v in rows.items()}
+
+
+def _curve(model, pool, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[list[int], list[int]]:
+    """Blocks held after each forward of one generate call, and the sorted block ids it used."""
+    from pagedkv.hf.cache import PagedCache
+
+    ids = _prompts(batch, prompt_len, model.config.vocab_size, seed=seed).to(model.device)
+    used: list[int] = []
+    cache = PagedCache(pool)
+
+    class Probe:
+        def __call__(self, input_ids, scores, **kwargs):
+            used.append(pool.num_used_blocks)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    from transformers import StoppingCriteriaList
+
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                   do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None,
+                   stopping_criteria=StoppingCriteriaList([Probe()]))
+    block_ids = sorted(b for t in cache.tables for b in t.block_ids)
+    cache.free()
+    used.append(pool.num_used_blocks)
+    return used, block_ids
+
+
+def _plots(out_dir: str, memory: dict, curve1: list[int], curve2: list[int], bytes_per_block: int,
+           naive_bytes: int, model, pool, batch, prompt_len, budget) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    steps = list(range(1, budget - prompt_len))
+    mb = 1e6
+    bpt = pool.bytes_per_token
+    block = pool.block_size
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.axhline(naive_bytes / mb, color="tab:red", label="naive pre-allocation / StaticCache (512 tokens)")
+    ax.plot(steps, [batch * (prompt_len + s) * bpt / mb for s in steps], color="tab:orange",
+            label="DynamicCache (exact tokens, grows by cat)")
+    ax.plot(steps, [batch * -(-(prompt_len + s) // block) * block * bpt / mb for s in steps], color="tab:blue",
+            label="PagedCache (16-token pages)")
+    for step, row in memory.items():
+        ax.scatter([int(step)], [row["paged_bytes"] / mb], color="tab:blue", zorder=3)
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("KV memory (MB)")
+    ax.set_title(f"GPT-2 124M fp16, {batch} sequences, {prompt_len}-token prompts (dots: measured)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out_dir) / "hf_memory.png"
+    fig.savefig(path, dpi=120)
+    paths.append(str(path))
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x1 = list(range(len(curve1)))
+    ax.plot(x1, [u * bytes_per_block / mb for u in curve1], label="batch 1")
+    x2 = [len(curve1) + i for i in range(len(curve2))]
+    ax.plot(x2, [u * bytes_per_block / mb for u in curve2], label="batch 2 (same physical pages)")
+    ax.set_xlabel("forward passes (two generate calls back to back)")
+    ax.set_ylabel("pool memory held (MB)")
+    ax.set_title("Two batches on one PagePool: usage returns to 0 after each")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(out_dir) / "hf_lifecycle.png"
+    fig.savefig(path, dpi=120)
+    paths.append(str(path))
+    plt.close(fig)
+    return paths
+
+
+def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
+    """Run the benchmark; print tables; write hf.json, hf.md and two PNG plots."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pagedkv.hf.cache import PagePool
+    from pagedkv.hf.models import random_model
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=512, help="tokens per sequence (naive reservation)")
+    parser.add_argument("--prompt-len", type=int, default=10)
+    parser.add_argument("--latency-steps", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("pagedkv bench hf needs a CUDA GPU")
+        return 2
+    console = Console()
+    model = random_model("gpt2", torch.float16, "cuda")
+    num_blocks = args.batch * args.budget // 16 * 2
+    pool = PagePool.for_model(model, num_blocks=num_blocks, block_size=16)
+    naive_bytes = args.batch * args.budget * pool.bytes_per_token
+
+    memory = _memory(model, pool, args.batch, args.prompt_len, args.budget)
+    latency = {str(b): _latency(model, pool, b, args.prompt_len, args.latency_steps, args.repeats)
+               for b in (1, args.batch)}
+    curve1, ids1 = _curve(model, pool, 8, args.prompt_len, 120, seed=5)
+    curve2, ids2 = _curve(model, pool, 8, args.prompt_len, 120, seed=6)
+    lifecycle = {"batch1_blocks": curve1, "batch2_blocks": curve2, "same_block_ids": ids1 == ids2,
+                 "pool_used_after": pool.num_used_blocks}
+    result = {"benchmark": "hf", "model": "random gpt2 124M fp16", "provenance": provenance(torch.cuda.get_device_name()),
+              "batch": args.batch, "budget_tokens": args.budget, "prompt_len": args.prompt_len, "block_size": 16,
+              "bytes_per_token": pool.bytes_per_token, "memory": memory, "latency": latency, "lifecycle": lifecycle}
+    result["plots"] = _plots(args.out, memory, curve1, curve2, pool.kv.bytes_per_block, naive_bytes, model, pool,
+                             args.batch, args.prompt_len, args.budget)
+
+    table = Table(title="KV memory (MB), GPT-2 124M fp16, 32 sequences, 512-token budget, page 16")
+    for column in ("step", "naive", "DynamicCache", "StaticCache", "PagedCache (blocks)", "PagedCache peak delta",
+                   "naive / paged"):
+        table.add_column(column, justify="right")
+    for step, row in memory.items():
+        table.add_row(step, f"{row['naive_bytes'] / 1e6:.2f}", f"{row['dynamic_bytes'] / 1e6:.2f}",
+                      f"{row['static_bytes'] / 1e6:.2f}", f"{row['paged_bytes'] / 1e6:.2f}",
+                      f"{row['paged_peak_delta_bytes'] / 1e6:.2f}", f"{row['naive_bytes'] / row['paged_bytes']:.1f}x")
+    console.print(table)
+    lat = Table(title="Decode latency per token (ms)")
+    for column in ("batch", "cache", "P50", "P99", "vs DynamicCache P50/P99"):
+        lat.add_column(column, justify="right")
+    for batch, rows in latency.items():
+        dyn = rows["DynamicCache"]
+        for name, row in rows.items():
+            lat.add_row(batch, name, f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}",
+                        f"{row['p50_ms'] / dyn['p50_ms']:.2f}x / {row['p99_ms'] / dyn['p99_ms']:.2f}x")
+    console.print(lat)
+    step50 = memory["50"]
+    targets = {
+        "paged_p50_p99_le_dynamic": all(r["PagedCache"]["p50_ms"] <= r["DynamicCache"]["p50_ms"] and
+                                        r["PagedCache"]["p99_ms"] <= r["DynamicCache"]["p99_ms"]
+                                        for r in latency.values()),
+        "paged_8x_less_than_naive_at_step_50": step50["naive_bytes"] / step50["paged_bytes"] >= 8.0,
+    }
+    result["targets"] = targets
+    console.print(f"targets: {targets}; lifecycle: batch 2 reused batch 1's block ids = {lifecycle['same_block_ids']}, "
+                  f"pool used after = {lifecycle['pool_used_after']}")
+    write_json(args.out, "hf", result)
+    md = [f"# HF cache benchmark ({result['provenance']['device']}, {result['provenance']['date']}, commit "
+          f"{result['provenance']['commit']})", "", "| step | naive MB | DynamicCache MB | StaticCache MB | "
+          "PagedCache MB | PagedCache peak delta MB | naive/paged |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for step, row in memory.items():
+        md.append(f"| {step} | {row['naive_bytes'] / 1e6:.2f} | {row['dynamic_bytes'] / 1e6:.2f} | "
+                  f"{row['static_bytes'] / 1e6:.2f} | {row['paged_bytes'] / 1e6:.2f} | "
+                  f"{row['paged_peak_delta_bytes'] / 1e6:.2f} | {row['naive_bytes'] / row['paged_bytes']:.1f}x |")
+    md += ["", "| batch | cache | P50 ms | P99 ms |", "|---:|---|---:|---:|"]
+    for batch, rows in latency.items():
+        for name, row in rows.items():
+            md.append(f"| {batch} | {name} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} |")
+    md += ["", f"Targets: {targets}"]
+    Path(args.out, "hf.md").write_text("\n".join(md) + "\n")
+    return 0

@@ -1,0 +1,197 @@
+"""Triton paged decode attention: one query token per sequence, GQA-grouped, split-KV.
+
+Grid `(num_seqs, num_kv_heads, num_splits)`. One program owns one kv head of one sequence
+and all `group = num_heads // num_kv_heads` query heads that read it, so each K/V tile is
+loaded from memory once for the whole group:
+
+    q      [GROUP_PAD, DIM_PAD]   the group's queries (rows >= group and dims >= head_dim are 0)
+    k, v   [BLOCK_N, DIM_PAD]     BLOCK_N tokens, gathered row by row through the block table
+    s      [GROUP_PAD, BLOCK_N]   tl.dot(q, k^T) when the group is large (M padded to 16),
+                                  else a broadcast multiply-sum
+
+A tile may span several small pages: each token's row is found on its own,
+
+    row(j) = block_tables[seq, j // BLOCK_SIZE] * stride_block + (j % BLOCK_SIZE) * stride_offset
+
+in int64, and each row's head_dim elements are contiguous, so loads are 16-byte vectors.
+The softmax is online, in fp32 and base 2 (the scale is folded with log2(e)).
+
+Split-KV: the sequence's visible kv range is cut into `num_splits` pieces of whole tiles;
+split `s` writes its normalised partial output and log2-sum-exp, and `_merge_kernel`
+combines them. An empty split (a short sequence in a batch split for a long one) writes
+lse = -inf and weighs nothing in the merge; a sequence of length 0 comes out as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.tuning import DecodeTuning
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2 (portable across Triton versions and the interpreter); saturates cleanly
+    # to +-1 when exp2 overflows to inf or underflows to 0.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    qk_scale, soft_cap, sliding_window, num_splits,
+    stride_q_s, stride_q_h, stride_out_s, stride_out_h,
+    stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The visible range [kv_start, seq_len), then this split's piece [lo, hi) of it.
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(seq_len - sliding_window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this kv head
+    q_offsets = seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [GROUP_PAD, DIM_PAD]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
+    head_offset = kv_head.to(tl.int64) * stride_cache_h
+
+    for start in range(lo, hi, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < hi
+        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+        token_rows = block_ids * stride_cache_b + (tokens % BLOCK_SIZE) * stride_cache_o + head_offset  # [BLOCK_N]
+        kv_offsets = token_rows[:, None] + dims[None, :]  # [BLOCK_N, DIM_PAD] int64
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        # Masked lanes are never read, so slots past seq_len (NaN, garbage) cannot leak in.
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, BLOCK_N] fp32
+        else:
+            s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s * qk_scale / soft_cap) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+
+        # Every iterated tile has at least one visible token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_any = l_i > 0
+    o = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if IS_SPLIT:
+        # partial_out [num_seqs, num_heads, num_splits, DIM_PAD] and partial_lse [num_seqs, num_heads, num_splits]
+        slot = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [GROUP_PAD]
+        tl.store(partial_out_ptr + slot[:, None] * DIM_PAD + dims[None, :], o, mask=out_mask)
+        lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + slot, lse, mask=row_mask)
+    else:
+        out_offsets = seq.to(tl.int64) * stride_out_s + heads[:, None] * stride_out_h + dims[None, :]
+        tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
+    stride_out_s, stride_out_h,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, DIM_PAD)
+    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    # Pass 1: the largest log2-sum-exp over all splits (SPLITS_PAD floats, cheap).
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(partial_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # All splits empty (seq_len 0): weigh nothing, write zeros rather than NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse - lse_max), axis=0)
+    # Pass 2: the weighted sum of partial outputs, SPLIT_CHUNK splits at a time so that a
+    # 100-way split does not hold a [100, head_dim] fp32 tile in registers.
+    acc = tl.zeros([DIM_PAD], dtype=tl.float32)
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        chunk = first + tl.arange(0, SPLIT_CHUNK)
+        chunk_mask = chunk < num_splits
+        weights = tl.exp2(tl.load(partial_lse_ptr + base + chunk, mask=chunk_mask, other=float("-inf")) - lse_max)
+        partial = tl.load(partial_out_ptr + (base + chunk)[:, None] * DIM_PAD + dims[None, :],
+                          mask=chunk_mask[:, None], other=0.0)  # [SPLIT_CHUNK, DIM_PAD]
+        acc += tl.sum(partial * weights[:, None], axis=0)
+    o = acc / tl.where(total > 0, total, 1.0)
+    out_offsets = seq.to(tl.int64) * stride_out_s + head * stride_out_h + dims
+    tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
+                            scale: float, num_splits: int, sliding_window: int | None, soft_cap: float | None,
+                            tuning: DecodeTuning) -> torch.Tensor:
+    """Launch the decode kernel (and the merge kernel when `num_splits > 1`) into `out`."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    use_dot = group >= tuning.dot_min_group
+    group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    dim_pad = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        partial_out = torch.empty(num_seqs, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        partial_out = partial_lse = out  # unused by the kernel when IS_SPLIT is False
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens,
+        out, partial_out, partial_lse,
+        scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
+        num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim), USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=num_splits > 1,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), SPLIT_CHUNK=16,
+            num_warps=4,
+        )
+    return out

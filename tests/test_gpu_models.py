@@ -1,0 +1,67 @@
+"""The drop-in cache and the engine on CUDA, through the Triton kernels (run on the H200)."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.hf import PagedCache, PagePool, random_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-mistral", "tiny-qwen2"]
+
+
+def _left_padded(lengths, vocab=500):
+    gen = torch.Generator().manual_seed(0)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids.cuda(), mask.cuda()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_paged_cache_on_cuda_equals_dynamic_cache_fp32(name):
+    model = random_model(name, torch.float32, "cuda")
+    ids, mask = _left_padded([5, 9, 13, 2, 17, 1, 8, 11])
+    pool = PagePool.for_model(model, num_blocks=256, block_size=16)
+    with PagedCache(pool) as cache:
+        paged = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, past_key_values=cache,
+                               pad_token_id=0, eos_token_id=None)
+    model.set_attn_implementation("sdpa")
+    dynamic = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                             past_key_values=DynamicCache(), pad_token_id=0, eos_token_id=None)
+    assert torch.equal(paged, dynamic)
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_engine_on_cuda_equals_hf_generate_fp32(name):
+    model = random_model(name, torch.float32, "cuda")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 40, 17, 64, 1, 100)]
+    llm = LLM(hf_model=model, kv_cache_memory=64 * 2**20, max_model_len=256, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    model.set_attn_implementation("sdpa")
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                             past_key_values=DynamicCache(), pad_token_id=0, eos_token_id=None)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    assert llm.stats()["num_used_blocks"] == 0
+
+
+def test_engine_preemption_swap_on_cuda():
+    model = random_model("tiny-llama", torch.float32, "cuda")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (20,), generator=gen).tolist() for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    big = LLM(hf_model=model, kv_cache_memory=64 * 2**20, max_model_len=128).generate(prompts, params)
+    small_llm = LLM(hf_model=model, num_blocks=12, block_size=16, max_model_len=128, watermark=0.0,
+                    preemption_mode="swap", swap_space=2**20)
+    small = small_llm.generate(prompts, params)
+    assert small_llm.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in big]
