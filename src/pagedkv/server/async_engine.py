@@ -119,6 +119,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.num_iterations = 0  # loop turns; an idle server adds none (it sleeps on the queue)
 
     # ------------------------------------------------------------------ handler side
     @property
@@ -174,6 +175,7 @@ class AsyncEngine:
         engine = self.engine
         try:
             while True:
+                self.num_iterations += 1
                 # NOTE: block only when idle; with work in flight, take what is queued and step.
                 if not self._drain(block=not engine.has_unfinished_requests()):
                     self._die(EngineDeadError("the server is shutting down"))
