@@ -19,6 +19,7 @@ for stage in "$@"; do
     kernel-quick) python3 -m pagedkv bench kernel --validate --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     hf)     python3 -m pagedkv bench hf --out "$OUT/r" 2>&1 | tee "$OUT/r/hf.log" | tail -40 ;;
     engine) python3 -m pagedkv bench engine --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
+    engine-nohf) python3 -m pagedkv bench engine --skip-hf --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== stage $stage took $(( $(date +%s) - start )) s"

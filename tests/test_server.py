@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from helpers import smollm2, tiny
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import smollm2, tiny
 from pagedkv import LLM, SamplingParams
 from pagedkv.server import create_app
-from pagedkv.server.app import _stable_text
 from pagedkv.server.cli import build_parser, engine_config, parse_memory
+from pagedkv.server.serving import stable_text
 
 SMOL_NAME = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -178,7 +178,7 @@ def test_chat_stream(smol, client):
 
 def test_stream_stop_string_is_never_streamed(smol, client):
     """A stop string split over tokens is held back, then cut: the stream equals the non-streamed text."""
-    kwargs = dict(model=SMOL_NAME, messages=QUESTION, temperature=0, max_tokens=32, stop=["Paris"])
+    kwargs = {"model": SMOL_NAME, "messages": QUESTION, "temperature": 0, "max_tokens": 32, "stop": ["Paris"]}
     full = client.chat.completions.create(**kwargs)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
                        if c.choices)
@@ -224,6 +224,8 @@ def _bad_input_cases(max_model_len: int):
     yield "vocab", "/v1/completions", {"prompt": [1, 10**7]}, ["outside the vocabulary"], None
     yield "type (was 422)", "/v1/completions", {"prompt": "Hi", "temperature": "hot"}, [
         "'temperature'", "valid number"], None
+    yield "bool is not an int (was 422)", "/v1/completions", {"prompt": "Hi", "max_tokens": True}, [
+        "'max_tokens'", "valid integer"], None
     yield "missing field (was 422)", "/v1/completions", {"max_tokens": 3}, ["Missing required field 'prompt'"], None
     yield "prompt shape (was 422)", "/v1/completions", {"prompt": [["a"], 3]}, ["Invalid 'prompt'"], None
     yield "unsupported", "/v1/completions", {"prompt": "Hi", "logprobs": 2}, ["'logprobs' is not supported"], None
@@ -410,18 +412,29 @@ def test_api_key_is_enforced_on_v1_only():
         assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
-def test_health_is_503_after_the_engine_loop_dies():
+@pytest.mark.parametrize("stream", [False, True])
+def test_health_is_503_after_the_engine_loop_dies(stream):
     llm = LLM(hf_model=tiny("tiny-llama"), block_size=4, num_blocks=64)
+    real_step, num_steps = llm.engine.step, [0]
 
-    def broken_step():
-        raise RuntimeError("injected step failure")
+    def failing_step():  # a few good steps, then the engine breaks
+        num_steps[0] += 1
+        if num_steps[0] > 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
 
     with LiveServer(create_app(llm.engine, "tiny-llama")) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
-        llm.engine.step = broken_step  # the engine thread looks step() up on each iteration
-        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
-        assert response.status_code == 500
-        assert "injected step failure" in response.json()["error"]["message"]
+        llm.engine.step = failing_step  # the engine thread looks step() up on each iteration
+        body = {"prompt": [5, 6], "max_tokens": 20, "ignore_eos": True, "stream": stream, "return_token_ids": True}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        if stream:  # headers went out with the first chunk: the error arrives as an event, then [DONE]
+            frames = [f for f in response.text.split("\n\n") if f]
+            assert response.status_code == 200 and frames[-1] == "data: [DONE]"
+            assert len(frames) >= 3 and "injected step failure" in json.loads(frames[-2][6:])["error"]["message"]
+        else:
+            assert response.status_code == 500
+            assert "injected step failure" in response.json()["error"]["message"]
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and "injected step failure" in health.json()["error"]["message"]
         response = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
@@ -443,7 +456,7 @@ def test_cli_defaults_and_engine_config():
 
 
 def test_stable_text_holds_back_stop_prefixes_and_partial_characters():
-    assert _stable_text("The capital is Pa", ("Paris",)) == "The capital is "
-    assert _stable_text("The capital is P", ("Paris", "Rome")) == "The capital is "
-    assert _stable_text("abc\ufffd", ()) == "abc"
-    assert _stable_text("abc", ("xyz",)) == "abc"
+    assert stable_text("The capital is Pa", ("Paris",)) == "The capital is "
+    assert stable_text("The capital is P", ("Paris", "Rome")) == "The capital is "
+    assert stable_text("abc\ufffd", ()) == "abc"
+    assert stable_text("abc", ("xyz",)) == "abc"

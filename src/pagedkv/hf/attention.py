@@ -101,7 +101,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             v.index_select(0, meta.token_index)
 
     k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False)
+    # Pads were compacted away above, so every slot is real: the cheap unpadded scatter applies.
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False, has_padding=False)
 
     scale = scaling if scaling is not None else head_dim ** -0.5
     window = _model_sliding_window(module, kwargs)

@@ -235,18 +235,24 @@ class PagedCache(PagedKVCacheBase):
 
         seq_lens = [table.num_tokens for table in self.tables]
         max_blocks = max(1, max(table.num_blocks for table in self.tables))
-        rows = [table.block_ids + [0] * (max_blocks - table.num_blocks) for table in self.tables]
-        block_tables = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        cu = [0]
+        for n in num_new:
+            cu.append(cu[-1] + n)
+        # One host buffer, one host-to-device copy: [slots | seq_lens | cu_seqlens_q | block tables].
+        packed = list(slots) + seq_lens + cu
+        for table in self.tables:
+            packed += table.block_ids
+            packed += [0] * (max_blocks - table.num_blocks)
+        on_device = torch.tensor(packed, dtype=torch.int64).to(device, non_blocking=True)
+        n_slots = len(slots)
+        slot_mapping = on_device[:n_slots]
+        seq_lens_t = on_device[n_slots:n_slots + batch]
+        cu_seqlens_q = on_device[n_slots + batch:n_slots + 2 * batch + 1]
+        block_tables = on_device[n_slots + 2 * batch + 1:].view(batch, max_blocks)
         max_len = max(seq_lens)
         if q_len == 1:
             return PagedAttentionMetadata(slot_mapping, batch, block_tables, seq_lens_t, max_len,
                                           None, None, None, 0, 0, token_index)
-        cu = [0]
-        for n in num_new:
-            cu.append(cu[-1] + n)
-        cu_seqlens_q = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
         return PagedAttentionMetadata(slot_mapping, 0, None, None, 0, block_tables, seq_lens_t, cu_seqlens_q,
                                       max(num_new), max_len, token_index)
 

@@ -1,13 +1,25 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
-`app` holds the routes and request validation, `async_engine` the engine thread that owns
-the `LLMEngine`, `protocol` the OpenAI wire format, `metrics` the Prometheus registry, and
-`cli` the `pagedkv serve` command.
+`app` holds the routes, `validate` turns a request into token ids and `SamplingParams`,
+`async_engine` runs the engine thread that owns the `LLMEngine`, `serving` turns outputs into
+JSON or server-sent events, `protocol` is the OpenAI wire format, `metrics` the Prometheus
+registry, and `cli` the `pagedkv serve` command.
 
     from pagedkv.server import create_app
     app = create_app(engine, served_model_name="SmolLM2-135M-Instruct", api_key=None)
+
+`create_app` loads on first use, so `pagedkv serve --help` does not import torch.
 """
 
-from pagedkv.server.app import create_app
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    if name == "create_app":
+        from pagedkv.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module 'pagedkv.server' has no attribute {name!r}")
+
 
 __all__ = ["create_app"]

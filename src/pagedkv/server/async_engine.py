@@ -185,7 +185,7 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.update_from_engine(engine)
                 self._dispatch(outputs)
-        except BaseException as error:  # noqa: BLE001 - the loop must report whatever killed it
+        except BaseException as error:  # the loop must report whatever killed it
             logger.exception("the engine loop died")
             self._die(error)
 
@@ -215,12 +215,11 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             if self._tracked.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
-        elif isinstance(command, _Call):
-            if command.future.set_running_or_notify_cancel():
-                try:
-                    command.future.set_result(command.fn(self.engine))
-                except BaseException as error:  # noqa: BLE001 - handed to the caller
-                    command.future.set_exception(error)
+        elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                command.future.set_exception(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -259,7 +258,7 @@ class AsyncEngine:
         for request_id, tracked in list(self._tracked.items()):
             try:
                 self.engine.abort(request_id)
-            except Exception:  # noqa: BLE001 - the engine may be broken; the streams must still end
-                pass
+            except Exception:  # the engine may be broken; the streams must still end
+                logger.debug("abort of %s failed in a dead engine", request_id, exc_info=True)
             tracked.stream.put_threadsafe(dead)
         self._tracked.clear()

@@ -89,5 +89,6 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
     app = create_app(engine, name, args.api_key)
     logging.getLogger("pagedkv.server").info("serving %r on http://%s:%d/v1%s", name, args.host, args.port,
                                              " (API key required)" if args.api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # NOTE: open streams get a few seconds to finish on shutdown; then the engine thread ends them.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -50,7 +50,7 @@ class ServerMetrics:
 
     def __init__(self):
         self.registry = CollectorRegistry()
-        gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
+        gauge = self._gauge
         self.num_requests_running = gauge("pagedkv_num_requests_running", "Requests with sequences running.")
         self.num_requests_waiting = gauge("pagedkv_num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_requests_swapped = gauge("pagedkv_num_requests_swapped", "Requests swapped out to host memory.")
@@ -69,6 +69,9 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram("pagedkv_e2e_request_latency_seconds", "End-to-end request latency.",
                                              buckets=E2E_BUCKETS_S, registry=self.registry)
         self._last: dict[str, int] | None = None
+
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(name, documentation, registry=self.registry)
 
     def update_from_engine(self, engine) -> None:
         """Set the gauges and move the mirrored counters by what the engine counted since the last call.

@@ -3,7 +3,7 @@
 Only the request side is typed, because that is where bad input has to be caught and named.
 Range checks stay in `SamplingParams` (one place decides what a valid temperature is); the
 models here only check types and shapes. Fields the engine cannot honour (logprobs, echo,
-penalties, ...) are accepted only at their neutral value, so a client never silently gets
+penalties, tools, ...) are accepted only at their neutral value, so a client never silently gets
 something other than what it asked for.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 #: Unsupported OpenAI fields and the only value accepted for each.
+#: Unset, zero, false and empty count as neutral too.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None, "logit_bias": None,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "tools": None, "tool_choice": None,
-    "response_format": None,
+    "logprobs": None, "top_logprobs": None, "logit_bias": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "tools": None, "response_format": {"type": "text"},
 }
 
 
@@ -26,27 +26,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, then pagedkv/vLLM extras)."""
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's, then pagedkv/vLLM extras).
 
-    model_config = ConfigDict(extra="ignore")
+    Strict types: `true` is not a max_tokens of 1, and "0.5" is not a temperature (ints do pass as floats).
+    """
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = None  # None (like every field below) means the default: 1
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras, as vLLM names them
     top_k: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    return_token_ids: bool = False  # adds token_ids (and prompt_token_ids) to each choice
+    include_stop_str_in_output: bool | None = False
+    return_token_ids: bool | None = False  # adds token_ids (and prompt_token_ids) to each choice
     # accepted only at their neutral value (UNSUPPORTED_FIELDS)
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
@@ -55,7 +58,6 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None
     tools: list | None = None
-    tool_choice: str | dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -64,17 +66,17 @@ class _SamplingFields(BaseModel):
     def unsupported_field(self) -> str | None:
         """The first field set to something other than its neutral value, or None."""
         for name, neutral in UNSUPPORTED_FIELDS.items():
-            value = getattr(self, name, neutral)
-            if value is not None and value != neutral and not (neutral is None and value is False):
+            value = getattr(self, name)
+            if value and value != neutral:
                 return name
         return None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a batch of either."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -88,7 +90,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. `max_completion_tokens` wins over the older `max_tokens`."""
 
     messages: list[ChatMessage]
@@ -96,6 +98,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---------------------------------------------------------------------- responses
+
+class APIError(Exception):
+    """An error the client gets as OpenAI's error body, with this HTTP status."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = error_body(message, type_, param, code)
+
 
 def now() -> int:
     """`created`: Unix seconds."""
