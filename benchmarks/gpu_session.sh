@@ -7,7 +7,7 @@
 #   engine   pagedkv bench engine
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export PAGEDKV_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+export PAGEDKV_COMMIT=${PAGEDKV_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/r/nvidia_smi.txt"
 for stage in "$@"; do
