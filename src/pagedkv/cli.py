@@ -7,10 +7,18 @@ becomes one line on stderr and exit status 2, with no traceback.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
-from pagedkv.errors import PagedKVError
+from pagedkv.errors import InvalidArgumentError, PagedKVError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one `InvalidArgumentError` line (exit 2 via `main`), not a usage dump."""
+
+    def error(self, message: str):
+        raise InvalidArgumentError(message)
 
 #: subcommand -> (module with `main(argv)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

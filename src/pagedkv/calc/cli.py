@@ -36,6 +36,7 @@ from pagedkv.calc.capacity import (
 )
 from pagedkv.calc.sizing import PRESETS, KVSizing, custom_sizing, preset_sizing, spec_from_config_file
 from pagedkv.core import DEFAULT_MIX, MemoryReport, generate_lengths, memory_report
+from pagedkv.cli import ArgumentParser
 from pagedkv.errors import InvalidArgumentError
 
 DEFAULT_NUM_SEQS = 32
@@ -45,16 +46,9 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_POOL_BLOCKS = 4096
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one `InvalidArgumentError` line, not a usage dump and exit."""
-
-    def error(self, message: str):
-        raise InvalidArgumentError(message)
-
-
 def build_parser(prog: str = "pagedkv calc") -> argparse.ArgumentParser:
     """The `pagedkv calc` arguments (workload flags default to None so we can tell they were given)."""
-    parser = _Parser(prog=prog, description="KV-cache capacity calculator: naive contiguous vs paged.")
+    parser = ArgumentParser(prog=prog, description="KV-cache capacity calculator: naive contiguous vs paged.")
     workload = parser.add_argument_group("toy workload (no model args)")
     workload.add_argument("--seqs", type=int, help=f"sequences in the workload (default {DEFAULT_NUM_SEQS})")
     workload.add_argument("--seed", type=int, help=f"workload seed (default {DEFAULT_SEED})")

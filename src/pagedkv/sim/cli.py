@@ -18,6 +18,7 @@ import json
 import time
 
 from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.cli import ArgumentParser
 from pagedkv.errors import InvalidArgumentError, require_positive_int
 from pagedkv.sim.cost_model import CostModel, resolve_cost_model
 from pagedkv.sim.fidelity import TARGET_RELATIVE_ERROR, load_engine_run, predict
@@ -45,16 +46,9 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_SWAP_BLOCKS = 1024
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one `InvalidArgumentError` line, not a usage dump and exit."""
-
-    def error(self, message: str):
-        raise InvalidArgumentError(message)
-
-
 def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
     """The `pagedkv sim` arguments."""
-    parser = _Parser(prog=prog, description="Deterministic serving simulator: the engine's scheduler on a "
+    parser = ArgumentParser(prog=prog, description="Deterministic serving simulator: the engine's scheduler on a "
                                             "simulated clock, naive vs paged (PageFault's stage 4).")
     work = parser.add_argument_group("workload")
     work.add_argument("--jobs", type=int, default=DEFAULT_NUM_JOBS, help="jobs in all (default %(default)s)")
