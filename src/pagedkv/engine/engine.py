@@ -33,6 +33,20 @@ _CPU_DEFAULT_KV_BYTES = 256 * 2**20
 
 
 @dataclass
+class Detokenized:
+    """Incremental detokenization state of one sequence (vLLM's prefix/read offsets).
+
+    Each step decodes only `ids[prefix_offset:]` and keeps what it adds beyond
+    `ids[prefix_offset:read_offset]`, so a step costs O(new tokens), not O(output). Text that
+    ends in a half-decoded character (U+FFFD) waits for the next token.
+    """
+
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+@dataclass
 class Request:
     """A request's sequences (n of them once parallel sampling forks) and its timing."""
 
@@ -44,7 +58,7 @@ class Request:
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
-    texts: dict[int, str] = field(default_factory=dict)  # sample index -> detokenized text
+    detok: dict[int, Detokenized] = field(default_factory=dict)  # sample index -> text so far
     forked: bool = False
 
 
@@ -194,7 +208,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a text or token-id prompt."""
+        """(prompt text or None, token ids) of a text or token-id prompt.
+
+        Reads only state fixed at startup (tokenizer, vocabulary size), so the server calls it
+        from request handlers, off the engine thread.
+        """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgumentError("this model has no tokenizer: pass prompts as lists of token ids")
@@ -300,18 +318,47 @@ class LLMEngine:
         return extra
 
     def _text(self, request: Request, seq: Sequence) -> str:
-        """Detokenized output, cut at the first stop string (which finishes the sequence)."""
+        """Detokenized output so far, cut at the first stop string (which finishes the sequence)."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        state = request.detok.setdefault(seq.sample_index, Detokenized())
+        ids = seq.output_token_ids
+        decode = self.tokenizer.decode
+        searched_from = len(state.text)
+        if seq.is_finished:
+            state.text = decode(ids, skip_special_tokens=True)
+            state.prefix_offset = state.read_offset = len(ids)
+        elif state.read_offset < len(ids):
+            before = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=True)
+            after = decode(ids[state.prefix_offset:], skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                state.text += after[len(before):]
+                state.prefix_offset, state.read_offset = state.read_offset, len(ids)
         params = seq.sampling_params
-        for stop in params.stop:
-            at = text.find(stop)
-            if at != -1:
+        text = state.text
+        if params.stop:
+            start = max(0, searched_from - max(len(stop) for stop in params.stop))
+            hits = [(text.find(stop, start), stop) for stop in params.stop]
+            hits = [(at, stop) for at, stop in hits if at != -1]
+            if hits:
+                at, stop = min(hits)
                 text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                state.text = text
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.STOP)
         return text
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation, with the tokenizer's chat template and the generation prompt."""
+        if self.tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise InvalidArgumentError(f"each chat message needs 'role' and 'content', got {message!r}")
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+            encoded = encoded["input_ids"]
+        return list(encoded)
 
     def _output(self, request: Request) -> RequestOutput:
         completions = []

@@ -101,13 +101,7 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation with the generation prompt appended."""
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise InvalidArgumentError(f"each chat message needs 'role' and 'content', got {message!r}")
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-            encoded = encoded["input_ids"]
-        return list(encoded)
+        return self.engine.apply_chat_template(messages)
 
     def stats(self) -> dict:
         """Blocks used/free, preemptions, swaps, prefix-cache hits, tokens/s (see `EngineStats`)."""

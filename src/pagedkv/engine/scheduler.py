@@ -171,7 +171,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise `RequestRejectedError` if a request of this size could never be served."""
+        """Raise `RequestRejectedError` if a request of this size could never be served.
+
+        Reads only the frozen config, so it is safe from any thread (the server calls it from
+        request handlers before queueing).
+        """
         cfg = self.config
         total = num_prompt_tokens + max_tokens
         if num_prompt_tokens < 1:

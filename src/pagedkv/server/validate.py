@@ -76,12 +76,9 @@ def chat_prompt(engine: LLMEngine, messages: list[ChatMessage]) -> list[int]:
         entry["content"] = content or ""
         conversation.append(entry)
     try:
-        encoded = engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        return engine.apply_chat_template(conversation)
     except Exception as error:  # noqa: BLE001 - templates raise whatever jinja raises
         raise APIError(400, f"could not apply the chat template: {error}", param="messages") from None
-    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    return list(encoded)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, max_tokens_param: str) -> SamplingParams:
