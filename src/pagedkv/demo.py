@@ -153,8 +153,7 @@ def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | No
                     ids = torch.tensor([prompt], device=engine.device)
                     reference = model_sdpa.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                     max_new_tokens=max_tokens, past_key_values=DynamicCache(),
-                                                    pad_token_id=engine.scheduler.eos_token_ids and
-                                                    min(engine.scheduler.eos_token_ids))
+                                                    pad_token_id=model_sdpa.generation_config.pad_token_id)
                     expected = reference[0, len(prompt):].tolist()
                     eos = engine.scheduler.eos_token_ids
                     matches += output.outputs[0].token_ids == _trim_after_eos(expected, eos)

@@ -151,7 +151,7 @@ def _curve(model, pool, batch: int, prompt_len: int, steps: int, seed: int) -> t
 
 
 def _plots(out_dir: str, memory: dict, curve1: list[int], curve2: list[int], bytes_per_block: int,
-           naive_bytes: int, model, pool, batch, prompt_len, budget) -> list[str]:
+           naive_bytes: int, pool, batch: int, prompt_len: int, budget: int) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     result = {"benchmark": "hf", "model": "random gpt2 124M fp16", "provenance": provenance(torch.cuda.get_device_name()),
               "batch": args.batch, "budget_tokens": args.budget, "prompt_len": args.prompt_len, "block_size": 16,
               "bytes_per_token": pool.bytes_per_token, "memory": memory, "latency": latency, "lifecycle": lifecycle}
-    result["plots"] = _plots(args.out, memory, curve1, curve2, pool.kv.bytes_per_block, naive_bytes, model, pool,
+    result["plots"] = _plots(args.out, memory, curve1, curve2, pool.kv.bytes_per_block, naive_bytes, pool,
                              args.batch, args.prompt_len, args.budget)
 
     table = Table(title="KV memory (MB), GPT-2 124M fp16, 32 sequences, 512-token budget, page 16")
