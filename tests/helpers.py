@@ -34,3 +34,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: bool = False) 
     finally:
         model.set_attn_implementation(previous)
     return out[0, len(prompt):].tolist()
+
+
+def left_padded(lengths, vocab: int = 500, seed: int = 0):
+    """A left-padded batch of random prompts with the given lengths: (input_ids, attention_mask) on CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from helpers import left_padded
 from pagedkv import LLM, SamplingParams
 from pagedkv.hf import PagedCache, PagePool, random_model
 
@@ -12,14 +13,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-mistral", "tiny-qwen2"]
 
 
-def _left_padded(lengths, vocab=500):
-    gen = torch.Generator().manual_seed(0)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[row, width - n:] = 1
+def _left_padded(lengths):
+    ids, mask = left_padded(lengths)
     return ids.cuda(), mask.cuda()
 
 

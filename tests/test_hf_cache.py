@@ -4,21 +4,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from helpers import left_padded as _batch
 from helpers import smollm2, tiny
 from pagedkv import InvalidArgumentError, ModelMismatchError, PagedKVError
 from pagedkv.hf import PagedCache, PagePool, random_model
-
-
-def _batch(lengths, vocab=500, seed=0):
-    """A left-padded batch of prompts with the given lengths."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[row, width - n:] = 1
-    return ids, mask
 
 
 def _generate(model, ids, mask, cache, steps):
