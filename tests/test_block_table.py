@@ -151,3 +151,13 @@ def test_truncate_releases_trailing_blocks():
     assert allocator.num_used == 0
     with pytest.raises(InvalidArgumentError):
         table.truncate(3)
+
+
+def test_a_table_with_reserved_blocks_cannot_fork():
+    allocator = BlockAllocator(8)
+    table = BlockTable(allocator, 4)
+    table.reserve(16)
+    table.append_tokens(6)
+    with pytest.raises(InvalidArgumentError, match="reserved blocks"):
+        table.fork()
+    assert [allocator.ref_count(b) for b in table.block_ids] == [1, 1, 1, 1]

@@ -208,3 +208,55 @@ def test_bad_engine_input():
     with pytest.raises(InvalidArgumentError, match="no tokenizer"):
         llm.generate(["text needs a tokenizer"])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_parallel_sampling_respects_max_num_seqs():
+    llm = _llm("tiny-llama", max_num_seqs=2)
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=5, ignore_eos=True)
+    outputs = llm.generate([[5, 6, 7], [8, 9, 10]], params)
+    assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 5 for c in o.outputs) for o in outputs)
+    rejected = llm.generate([[5, 6, 7]], SamplingParams(n=3, max_tokens=2))[0]
+    assert rejected.outputs[0].finish_reason == "rejected" and "max_num_seqs is 2" in rejected.error
+    llm.engine.check_integrity()
+
+
+def test_forked_sequence_swapped_out_with_the_whole_pool_comes_back():
+    llm = _llm("tiny-llama", num_blocks=4, max_model_len=16, preemption_mode="swap", swap_space=2**20,
+               watermark=0.0)
+    out = llm.generate([list(range(3, 16))], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=3,
+                                                            ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+    assert llm.stats()["num_used_blocks"] == 0
+
+
+def test_seeded_parallel_samples_are_reproducible_and_release_their_generators():
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    llm = _llm("tiny-llama")
+    first = llm.generate([[4, 5, 6]], params)[0]
+    second = llm.generate([[4, 5, 6]], params)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs]
+    assert llm.engine.runner.sampler._seeded == {}
+
+
+def test_prompt_tokens_are_counted_once_with_parallel_sampling():
+    llm = _llm("tiny-llama")
+    llm.generate([list(range(3, 13))], SamplingParams(n=4, temperature=1.0, max_tokens=2, ignore_eos=True))
+    assert llm.stats()["num_prompt_tokens"] == 10
+
+
+def test_bad_priorities_queue_nothing():
+    llm = _llm("tiny-llama")
+    with pytest.raises(InvalidArgumentError, match="1 priorities for 2 prompts"):
+        llm.generate([[3, 4], [5, 6]], GREEDY, priorities=[1])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stop_string_completed_by_the_last_token_reports_stop():
+    model, tokenizer = smollm2()
+    llm = LLM(hf_model=model, tokenizer=tokenizer, kv_cache_memory=32 * 2**20)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    stop = full.text[-5:]
+    assert full.text.find(stop) == len(full.text) - 5  # the stop string first appears at the very end
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:-5]

@@ -48,6 +48,10 @@ class RequestRejectedError(PagedKVError):
     """A request can never be served (too long for the pool or the model) and was refused at admission."""
 
 
+class SchedulerStallError(PagedKVError):
+    """The scheduler could schedule nothing while work remained: an internal invariant broke."""
+
+
 class SamplingParamsError(InvalidArgumentError):
     """A sampling parameter is out of range. `field` names it."""
 

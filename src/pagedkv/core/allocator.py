@@ -10,8 +10,9 @@ One allocator can be shared by threads (the server's event loop and the engine t
 Multi-block and shared-block operations take the allocator's lock. The single-block fast
 paths (`allocate_one`, and `free_one` of a block with one owner) do not: they rely on
 CPython's `list.pop` / `list.append` being atomic, and on a block with one owner being
-touched by that owner alone. An uncontended lock costs about as much as the whole operation,
-and those two paths are what a decoding engine calls once per 16 tokens per sequence.
+touched by that owner alone. An uncontended lock costs about as much as the whole operation;
+`BlockTable` takes the single-block path whenever it grows by one block (a decode crossing a
+block boundary), and prefix-cache eviction frees one block at a time.
 """
 
 from __future__ import annotations

@@ -125,7 +125,8 @@ class KVBlockManager:
             return 0
         hits, keys = self.match_prefix(token_ids)
         if self.prefix_cache is not None:
-            self.prefix_cache.record_lookup(len(keys), len(hits))
+            # Only blocks that could hit count as queried (the last prompt token is never served).
+            self.prefix_cache.record_lookup(min(len(keys), (len(token_ids) - 1) // self.block_size), len(hits))
             self.prefix_cache.acquire(hits)
         table.extend_shared(hits)
         self._tables[seq_id] = table
@@ -152,6 +153,8 @@ class KVBlockManager:
         table = self._tables[seq_id]
         needed = table.num_blocks_needed(num_new_tokens)
         if needed:
+            if table.max_num_tokens is not None and table.num_tokens + num_new_tokens > table.max_num_tokens:
+                return table.append_tokens(num_new_tokens)  # raises SequenceTooLongError before any eviction
             self._ensure_free(needed)
         return table.append_tokens(num_new_tokens)
 

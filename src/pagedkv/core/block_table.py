@@ -117,7 +117,8 @@ class BlockTable:
         if needed > 0:
             if needed > self.allocator.num_free:
                 raise OutOfBlocksError(needed, self.allocator.num_free)
-            new_ids = self.allocator.allocate(needed)
+            # One block is the common case (a decode crossing a block boundary): the lock-free path.
+            new_ids = [self.allocator.allocate_one()] if needed == 1 else self.allocator.allocate(needed)
             if self._last_block_is_shared_partial():
                 private = new_ids.pop(0)
                 shared = self.block_ids[-1]
@@ -183,6 +184,11 @@ class BlockTable:
 
         The next write into a shared partial block by either table copies it first.
         """
+        if self.num_blocks > num_blocks_for(self.num_tokens, self.block_size):
+            raise InvalidArgumentError(
+                f"cannot fork a table holding reserved blocks ({self.num_blocks} blocks for {self.num_tokens} tokens): "
+                f"both tables would write into the same empty blocks"
+            )
         child = BlockTable(self.allocator, self.block_size, self.max_num_tokens)
         self.allocator.incref(self.block_ids)
         child.block_ids = list(self.block_ids)

@@ -44,6 +44,7 @@ class Detokenized:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    final: bool = False  # the sequence finished and `text` is complete
 
 
 @dataclass
@@ -235,7 +236,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        self.scheduler.check_fits(len(token_ids), params.max_tokens, params.n)
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority)
         request = Request(request_id, text, token_ids, params, [seq], time.perf_counter())
         self.scheduler.add(seq)
@@ -264,22 +265,22 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {}
-        for seq in out.rejected:
-            touched[seq.request_id] = self._seq_to_request[seq.seq_id]
-        if not out.is_empty:
-            num_samples = {}
-            for item in out.scheduled:
-                request = self._seq_to_request[item.seq.seq_id]
-                if item.samples and request.params.n > 1 and not request.forked:
-                    num_samples[item.seq.seq_id] = request.params.n
-            samples = self.runner.execute(out, self.scheduler.block_manager.block_ids, num_samples)
+        num_scheduled = len(out.scheduled)
+        for item in out.scheduled:
+            self._num_prompt_tokens += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
+        num_samples = {}
+        for item in out.scheduled:
+            request = self._seq_to_request[item.seq.seq_id]
+            if item.samples and request.params.n > 1 and not request.forked:
+                num_samples[item.seq.seq_id] = request.params.n
+        # Block moves run even in a step that schedules nothing (a swap-out must never be dropped).
+        samples = self.runner.execute(out, self.scheduler.block_manager.block_ids, num_samples)
+        if samples:
             sampled = {}
             for seq_id, tokens in samples.items():
                 sampled[seq_id] = tokens[0]
                 if len(tokens) > 1:
                     sampled.update(self._fork(self._seq_to_request[seq_id], tokens, out))
-            for item in out.scheduled:
-                self._num_prompt_tokens += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
             self.scheduler.update(out, sampled)
             self._num_generated += len(sampled)
             now = time.perf_counter()
@@ -288,6 +289,9 @@ class LLMEngine:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 touched[request.request_id] = request
+        elif out.scheduled:
+            self.scheduler.update(out, {})
+        del out.scheduled[num_scheduled:]  # forked children are bookkeeping, not work this step ran
         outputs = [self._output(request) for request in touched.values()]
         for request, output in zip(list(touched.values()), outputs):
             if output.finished:
@@ -309,7 +313,7 @@ class LLMEngine:
         for index, token in enumerate(tokens[1:], start=1):
             child = Sequence(next(self._seq_ids), request.request_id, parent.prompt_token_ids, request.params,
                              parent.arrival_index, priority=parent.priority, sample_index=index,
-                             token_ids=list(parent.token_ids))
+                             token_ids=list(parent.token_ids), group_id=parent.group_id)
             self.scheduler.fork(parent, child, out, item)
             request.seqs.append(child)
             self._seq_to_request[child.seq_id] = request
@@ -325,9 +329,13 @@ class LLMEngine:
         ids = seq.output_token_ids
         decode = self.tokenizer.decode
         searched_from = len(state.text)
+        if state.final:
+            return state.text
         if seq.is_finished:
+            # One full decode at the end, which also flushes a held-back partial character.
             state.text = decode(ids, skip_special_tokens=True)
             state.prefix_offset = state.read_offset = len(ids)
+            state.final = True
         elif state.read_offset < len(ids):
             before = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=True)
             after = decode(ids[state.prefix_offset:], skip_special_tokens=True)
@@ -344,8 +352,11 @@ class LLMEngine:
                 at, stop = min(hits)
                 text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
                 state.text = text
+                state.final = True
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.STOP)
+                elif seq.finish_reason is FinishReason.LENGTH:
+                    seq.finish_reason = FinishReason.STOP  # the last allowed token completed a stop string
         return text
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -366,21 +377,17 @@ class LLMEngine:
             text = self._text(request, seq)
             reason = seq.finish_reason.value if seq.finish_reason else None
             completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason))
-        error = None
-        if any(s.finish_reason is FinishReason.REJECTED for s in request.seqs):
-            error = "rejected: it can never fit in the KV pool"
-        finished = all(c.finish_reason is not None for c in completions) and (
-            request.params.n == len(completions) or error is not None)
+        finished = all(c.finish_reason is not None for c in completions) and request.params.n == len(completions)
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-            num_cached_tokens=request.seqs[0].num_cached_tokens, error=error,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time},
         )
 
     def _forget(self, request: Request) -> None:
         for seq in request.seqs:
             self._seq_to_request.pop(seq.seq_id, None)
-            self.runner.sampler.release((seq.seq_id, seq.sample_index))
+            self.runner.sampler.release((seq.group_id, seq.sample_index))
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> EngineStats:

@@ -18,7 +18,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling import SamplingParams
-from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestRejectedError
+from pagedkv.errors import InvalidArgumentError, RequestRejectedError
 
 Prompt = str | list[int]
 
@@ -59,6 +59,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if priorities is not None and len(priorities) != len(prompts):
+            raise InvalidArgumentError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         results: dict[str, RequestOutput] = {}
         for index, (prompt, p) in enumerate(zip(prompts, params)):
@@ -68,12 +70,12 @@ class LLM:
             priority = priorities[index] if priorities is not None else 0
             try:
                 self.engine.add_request(request_id, prompt, p, priority=priority)
-            except PagedKVError as error:
-                if not isinstance(error, RequestRejectedError):
-                    for queued in ids[:-1]:
-                        self.engine.abort(queued)
-                    raise
+            except RequestRejectedError as error:
                 results[request_id] = _rejected(request_id, prompt, str(error))
+            except BaseException:
+                for queued in ids[:-1]:  # all or nothing: nothing of this call stays queued
+                    self.engine.abort(queued)
+                raise
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm, unit="req")
         bar.update(len(results))
         try:

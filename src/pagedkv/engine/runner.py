@@ -164,6 +164,8 @@ class ModelRunner:
         self.swap_out(out.swap_out)
         self.swap_in(out.swap_in)
         self.copy_blocks(out.block_copies)
+        if not out.scheduled:
+            return {}
         meta, num_tokens, sample_rows = self.prepare(out, block_ids_of)
         self.step_cache.prepared = meta
         samplers = [item.seq for item in out.scheduled if item.samples]
@@ -174,7 +176,9 @@ class ModelRunner:
         rows.copy_(torch.tensor(sample_rows), non_blocking=True)
         logits = self._forward(num_tokens, rows)[0]  # [num_samplers, vocab]
         params = [seq.sampling_params for seq in samplers]
-        keys = [(seq.seq_id, seq.sample_index) for seq in samplers]
+        # Seeded streams are keyed by (request, sample): a forked child continues the stream
+        # its first token came from.
+        keys = [(seq.group_id, seq.sample_index) for seq in samplers]
         counts = [num_samples.get(seq.seq_id, 1) for seq in samplers]
         tokens = self.sampler.sample(logits, params, keys, counts)
         return {seq.seq_id: toks for seq, toks in zip(samplers, tokens)}

@@ -13,7 +13,10 @@ One `schedule()` call, under a budget of `max_num_batched_tokens`:
 2. **Swapped sequences** come back (FIFO) when nothing was preempted this step.
 3. **Waiting sequences** are admitted in order while the pool keeps `watermark` of its
    blocks free after taking the whole prompt (chunked prefill then spends the token budget
-   over several steps). A request that could never fit is rejected, not queued forever.
+   over several steps). A request that could never fit is refused by `add()`, never queued.
+
+A step that schedules nothing while work remains is a bug, not a wait: it raises
+`SchedulerStallError` rather than letting a caller spin forever.
 
 Decodes are listed before prefills in the output, so the runner can run one decode kernel
 over the first rows and one prefill kernel over the rest.
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.core.block_table import BlockCopy, num_blocks_for
 from pagedkv.engine.sequence import FinishReason, Sequence, SequenceStatus
-from pagedkv.errors import ConfigError, RequestRejectedError, require_positive_int
+from pagedkv.errors import ConfigError, RequestRejectedError, SchedulerStallError, require_positive_int
 
 
 class PreemptionMode(str, enum.Enum):
@@ -124,7 +127,6 @@ class SchedulerOutput:
     swap_in: list[BlockCopy] = field(default_factory=list)  # CPU block -> GPU block
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, GPU -> GPU
     preempted: list[Sequence] = field(default_factory=list)
-    rejected: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -147,7 +149,7 @@ class SchedulerStats:
     num_recomputes: int = 0
     num_swap_outs: int = 0
     num_swap_ins: int = 0
-    num_rejected: int = 0
+    num_rejected: int = 0  # refused by add() as never fitting
     num_steps: int = 0
 
 
@@ -170,7 +172,7 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raise `RequestRejectedError` if a request of this size could never be served.
 
         Reads only the frozen config, so it is safe from any thread (the server calls it from
@@ -191,6 +193,11 @@ class Scheduler:
                 f"a request of {reserve} tokens needs {num_blocks_for(reserve, cfg.block_size)} blocks, but the "
                 f"whole KV pool has {cfg.num_blocks} blocks ({cfg.capacity_tokens} tokens)"
             )
+        if n > cfg.max_num_seqs:
+            raise RequestRejectedError(f"n = {n} parallel samples cannot run beside each other: max_num_seqs is "
+                                       f"{cfg.max_num_seqs}")
+        if n > 1 and cfg.reservation == "naive":
+            raise RequestRejectedError("parallel sampling (n > 1) shares blocks, which naive reservation cannot do")
         if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
             raise RequestRejectedError(
                 f"without chunked prefill, {total} tokens cannot run in one step of at most "
@@ -199,7 +206,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raises `RequestRejectedError` (nothing queued) if it can never fit."""
-        self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        try:
+            self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens, seq.sampling_params.n)
+        except RequestRejectedError:
+            self.stats.num_rejected += 1
+            raise
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -252,19 +263,29 @@ class Scheduler:
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
 
-        # 1. Running sequences, least likely victim first; victims come off the back.
-        queue = deque(sorted(self.running, key=self._keep_key, reverse=True))
+        # 1. Running sequences. Decodes go before prefill chunks, so a long chunked prefill
+        #    cannot take the whole token budget from them. When the pool runs short, the victim
+        #    is the most victim-like sequence (by policy) not yet scheduled in this step.
+        keep_order = sorted(self.running, key=self._keep_key, reverse=True)  # most victim-like last
+        queue = deque([s for s in keep_order if s.num_uncomputed_tokens == 1]
+                      + [s for s in keep_order if s.num_uncomputed_tokens != 1])
+        candidates = list(keep_order)
+        requester = cfg.victim_policy is VictimPolicy.REQUESTER
         still_running: list[Sequence] = []
         while queue:
             seq = queue.popleft()
+            candidates.remove(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new == 0:
+            if num_new == 0 or len(decodes) + len(prefills) >= cfg.max_num_seqs:
                 still_running.append(seq)
                 continue
             slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
             while slots_needed > 0 and not bm.can_append(seq.seq_id, slots_needed):
-                requester = self.config.victim_policy is VictimPolicy.REQUESTER
-                victim = queue.pop() if queue and not requester else seq
+                if candidates and not requester:
+                    victim = candidates.pop()
+                    queue.remove(victim)
+                else:
+                    victim = seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -283,7 +304,10 @@ class Scheduler:
             while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 seq = self.swapped[0]
                 num_new = min(seq.num_uncomputed_tokens, budget)
-                need = bm.blocks_to_swap_in(seq.seq_id) + 1
+                # Blocks for what comes back plus this step's new tokens (not "+1": a forked
+                # sequence may have been swapped out holding the whole pool).
+                need = max(bm.blocks_to_swap_in(seq.seq_id),
+                           num_blocks_for(seq.num_computed_tokens + num_new, cfg.block_size))
                 watermark = cfg.watermark if self.running else 0.0
                 if not bm.can_admit(need, watermark):
                     break
@@ -301,20 +325,27 @@ class Scheduler:
 
         # 3. Waiting sequences, in order, while the watermark holds.
         if not out.preempted and not self.swapped:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                # A request that will fork into n sequences needs room for all of them.
+                will_fork = seq.sample_index == 0 and seq.num_output_tokens == 0
+                if len(self.running) + (seq.sampling_params.n if will_fork else 1) > cfg.max_num_seqs:
+                    break
                 item = self._try_admit(seq, budget, out)
                 if item is None:
                     break
                 self.waiting.popleft()
-                if item is _REJECTED:
-                    continue
                 self.running.append(seq)
                 (decodes if item.is_decode else prefills).append(item)
                 budget -= item.num_new_tokens
 
         out.scheduled = decodes + prefills
         self.stats.num_steps += 1
+        if not out.scheduled and not out.preempted and self.has_unfinished():
+            raise SchedulerStallError(
+                f"nothing could be scheduled with {len(self.waiting)} waiting, {len(self.running)} running and "
+                f"{len(self.swapped)} swapped sequences, {bm.num_free_blocks} of {bm.num_blocks} blocks free"
+            )
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
@@ -342,17 +373,10 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ internals
-    def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput):
-        """Admit `seq` with its first chunk, or return None (blocked) or _REJECTED."""
+    def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSequence | None:
+        """Admit `seq` with its first chunk, or return None when the pool or the budget holds it back."""
         cfg = self.config
         bm = self.block_manager
-        try:
-            self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
-        except RequestRejectedError:
-            self._finish(seq, FinishReason.REJECTED)
-            self.stats.num_rejected += 1
-            out.rejected.append(seq)
-            return _REJECTED
         reserve = cfg.max_model_len if cfg.reservation == "naive" else None
         new_blocks = bm.blocks_to_admit(seq.token_ids, reserve)
         # Alone in the pool, a request may use the reserve: holding it back could only stall.
@@ -383,6 +407,7 @@ class Scheduler:
         return (-seq.arrival_index,)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free `seq`'s GPU blocks: swap it out if swap mode has room for it, else recompute it later."""
         bm = self.block_manager
         self.stats.num_preemptions += 1
         seq.num_preemptions += 1
@@ -427,8 +452,6 @@ class Scheduler:
         for seq in self.swapped:
             assert seq.status is SequenceStatus.SWAPPED and bm.is_swapped(seq.seq_id), seq
 
-
-_REJECTED = object()
 
 __all__: SequenceT[str] = [
     "PreemptionMode",

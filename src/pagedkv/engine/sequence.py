@@ -46,6 +46,7 @@ class Sequence:
     arrival_index: int
     priority: int = 0
     sample_index: int = 0  # which of the request's n samples
+    group_id: int = -1  # seq id of the request's first sequence (set to seq_id when not given)
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs, appended in place
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
@@ -56,6 +57,8 @@ class Sequence:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.group_id < 0:
+            self.group_id = self.seq_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -227,7 +227,12 @@ class PagedCache(PagedKVCacheBase):
             if sum(num_new) != batch * q_len:
                 token_index = new_mask.reshape(-1).nonzero().squeeze(1)
 
-        self._append(num_new)
+        try:
+            self._append(num_new)
+        except PagedKVError:
+            if self._seq_length == 0:
+                self.tables = None  # a failed first forward leaves the cache as it was: unsized
+            raise
         slots: list[int] = []
         for table, n in zip(self.tables, num_new):
             slots.extend(table.slot_mapping(table.num_tokens - n, table.num_tokens))

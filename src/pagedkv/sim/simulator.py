@@ -118,12 +118,7 @@ class Simulation:
         while scheduler.has_unfinished():
             out = scheduler.schedule()
             scheduled = out.scheduled
-            for seq in out.rejected:
-                num_rejected += 1
-                submit(clock)
-            if not scheduled:
-                if out.rejected:
-                    continue
+            if not scheduled and not out.preempted:
                 raise AssertionError(f"scheduler stalled at step {num_steps} with {scheduler.num_unfinished} "
                                      f"unfinished sequences and {scheduler.block_manager.num_free_blocks} free blocks")
             prefill_tokens = decode_seqs = kv_tokens = 0
