@@ -158,10 +158,6 @@ class KVBlockManager:
             self._ensure_free(needed)
         return table.append_tokens(num_new_tokens)
 
-    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slots of the sequence's tokens at positions [start, end)."""
-        return self._tables[seq_id].slot_mapping(start, end)
-
     def block_ids(self, seq_id: int) -> list[int]:
         """The sequence's physical blocks in logical order."""
         return self._tables[seq_id].block_ids

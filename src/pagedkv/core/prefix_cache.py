@@ -65,10 +65,6 @@ class PrefixCache:
         """Cached blocks no sequence uses: reclaimable on demand."""
         return len(self._evictable)
 
-    def is_cached(self, block_id: int) -> bool:
-        """Whether `block_id` is a cached (read-only, full) block."""
-        return block_id in self._key_of
-
     def match(self, keys: Sequence[BlockHash]) -> list[int]:
         """The blocks of the longest cached prefix of `keys` (no references taken)."""
         hits = []
@@ -119,10 +115,6 @@ class PrefixCache:
             self.allocator.free_one(block_id)
             freed += 1
         return freed
-
-    def clear(self) -> int:
-        """Evict every evictable block; returns how many were freed."""
-        return self.evict(len(self._evictable))
 
     def check_integrity(self) -> None:
         """Assert the two maps agree and evictable blocks are referenced by the cache alone."""

@@ -236,7 +236,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(token_ids), params.max_tokens, params.n)
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority)
         request = Request(request_id, text, token_ids, params, [seq], time.perf_counter())
         self.scheduler.add(seq)

@@ -18,6 +18,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sequence import FinishReason
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError
 
 Prompt = str | list[int]
@@ -113,6 +114,6 @@ class LLM:
 def _rejected(request_id: str, prompt: Prompt, message: str) -> RequestOutput:
     text = prompt if isinstance(prompt, str) else None
     token_ids = prompt if isinstance(prompt, list) else []
-    completion = CompletionOutput(0, "", [], "rejected")
+    completion = CompletionOutput(0, "", [], FinishReason.REJECTED.value)
     logging.getLogger("pagedkv").warning("request %s rejected: %s", request_id, message)
     return RequestOutput(request_id, text, token_ids, [completion], True, error=message)
