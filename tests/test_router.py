@@ -23,9 +23,10 @@ BLOCK_SIZE = 4
 class FakeReplica:
     """A replica whose cache holds the leading blocks of given prompts, with set load."""
 
-    def __init__(self, num_waiting=0, num_free_blocks=100, cached_prompts=(), block_size=BLOCK_SIZE):
+    def __init__(self, num_waiting=0, num_free_blocks=100, cached_prompts=(), block_size=BLOCK_SIZE, num_running=0):
         self.block_size = block_size
         self.num_waiting = num_waiting
+        self.num_running = num_running
         self.num_free_blocks = num_free_blocks
         self.cached = set()
         for prompt in cached_prompts:
@@ -121,14 +122,23 @@ def test_memory_is_bounded_and_keeps_leading_blocks():
 
 
 def test_balance_guard_moves_a_match_off_an_overloaded_replica():
-    replicas = [FakeReplica(num_waiting=0), FakeReplica(num_waiting=3, cached_prompts=[SYSTEM[:8]]),
-                FakeReplica(num_waiting=5, cached_prompts=[SYSTEM])]
+    # In flight (waiting + running): 0, 3, 5.
+    replicas = [FakeReplica(num_waiting=0), FakeReplica(num_waiting=1, num_running=2, cached_prompts=[SYSTEM[:8]]),
+                FakeReplica(num_waiting=1, num_running=4, cached_prompts=[SYSTEM])]
     decision = Router(replicas, RouterConfig(balance_threshold=4)).route(REQUEST)
     assert (decision.replica, decision.reason, decision.num_matched_blocks) == (1, "balance", 2)
-    replicas[1].num_waiting = 6
-    assert Router(replicas, RouterConfig(balance_threshold=4)).route(REQUEST).replica == 0
+    replicas[1].num_running = 5
+    decision = Router(replicas, RouterConfig(balance_threshold=4)).route(REQUEST)
+    assert (decision.replica, decision.reason, decision.num_matched_blocks) == (0, "balance", 0)
     assert Router(replicas, RouterConfig(balance_threshold=None)).route(REQUEST).replica == 2
     assert Router(replicas, RouterConfig(balance_threshold=5)).route(REQUEST).replica == 2
+
+
+def test_the_default_guard_tolerates_32_more_requests_in_flight():
+    replicas = [FakeReplica(num_running=10), FakeReplica(num_running=42, cached_prompts=[SYSTEM])]
+    assert Router(replicas).route(REQUEST).replica == 1
+    replicas[1].num_running = 43
+    assert Router(replicas).route(REQUEST).replica == 0
 
 
 def test_router_hashes_like_the_engine_and_finds_a_scheduler_prefix():

@@ -84,7 +84,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replica-batched-tokens", type=int, default=DEFAULT_REPLICA_BATCHED_TOKENS,
                        help="max_num_batched_tokens per replica (default %(default)s)")
     group.add_argument("--balance-threshold", type=_threshold, default=DEFAULT_BALANCE_THRESHOLD,
-                       help="prefix policy: waiting requests over the least-loaded replica's past which a match "
+                       help="prefix policy: requests in flight (waiting + running) over the least-busy replica's past which a match "
                             "is ignored, or 'off' (default %(default)s)")
     group.add_argument("--warmup", type=float, default=DEFAULT_WARMUP_FRACTION,
                        help="share of the requests (the first to arrive) left out of the figures (default %(default)s)")
