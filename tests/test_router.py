@@ -154,7 +154,8 @@ def test_router_hashes_like_the_engine_and_finds_a_scheduler_prefix():
     assert (decision.replica, decision.num_matched_blocks) == (1, len(hits)) and len(hits) == 4
     # A prompt of exactly k blocks can hit k - 1 (the last token is always computed), as in the engine.
     assert len(router.prompt_block_hashes(SYSTEM)) == 3
-    assert router.prompt_block_hashes(follow_up) == warm.block_manager.match_prefix(follow_up)[1][:(len(follow_up) - 1) // BLOCK_SIZE]
+    _, engine_keys = warm.block_manager.match_prefix(follow_up)
+    assert router.prompt_block_hashes(follow_up) == engine_keys[:(len(follow_up) - 1) // BLOCK_SIZE]
     warm.check_integrity()
 
 

@@ -60,34 +60,32 @@ def _threshold(text: str) -> int | None:
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--cluster` option group of `pagedkv sim`."""
     group = parser.add_argument_group("cluster (--cluster)")
-    group.add_argument("--cluster", action="store_true", help="simulate replicas behind the data-parallel router")
-    group.add_argument("--replicas", type=int, default=8, help="replicas for the policy comparison (default %(default)s)")
-    group.add_argument("--rate", type=float, default=200.0, help="mean arrival rate, requests/s (default %(default)s)")
-    group.add_argument("--requests", type=int, default=None,
-                       help=f"requests in all (default: rate x {DEFAULT_DURATION_S:g} s)")
-    group.add_argument("--arrival", default="both", help="poisson, bursty or both (default %(default)s)")
-    group.add_argument("--policy", default="all", help=f"{', '.join(ALL_POLICIES)} or all (default %(default)s)")
-    group.add_argument("--system-prompts", type=int, default=32, help="shared system prompts (default %(default)s)")
-    group.add_argument("--system-prompt-len", type=int, default=1000, help="tokens each (default %(default)s)")
-    group.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of their popularity (default %(default)s)")
-    group.add_argument("--user-tokens", type=_pair, default=(16, 256), metavar="MIN,MAX",
-                       help="user message tokens after the system prompt (default 16,256)")
-    group.add_argument("--output-tokens", type=_pair, default=(16, 256), metavar="MIN,MAX",
-                       help="generated tokens (default 16,256)")
-    group.add_argument("--p99-ttft", type=float, default=1.0, help="sizing target: P99 TTFT, s (default %(default)s)")
-    group.add_argument("--p99-e2e", type=float, default=10.0,
-                       help="sizing target: P99 end-to-end latency, s (default %(default)s)")
-    group.add_argument("--max-replicas", type=int, default=256, help="largest cluster sizing tries (default %(default)s)")
-    group.add_argument("--no-sizing", action="store_true", help="skip the replica-count search")
-    group.add_argument("--replica-blocks", type=int, default=DEFAULT_REPLICA_BLOCKS,
-                       help="KV blocks per replica (default %(default)s, the measured H200 engine's)")
-    group.add_argument("--replica-batched-tokens", type=int, default=DEFAULT_REPLICA_BATCHED_TOKENS,
-                       help="max_num_batched_tokens per replica (default %(default)s)")
-    group.add_argument("--balance-threshold", type=_threshold, default=DEFAULT_BALANCE_THRESHOLD,
-                       help="prefix policy: requests in flight (waiting + running) over the least-busy replica's past which a match "
-                            "is ignored, or 'off' (default %(default)s)")
-    group.add_argument("--warmup", type=float, default=DEFAULT_WARMUP_FRACTION,
-                       help="share of the requests (the first to arrive) left out of the figures (default %(default)s)")
+    add = group.add_argument
+    add("--cluster", action="store_true", help="simulate replicas behind the data-parallel router")
+    add("--replicas", type=int, default=8, help="replicas for the policy comparison (default %(default)s)")
+    add("--rate", type=float, default=200.0, help="mean arrival rate, requests/s (default %(default)s)")
+    add("--requests", type=int, default=None, help=f"requests in all (default: rate x {DEFAULT_DURATION_S:g} s)")
+    add("--arrival", default="both", help="poisson, bursty or both (default %(default)s)")
+    add("--policy", default="all", help=f"{', '.join(ALL_POLICIES)} or all (default %(default)s)")
+    add("--system-prompts", type=int, default=32, help="shared system prompts (default %(default)s)")
+    add("--system-prompt-len", type=int, default=1000, help="tokens each (default %(default)s)")
+    add("--zipf", type=float, default=1.0, help="Zipf exponent of their popularity (default %(default)s)")
+    add("--user-tokens", type=_pair, default=(16, 256), metavar="MIN,MAX",
+        help="user message tokens after the system prompt (default 16,256)")
+    add("--output-tokens", type=_pair, default=(16, 256), metavar="MIN,MAX", help="generated tokens (default 16,256)")
+    add("--p99-ttft", type=float, default=1.0, help="sizing target: P99 TTFT, s (default %(default)s)")
+    add("--p99-e2e", type=float, default=10.0, help="sizing target: P99 end-to-end latency, s (default %(default)s)")
+    add("--max-replicas", type=int, default=256, help="largest cluster sizing tries (default %(default)s)")
+    add("--no-sizing", action="store_true", help="skip the replica-count search")
+    add("--replica-blocks", type=int, default=DEFAULT_REPLICA_BLOCKS,
+        help="KV blocks per replica (default %(default)s, the measured H200 engine's)")
+    add("--replica-batched-tokens", type=int, default=DEFAULT_REPLICA_BATCHED_TOKENS,
+        help="max_num_batched_tokens per replica (default %(default)s)")
+    add("--balance-threshold", type=_threshold, default=DEFAULT_BALANCE_THRESHOLD,
+        help="prefix policy: requests in flight over the least-busy replica's past which a prefix match is "
+             "ignored, or 'off' (default %(default)s)")
+    add("--warmup", type=float, default=DEFAULT_WARMUP_FRACTION,
+        help="share of the requests (the first to arrive) left out of the figures (default %(default)s)")
 
 
 def _choices(value: str, every: tuple[str, ...], flag: str, all_word: str) -> tuple[str, ...]:
@@ -260,8 +258,10 @@ def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
     else:
         print("\n".join(text))
     name = f"cluster_{args.tag}" if args.tag else "cluster"
-    json_path = write_json(args.out, name, {**payload, "wall_s": wall_s, "provenance": provenance("simulated (cost model)")})
-    json_path.with_suffix(".md").write_text("# Cluster simulation (`pagedkv sim --cluster`)\n\n" + "\n".join(text) + "\n")
+    json_path = write_json(args.out, name,
+                           {**payload, "wall_s": wall_s, "provenance": provenance("simulated (cost model)")})
+    json_path.with_suffix(".md").write_text("# Cluster simulation (`pagedkv sim --cluster`)\n\n"
+                                            + "\n".join(text) + "\n")
     png_path = plot_cluster(rows, sizing, json_path.with_suffix(".png"),
                             f"pagedkv sim --cluster: {args.rate:g} req/s, {args.replicas} replicas; sizing for "
                             f"{target.describe()}")

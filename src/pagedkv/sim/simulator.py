@@ -72,7 +72,8 @@ class StepShape:
     swapped_tokens: int
 
 
-def fake_step(out: SchedulerOutput, block_size: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[StepShape, dict[int, int]]:
+def fake_step(out: SchedulerOutput, block_size: int,
+              vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[StepShape, dict[int, int]]:
     """Run a scheduled step without a model: its shape, and a deterministic token per sampling sequence."""
     prefill_tokens = decode_seqs = kv_tokens = 0
     sampled: dict[int, int] = {}
