@@ -62,7 +62,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster (--cluster)")
     add = group.add_argument
     add("--cluster", action="store_true", help="simulate replicas behind the data-parallel router")
-    add("--replicas", type=int, default=8, help="replicas for the policy comparison (default %(default)s)")
+    add("--replicas", type=int, default=4, help="replicas for the policy comparison (default %(default)s)")
     add("--rate", type=float, default=200.0, help="mean arrival rate, requests/s (default %(default)s)")
     add("--requests", type=int, default=None, help=f"requests in all (default: rate x {DEFAULT_DURATION_S:g} s)")
     add("--arrival", default="both", help="poisson, bursty or both (default %(default)s)")
