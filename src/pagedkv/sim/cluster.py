@@ -19,8 +19,9 @@ instant as an arrival is recorded first.
 Latencies are per request, in simulated seconds from arrival: time to first token (the end
 of the step that sampled it) and end-to-end (the end of the step that sampled its last).
 Percentiles are nearest-rank. The first `warmup_fraction` of the requests (by arrival) are
-simulated but left out of the latency, hit-rate and throughput figures, so the figures
-describe caches that have seen the workload rather than cold replicas.
+simulated but left out of the latency and hit-rate figures, so those describe caches that
+have seen the workload rather than cold replicas. Throughput is every request's output
+tokens over the whole run, first arrival to last token (as vLLM's `benchmark_serving`).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class ClusterResult:
     policy: str
     num_replicas: int
     num_requests: int
-    num_measured: int  # requests after the warm-up, which the figures below describe
+    num_measured: int  # requests after the warm-up, which the latency and hit-rate figures describe
     num_rejected: int
     sim_time_s: float
     offered_requests_per_s: float  # the arrival rate the requests realised
