@@ -144,7 +144,7 @@ def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | No
 
     result = {"outputs": [o.outputs[0].text for o in outputs], "stats": stats, "matches_hf": None}
     if verify:
-        model_sdpa = engine.model
+        model_sdpa = engine.hf_model
         matches = 0
         with console.status("checking against HF generate (DynamicCache, sdpa), one prompt at a time..."):
             model_sdpa.set_attn_implementation("sdpa")

@@ -35,6 +35,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    model_impl: str = "auto"  # "auto": pagedkv's own decoder where it covers the family, else HF modules
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
@@ -53,5 +55,7 @@ class EngineConfig:
                 raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
             if isinstance(memory, int) and memory <= 0:
                 raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {memory}")
+        if self.model_impl not in ("auto", "pagedkv", "hf"):
+            raise ConfigError(f"model_impl must be 'auto', 'pagedkv' or 'hf', got {self.model_impl!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

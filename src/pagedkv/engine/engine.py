@@ -1,15 +1,19 @@
 """The engine: `add_request` / `step` / `abort` over the scheduler and the model runner.
 
-`step()` is the whole loop body: schedule, run the model, hand the sampled tokens back to
-the scheduler, apply stop strings, and report every request that moved. The engine also
-sizes the KV pool at startup from a memory budget and refuses configurations where one
-max-length request could not fit.
+`step()` is the whole loop body and only delegates, in the order every step runs:
+
+    schedule (Scheduler) -> StepInput (StepInputBuilder) -> execute (ModelRunner) -> update (Scheduler) -> outputs
+
+The engine also picks the model path at startup (pagedkv's own decoder for the Llama family,
+HF's modules for everything else, logged), sizes the KV pool from a memory budget, and refuses
+configurations where one max-length request could not fit.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +26,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import FinishReason, Sequence
+from pagedkv.engine.step_input import StepInputBuilder
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError
 from pagedkv.hf.cache import kv_shape_of
 from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
@@ -60,7 +65,6 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     detok: dict[int, Detokenized] = field(default_factory=dict)  # sample index -> text so far
-    forked: bool = False
 
 
 @dataclass
@@ -118,11 +122,20 @@ class LLMEngine:
                 tokenizer = load_tokenizer(config.model)
         elif model.config._attn_implementation != "pagedkv":
             model.set_attn_implementation("pagedkv")
-        self.model = model
+        self.hf_config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
         self.tokenizer = tokenizer
         self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.config.get_text_config().vocab_size
         num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
         bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        self.model, self.model_impl = self._pick_model(model)
+        # The HF model stays on CPU (the demo checks answers against its generate); on a GPU its
+        # weights are freed once the own decoder holds its fused copy.
+        self.hf_model = model if self.model_impl == "hf" or self.device.type != "cuda" else None
+        if self.hf_model is None:
+            del model
+            torch.cuda.empty_cache()
         num_blocks = self._num_blocks(bytes_per_block)
         capacity_tokens = num_blocks * config.block_size
         max_model_len = self._max_model_len(capacity_tokens)
@@ -130,6 +143,7 @@ class LLMEngine:
         num_swap_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
         if config.preemption_mode == "swap" and num_swap_blocks == 0:
             raise ConfigError(f"swap_space {config.swap_space} bytes holds no block of {bytes_per_block} bytes")
+        self._seq_ids = itertools.count()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks, block_size=config.block_size, max_model_len=max_model_len,
@@ -139,20 +153,31 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=num_swap_blocks,
             ),
             eos_token_ids=self._eos_ids(),
+            seq_ids=self._seq_ids,
         )
-        self.pool = KVPool(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.pool, num_swap_blocks=num_swap_blocks,
-                                  max_num_seqs=config.max_num_seqs,
+        # One block more than the allocator hands out: CUDA-graph padding rows write their K/V there.
+        self.pool = KVPool(num_layers, num_blocks + 1, config.block_size, num_kv_heads, head_dim, self.dtype,
+                           self.device)
+        max_blocks_per_seq = num_blocks_for(max_model_len, config.block_size)
+        num_table_rows = 2 * config.max_num_seqs + 1
+        self.input_builder = StepInputBuilder(self.scheduler.block_manager, config.block_size, num_table_rows)
+        self.runner = ModelRunner(self.model, self.pool, is_own_model=self.model_impl == "pagedkv",
+                                  num_swap_blocks=num_swap_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_blocks_per_seq=num_blocks_for(max_model_len, config.block_size),
-                                  seed=config.seed)
+                                  max_blocks_per_seq=max_blocks_per_seq, num_table_rows=num_table_rows,
+                                  max_model_len=max_model_len, vocab_size=self.vocab_size,
+                                  eos_token_ids=self._eos_ids(), scratch_slot=num_blocks * config.block_size,
+                                  enforce_eager=config.enforce_eager)
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
         self._seq_to_request: dict[int, Request] = {}
         self._num_prompt_tokens = 0
         self._num_generated = 0
         self._busy = 0.0
+        # Detokenize every request that moved, every step (streaming servers need the text as it grows).
+        # False: only requests with stop strings and finished ones (offline generation).
+        self.detokenize_every_step = True
         # Called as on_step(scheduler_output, seconds) after every step that ran the model
         # (benchmarks record step times with it to calibrate the simulator's cost model).
         self.on_step = None
@@ -160,6 +185,21 @@ class LLMEngine:
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
             num_blocks * bytes_per_block / 2**20, self.dtype, max_model_len, capacity_tokens / max_model_len)
+
+    def _pick_model(self, hf_model: torch.nn.Module):
+        """(model, "pagedkv" | "hf"): the own decoder where it covers the family (per `model_impl`), else HF's modules."""
+        from pagedkv.models import LlamaFamilyModel, is_supported
+
+        wanted = self.config.model_impl
+        model_type = getattr(self.hf_config.get_text_config(), "model_type", None)
+        if wanted == "hf" or (wanted == "auto" and not is_supported(self.hf_config)):
+            logger.info("model path: HF modules with pagedkv attention (model_type %r)", model_type)
+            return hf_model, "hf"
+        max_positions = self.config.max_model_len or getattr(self.hf_config.get_text_config(),
+                                                               "max_position_embeddings", None)
+        own = LlamaFamilyModel.from_hf(hf_model, max_positions=max_positions)  # ConfigError if not covered
+        logger.info("model path: pagedkv's own decoder (model_type %r)", model_type)
+        return own, "pagedkv"
 
     # ------------------------------------------------------------------ startup sizing
     def _num_blocks(self, bytes_per_block: int) -> int:
@@ -180,7 +220,7 @@ class LLMEngine:
         return num_blocks
 
     def _max_model_len(self, capacity_tokens: int) -> int:
-        cfg = self.model.config
+        cfg = self.hf_config
         text = getattr(cfg, "text_config", None) or cfg
         model_limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         wanted = self.config.max_model_len
@@ -199,7 +239,7 @@ class LLMEngine:
 
     def _eos_ids(self) -> list[int]:
         ids = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config):
+        for source in (self.generation_config, self.hf_config):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             if isinstance(eos, int):
                 ids.add(eos)
@@ -221,7 +261,7 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in prompt):
             raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.model.config.get_text_config().vocab_size
+        vocab = self.vocab_size
         for token in prompt:
             if not 0 <= token < vocab:
                 raise InvalidArgumentError(f"token id {token} is outside the vocabulary [0, {vocab})")
@@ -236,7 +276,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority,
+                       seed=seed)
         request = Request(request_id, text, token_ids, params, [seq], time.perf_counter())
         self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -260,65 +302,70 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every request that progressed or finished."""
+        """Run one step; returns an output for every request that progressed or finished."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        touched: dict[str, Request] = {}
-        num_scheduled = len(out.scheduled)
-        for item in out.scheduled:
-            self._num_prompt_tokens += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
-        num_samples = {}
-        for item in out.scheduled:
-            request = self._seq_to_request[item.seq.seq_id]
-            if item.samples and request.params.n > 1 and not request.forked:
-                num_samples[item.seq.seq_id] = request.params.n
-        # Block moves run even in a step that schedules nothing (a swap-out must never be dropped).
-        samples = self.runner.execute(out, self.scheduler.block_manager.block_ids, num_samples)
-        if samples:
-            sampled = {}
-            for seq_id, tokens in samples.items():
-                sampled[seq_id] = tokens[0]
-                if len(tokens) > 1:
-                    sampled.update(self._fork(self._seq_to_request[seq_id], tokens, out))
-            self.scheduler.update(out, sampled)
-            self._num_generated += len(sampled)
-            now = time.perf_counter()
-            for seq_id in sampled:
-                request = self._seq_to_request[seq_id]
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                touched[request.request_id] = request
-        elif out.scheduled:
-            self.scheduler.update(out, {})
-        del out.scheduled[num_scheduled:]  # forked children are bookkeeping, not work this step ran
-        outputs = [self._output(request) for request in touched.values()]
-        for request, output in zip(list(touched.values()), outputs):
-            if output.finished:
-                request.finish_time = time.perf_counter()
-                output.metrics["finish_time"] = request.finish_time
-                self.requests.pop(request.request_id, None)
-                self._forget(request)
+        step_input = self.input_builder.build(out, self._seq_to_request, self._num_samples(out))
+        result = self.runner.execute(step_input)  # block moves run even in a step that schedules nothing
+        sampled = self._sampled(step_input, out, result)
+        finished = self.scheduler.update(out, sampled)
+        outputs = self._outputs(out, sampled, finished)
         elapsed = time.perf_counter() - start
         self._busy += elapsed
         if self.on_step is not None and not out.is_empty:
             self.on_step(out, elapsed)
         return outputs
 
-    def _fork(self, request: Request, tokens: list[int], out) -> dict[int, int]:
-        """Parallel sampling: the prompt's blocks are shared by n sequences, one per sample."""
-        parent = request.seqs[0]
-        item = next(i for i in out.scheduled if i.seq is parent)
-        extra = {}
-        for index, token in enumerate(tokens[1:], start=1):
-            child = Sequence(next(self._seq_ids), request.request_id, parent.prompt_token_ids, request.params,
-                             parent.arrival_index, priority=parent.priority, sample_index=index,
-                             token_ids=list(parent.token_ids), group_id=parent.group_id)
-            self.scheduler.fork(parent, child, out, item)
+    def _num_samples(self, out) -> dict[int, int]:
+        """Sequences whose step samples all n first tokens of an n > 1 request from one row."""
+        wanted = {}
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.sampling_params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0 \
+                    and item.end == seq.num_tokens and len(self._seq_to_request[seq.seq_id].seqs) == 1:
+                wanted[seq.seq_id] = seq.sampling_params.n
+        return wanted
+
+    def _sampled(self, step_input, out, result) -> dict[int, int | list[int]]:
+        """seq id -> sampled token (a list of n for a forking first sample), from the runner's result."""
+        if result is None:
+            return {}
+        sampled = {}
+        scheduled = out.scheduled
+        for index, tokens in zip(step_input.sample_seqs, result.token_ids()):
+            sampled[scheduled[index].seq.seq_id] = tokens if len(tokens) > 1 else tokens[0]
+        return sampled
+
+    def _outputs(self, out, sampled, finished) -> list[RequestOutput]:
+        """Register forked children, count tokens, and report every request that moved."""
+        for item in out.scheduled:
+            self._num_prompt_tokens += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
+        for child in out.forked:
+            request = self.requests[child.request_id]
             request.seqs.append(child)
             self._seq_to_request[child.seq_id] = request
-            extra[child.seq_id] = token
-        request.forked = True
-        return extra
+        for seq in finished:
+            self.input_builder.release(seq.seq_id)
+        touched: dict[str, Request] = {}
+        now = time.perf_counter()
+        for seq_id, tokens in sampled.items():
+            self._num_generated += len(tokens) if isinstance(tokens, list) else 1
+            request = self._seq_to_request.get(seq_id)
+            if request is None:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            output = self._output(request)
+            if output.finished:
+                request.finish_time = time.perf_counter()
+                output.metrics["finish_time"] = request.finish_time
+                self.requests.pop(request.request_id, None)
+                self._forget(request)
+            outputs.append(output)
+        return outputs
 
     def _text(self, request: Request, seq: Sequence) -> str:
         """Detokenized output so far, cut at the first stop string (which finishes the sequence)."""
@@ -372,8 +419,9 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         completions = []
+        lazy = not self.detokenize_every_step and not request.params.stop
         for seq in request.seqs:
-            text = self._text(request, seq)
+            text = "" if lazy and not seq.is_finished else self._text(request, seq)
             reason = seq.finish_reason.value if seq.finish_reason else None
             completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason))
         finished = all(c.finish_reason is not None for c in completions) and request.params.n == len(completions)
@@ -386,7 +434,7 @@ class LLMEngine:
     def _forget(self, request: Request) -> None:
         for seq in request.seqs:
             self._seq_to_request.pop(seq.seq_id, None)
-            self.runner.sampler.release((seq.group_id, seq.sample_index))
+            self.input_builder.release(seq.seq_id)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> EngineStats:

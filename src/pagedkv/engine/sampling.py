@@ -69,5 +69,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_history(self) -> bool:
+        return False
+
+    @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0

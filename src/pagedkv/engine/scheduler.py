@@ -25,6 +25,7 @@ over the first rows and one prefill kernel over the rest.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence as SequenceT
 from dataclasses import dataclass, field
@@ -118,6 +119,16 @@ class ScheduledSequence:
         return self.num_new_tokens == 1
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs, in the three numbers its time depends on (the simulator's cost model and the
+    engine benchmark's calibration both read this one definition)."""
+
+    prefill_tokens: int  # tokens of chunks with more than one query token
+    decode_seqs: int  # sequences with exactly one query token
+    kv_tokens: int  # K/V tokens attention reads: every scheduled sequence's length after the step
+
+
 @dataclass
 class SchedulerOutput:
     """Everything the runner must do for one step, in order: swaps, copies, then the model."""
@@ -127,6 +138,18 @@ class SchedulerOutput:
     swap_in: list[BlockCopy] = field(default_factory=list)  # CPU block -> GPU block
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, GPU -> GPU
     preempted: list[Sequence] = field(default_factory=list)
+    forked: list[Sequence] = field(default_factory=list)  # children created by update() (n > 1)
+
+    @property
+    def shape(self) -> StepShape:
+        prefill = decode = kv = 0
+        for item in self.scheduled:
+            if item.num_new_tokens == 1:
+                decode += 1
+            else:
+                prefill += item.num_new_tokens
+            kv += item.start + item.num_new_tokens
+        return StepShape(prefill, decode, kv)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -156,8 +179,9 @@ class SchedulerStats:
 class Scheduler:
     """Owns the waiting, running and swapped queues and the block manager."""
 
-    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (), seq_ids=None):
         self.config = config
+        self.seq_ids = seq_ids if seq_ids is not None else itertools.count()  # shared with whoever creates seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = KVBlockManager(
             config.num_blocks,
@@ -230,21 +254,6 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self._finish(seq, reason)
-
-    def fork(self, parent: Sequence, child: Sequence, out: SchedulerOutput | None = None,
-             item: ScheduledSequence | None = None) -> None:
-        """Run `child` beside `parent`, sharing all its blocks (parallel sampling, n > 1).
-
-        Called between `schedule()` and `update()` of the step in which `parent` sampled
-        (`item` is the parent's share of `out`): the child is added to that step as if it
-        had run the same chunk, so `update()` advances it and appends its own sample.
-        """
-        self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SequenceStatus.RUNNING
-        self.running.append(child)
-        if out is not None and item is not None:
-            out.scheduled.append(ScheduledSequence(child, item.start, item.num_new_tokens))
 
     @property
     def num_unfinished(self) -> int:
@@ -348,15 +357,17 @@ class Scheduler:
             )
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
         """Record a finished step: advance computed tokens, append sampled tokens, finish by length/EOS.
 
         `sampled` maps seq id -> new token for every scheduled sequence whose chunk reached
-        its last token. Returns the sequences that finished in this step.
+        its last token. A list of n tokens is the first sample of an n > 1 request: the sequence
+        keeps the first and forks n - 1 children (listed in `out.forked`) that share its blocks
+        and take one token each. Returns the sequences that finished in this step.
         """
         finished = []
         bm = self.block_manager
-        for item in out.scheduled:
+        for item in list(out.scheduled):
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished while the step ran
@@ -365,12 +376,33 @@ class Scheduler:
             token = sampled.get(seq.seq_id)
             if token is None:
                 continue
+            if isinstance(token, list):
+                for extra in token[1:]:
+                    child = self._fork(seq, item)
+                    child.token_ids.append(extra)
+                    out.forked.append(child)
+                    if (reason := self._stop_reason(child, extra)) is not None:
+                        self.finish(child, reason)
+                        finished.append(child)
+                token = token[0]
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _fork(self, parent: Sequence, item: ScheduledSequence) -> Sequence:
+        """A child of `parent` for the next of its n samples, sharing all its blocks (parallel sampling)."""
+        index = 1 + sum(1 for s in self.running if s.group_id == parent.group_id and s is not parent)
+        child = Sequence(next(self.seq_ids), parent.request_id, parent.prompt_token_ids, parent.sampling_params,
+                         parent.arrival_index, priority=parent.priority, sample_index=index,
+                         token_ids=list(parent.token_ids), group_id=parent.group_id, seed=parent.seed)
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return child
 
     # ------------------------------------------------------------------ internals
     def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSequence | None:
@@ -460,5 +492,6 @@ __all__: SequenceT[str] = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StepShape",
     "VictimPolicy",
 ]

@@ -53,6 +53,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    seed: int = 0  # the request's 64-bit sampling-stream seed (its own, or one the engine drew for it)
 
     def __post_init__(self):
         if not self.token_ids:
