@@ -104,7 +104,7 @@ def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | No
         load_seconds = time.perf_counter() - started
     engine = llm.engine
     console.print(f"[bold]Model[/bold] {model or 'SmolLM2-135M-Instruct (embedded GGUF)'} on {engine.device}, "
-                  f"{engine.dtype}, loaded in {load_seconds:.1f} s. KV pool: {engine.pool.num_blocks} blocks x "
+                  f"{engine.dtype}, loaded in {load_seconds:.1f} s. KV pool: {engine.scheduler.block_manager.num_blocks} blocks x "
                   f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}.")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]

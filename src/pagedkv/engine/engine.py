@@ -67,6 +67,22 @@ class Request:
     detok: dict[int, Detokenized] = field(default_factory=dict)  # sample index -> text so far
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one step's wall time went (seconds). Only `wait_s` overlaps the device's work."""
+
+    shape: object  # the step's StepShape
+    schedule_s: float
+    build_s: float  # SchedulerOutput -> StepInput
+    launch_s: float  # staging copy, block moves, graph replay or eager kernel launches, sampler launch
+    wait_s: float  # waiting for the sampled tokens (device time not yet covered by the host)
+    update_s: float  # scheduler update, detokenization, outputs
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.build_s + self.launch_s + self.wait_s + self.update_s
+
+
 @dataclass
 class EngineStats:
     """What `stats()` reports."""
@@ -181,6 +197,7 @@ class LLMEngine:
         # Called as on_step(scheduler_output, seconds) after every step that ran the model
         # (benchmarks record step times with it to calibrate the simulator's cost model).
         self.on_step = None
+        self.step_timings: list[StepTiming] | None = None  # a list turns per-phase step timing on
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
@@ -305,15 +322,22 @@ class LLMEngine:
         """Run one step; returns an output for every request that progressed or finished."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         step_input = self.input_builder.build(out, self._seq_to_request, self._num_samples(out))
+        built = time.perf_counter()
         result = self.runner.execute(step_input)  # block moves run even in a step that schedules nothing
-        sampled = self._sampled(step_input, out, result)
+        launched = time.perf_counter()
+        sampled = self._sampled(step_input, out, result)  # waits for the device
+        waited = time.perf_counter()
         finished = self.scheduler.update(out, sampled)
         outputs = self._outputs(out, sampled, finished)
-        elapsed = time.perf_counter() - start
-        self._busy += elapsed
+        end = time.perf_counter()
+        self._busy += end - start
+        if self.step_timings is not None and not out.is_empty:
+            self.step_timings.append(StepTiming(out.shape, scheduled - start, built - scheduled, launched - built,
+                                                waited - launched, end - waited))
         if self.on_step is not None and not out.is_empty:
-            self.on_step(out, elapsed)
+            self.on_step(out, end - start)
         return outputs
 
     def _num_samples(self, out) -> dict[int, int]:

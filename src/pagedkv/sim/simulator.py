@@ -121,17 +121,12 @@ class Simulation:
             if not scheduled and not out.preempted:
                 raise AssertionError(f"scheduler stalled at step {num_steps} with {scheduler.num_unfinished} "
                                      f"unfinished sequences and {scheduler.block_manager.num_free_blocks} free blocks")
-            prefill_tokens = decode_seqs = kv_tokens = 0
+            shape = out.shape  # the one definition of a step's cost, shared with the engine benchmark
+            prefill_tokens, decode_seqs, kv_tokens = shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens
             sampled: dict[int, int] = {}
             for item in scheduled:
                 seq = item.seq
-                num_new = item.num_new_tokens
-                end = item.start + num_new
-                kv_tokens += end
-                if num_new == 1:
-                    decode_seqs += 1
-                else:
-                    prefill_tokens += num_new
+                end = item.start + item.num_new_tokens
                 if end == len(seq.token_ids):
                     # Any deterministic token will do: ignore_eos and max_tokens decide the length.
                     sampled[seq.seq_id] = 1 + (seq.seq_id * 7919 + end) % vocab
