@@ -77,7 +77,7 @@ def test_preemption_prefix_cache_and_n_are_output_invariant_with_graphs(mode):
     big = LLM(hf_model=model, kv_cache_memory=64 * 2**20, max_model_len=256, max_num_seqs=16)
     reference = [o.outputs[0].token_ids for o in big.generate(prompts, params)]
     assert reference == _hf_reference(model, prompts, 40)
-    small = LLM(hf_model=model, num_blocks=14, block_size=16, max_model_len=256, watermark=0.0, max_num_seqs=16,
+    small = LLM(hf_model=model, num_blocks=14, block_size=16, max_model_len=200, watermark=0.0, max_num_seqs=16,
                 preemption_mode=mode, swap_space=2**20)
     assert small.engine.runner.graphs
     outs = small.generate(prompts, params)
