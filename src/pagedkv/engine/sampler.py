@@ -7,7 +7,7 @@
                                                                 → top-k → top-p → inverse CDF
 
 Randomness is counter-based, so there is no generator state to keep, release or restore. Each
-(seed, sample index) pair owns a splitmix64 stream whose state is `stream_key(seed, index)`;
+(seed, sample index) pair owns a splitmix64 stream whose state is `stream_keys(seed, index)`;
 the uniform behind a sequence's t-th output token is that stream's value number t + 1, computed
 directly on the host with numpy's wrapping uint64 arithmetic. One uniform per sample picks the
 token by inverse CDF over the row's float64 weights in vocabulary order. A draw is therefore a
@@ -211,7 +211,9 @@ class SamplerOutput:
 
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None, num_samples: list[int],
                  logprobs_ks: list[int | None]):
-        self._host = host  # [rows, width | width * 2 + 2 * k]: tokens, then sampled logprobs, top values, top ids
+        # [rows, width] tokens; when some row wants logprobs, then [rows, width] sampled logprobs,
+        # [rows, k] top values and [rows, k] top ids (k the largest asked for). All float64.
+        self._host = host
         self._event = event
         self._num_samples = num_samples
         self._logprobs_ks = logprobs_ks
