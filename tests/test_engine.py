@@ -261,3 +261,27 @@ def test_stop_string_completed_by_the_last_token_reports_stop():
     assert full.text.find(stop) == len(full.text) - 5  # the stop string first appears at the very end
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop=[stop]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == full.text[:-5]
+
+
+def test_logprobs_come_back_per_token_and_per_sample():
+    llm = _llm("tiny-llama")
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=3)
+    out = llm.generate([[4, 5, 6, 7]], params)[0]
+    for completion in out.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids) == 6
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert entry.token_id == token and entry.logprob <= 0.0
+            assert len(entry.top) == 3 and entry.top[0][1] >= entry.top[-1][1]
+    greedy = llm.generate([[4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert greedy.outputs[0].logprobs is None
+
+
+def test_min_tokens_holds_back_eos():
+    model = tiny("tiny-llama")
+    eos = model.generation_config.eos_token_id
+    llm = _llm("tiny-llama")
+    # A logit bias makes EOS the greedy choice; min_tokens must still produce 5 tokens first.
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=5, logit_bias={eos: 100.0})
+    out = llm.generate([[4, 5, 6]], params)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    assert out.finish_reason == "stop"

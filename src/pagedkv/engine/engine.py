@@ -65,6 +65,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     detok: dict[int, Detokenized] = field(default_factory=dict)  # sample index -> text so far
+    logprobs: dict[int, list] = field(default_factory=dict)  # sample index -> TokenLogprobs per output token
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
+        params.check_token_ids(self.vocab_size)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority,
                        seed=seed)
@@ -358,6 +360,13 @@ class LLMEngine:
         scheduled = out.scheduled
         for index, tokens in zip(step_input.sample_seqs, result.token_ids()):
             sampled[scheduled[index].seq.seq_id] = tokens if len(tokens) > 1 else tokens[0]
+        if any(row.params.logprobs is not None for row in step_input.sampling):
+            for index, row, entries in zip(step_input.sample_seqs, step_input.sampling, result.logprobs()):
+                if row.params.logprobs is None:
+                    continue
+                request = self._seq_to_request[scheduled[index].seq.seq_id]
+                for sample_index, entry in zip(row.sample_indices, entries):
+                    request.logprobs.setdefault(sample_index, []).append(entry)
         return sampled
 
     def _outputs(self, out, sampled, finished) -> list[RequestOutput]:
@@ -414,7 +423,7 @@ class LLMEngine:
                 state.prefix_offset, state.read_offset = state.read_offset, len(ids)
         params = seq.sampling_params
         text = state.text
-        if params.stop:
+        if params.stop and seq.num_output_tokens >= params.min_tokens:
             start = max(0, searched_from - max(len(stop) for stop in params.stop))
             hits = [(text.find(stop, start), stop) for stop in params.stop]
             hits = [(at, stop) for at, stop in hits if at != -1]
@@ -447,7 +456,9 @@ class LLMEngine:
         for seq in request.seqs:
             text = "" if lazy and not seq.is_finished else self._text(request, seq)
             reason = seq.finish_reason.value if seq.finish_reason else None
-            completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason))
+            logprobs = request.logprobs.get(seq.sample_index) if request.params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason,
+                                                logprobs=list(logprobs) if logprobs is not None else None))
         finished = all(c.finish_reason is not None for c in completions) and request.params.n == len(completions)
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
