@@ -65,9 +65,17 @@ class BoundAttention:
         self.backend = backend
         self.meta = meta
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
         return self.backend.forward(self.meta, layer_idx, q, k, v, scale=scale, sliding_window=sliding_window)
+
+    def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (k_cache, v_cache), for a fused kernel that writes K/V itself."""
+        return self.backend.pool.k_caches[layer_idx], self.backend.pool.v_caches[layer_idx]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.meta.slot_mapping
 
 
 class AttentionBackend:
@@ -156,14 +164,18 @@ class AttentionBackend:
         return BoundAttention(self, meta)
 
     # ------------------------------------------------------------------ per layer
-    def forward(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        """Write this step's K/V, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    def forward(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """Write this step's K/V (unless k is None: a fused kernel already did), then attend.
+
+        q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+        """
         pool = self.pool
         k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if k is not None:
+            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:

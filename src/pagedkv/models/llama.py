@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedkv.errors import ConfigError
+from pagedkv.kernels import fused as fused_ops
 
 #: `config.model_type` values this decoder covers; everything else runs on HF's modules.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -112,14 +113,6 @@ class DecoderConfig:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm, rounding included: normalise in fp32, cast back, then scale in the input dtype."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -127,7 +120,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return fused_ops.rms_norm_reference(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -150,12 +143,7 @@ class Rotary(nn.Module):
         """q [T, H, D], k [T, Hkv, D] -> rotated copies."""
         cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]  # [T, 1, D]
         sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return q * cos + fused_ops.rotate_half(q) * sin, k * cos + fused_ops.rotate_half(k) * sin
 
 
 class DecoderLayer(nn.Module):
@@ -177,21 +165,35 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
+                attn, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over the residual stream: returns (this layer's MLP output, the residual before it)."""
         cfg = self.cfg
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_norm(hidden))  # [T, (H + 2 Hkv) D]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        add_norm = fused_ops.add_rms_norm if fused else fused_ops.add_rms_norm_reference
+        normed, residual = add_norm(hidden, residual, self.input_norm.weight, cfg.rms_norm_eps)
+        qkv = self.qkv_proj(normed)  # [T, (H + 2 Hkv) D]
+        if fused:  # q/k norm, rotary and the K/V store in one kernel; q is rotated in place in qkv
+            k_cache, v_cache = attn.kv_cache(self.layer_idx)
+            q = fused_ops.qk_norm_rope_write_kv(
+                qkv, positions, rotary.cos, rotary.sin, self.q_norm.weight if cfg.qk_norm else None,
+                self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, k_cache, v_cache, attn.slot_mapping,
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+            k = v = None
+        else:
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary(positions, q, k)
         out = attn.forward(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
-        hidden = hidden + self.o_proj(out.view(num_tokens, cfg.q_size))
-        gate, up = self.gate_up_proj(self.post_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        hidden = self.o_proj(out.view(num_tokens, cfg.q_size))
+        normed, residual = add_norm(hidden, residual, self.post_norm.weight, cfg.rms_norm_eps)
+        gate_up = self.gate_up_proj(normed)
+        act = fused_ops.silu_mul(gate_up) if fused else fused_ops.silu_mul_reference(gate_up)
+        return self.down_proj(act), residual
 
 
 class LlamaFamilyModel(nn.Module):
@@ -207,6 +209,8 @@ class LlamaFamilyModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(inv_freq, attention_scaling, max_positions)
+        # The fused Triton kernels (pagedkv.kernels.fused) run on CUDA; CPU runs their torch references.
+        self.use_fused_kernels = True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
@@ -215,9 +219,11 @@ class LlamaFamilyModel(nn.Module):
 
         Returns logits [len(logits_indices), vocab] (all tokens when None).
         """
-        hidden = self.embed(input_ids)
+        fused = self.use_fused_kernels and input_ids.is_cuda
+        hidden, residual = self.embed(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rotary, attn)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, attn, fused)
+        hidden = hidden + residual  # the last layer's residual add (HF rounds it the same way)
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         return self.lm_head(self.norm(hidden))
