@@ -15,10 +15,13 @@ for stage in "$@"; do
   case $stage in
     tests)  python3 -m pytest -q -o addopts="" -m gpu tests/test_kernels_gpu.py tests/test_gpu_models.py \
               2>&1 | tee "$OUT/r/gpu_tests.log" | tail -25 ;;
+    engine-tests) python3 -m pytest -q -o addopts="" tests/test_gpu_models.py tests/test_fused_kernels.py \
+              tests/test_sampler.py tests/test_models.py 2>&1 | tee "$OUT/r/gpu_engine_tests.log" | tail -25 ;;
+    latency) python3 -m pagedkv bench latency --out "$OUT/r" 2>&1 | tee "$OUT/r/latency.log" | tail -40 ;;
     kernel) python3 -m pagedkv bench kernel --validate --variants --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     kernel-quick) python3 -m pagedkv bench kernel --validate --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     hf)     python3 -m pagedkv bench hf --out "$OUT/r" 2>&1 | tee "$OUT/r/hf.log" | tail -40 ;;
-    engine) python3 -m pagedkv bench engine --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
+    engine) python3 -m pagedkv bench engine --hf-time-limit 60 --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
     engine-nohf) python3 -m pagedkv bench engine --skip-hf --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
