@@ -63,7 +63,8 @@ def test_own_decoder_refuses_other_families():
 
 @pytest.mark.parametrize("impl", ["pagedkv", "hf"])
 def test_engine_paths_equal_hf_generate(impl):
-    llm = LLM(hf_model=tiny("tiny-qwen3"), block_size=4, num_blocks=256, model_impl=impl, max_num_batched_tokens=16)
+    llm = LLM(hf_model=tiny("tiny-qwen3"), block_size=4, num_blocks=256, model_impl=impl, max_num_batched_tokens=16,
+              device="cpu")
     assert llm.engine.model_impl == impl
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 21, 9)]
@@ -75,4 +76,4 @@ def test_engine_paths_equal_hf_generate(impl):
 
 def test_model_impl_pagedkv_on_an_uncovered_family_is_a_clear_error():
     with pytest.raises(ConfigError, match="not covered"):
-        LLM(hf_model=tiny("tiny-gpt2"), block_size=4, num_blocks=64, model_impl="pagedkv")
+        LLM(hf_model=tiny("tiny-gpt2"), block_size=4, num_blocks=64, model_impl="pagedkv", device="cpu")

@@ -192,9 +192,10 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generated = 0
         self._busy = 0.0
-        # Detokenize every request that moved, every step (streaming servers need the text as it grows).
-        # False: only requests with stop strings and finished ones (offline generation).
-        self.detokenize_every_step = True
+        # True: an output for every request that moved, every step, with its text so far (streaming).
+        # False: outputs only for finished requests (offline generation: no per-step detokenization or
+        # copies of growing token lists); stop strings are still checked every step.
+        self.stream_outputs = True
         # Called as on_step(scheduler_output, seconds) after every step that ran the model
         # (benchmarks record step times with it to calibrate the simulator's cost model).
         self.on_step = None
@@ -391,6 +392,12 @@ class LLMEngine:
             touched[request.request_id] = request
         outputs = []
         for request in touched.values():
+            if not self.stream_outputs and not self._is_finished(request):
+                if request.params.stop:
+                    for seq in request.seqs:
+                        self._text(request, seq)  # may finish the sequence on a stop string
+                if not self._is_finished(request):
+                    continue
             output = self._output(request)
             if output.finished:
                 request.finish_time = time.perf_counter()
@@ -450,11 +457,14 @@ class LLMEngine:
             encoded = encoded["input_ids"]
         return list(encoded)
 
+    @staticmethod
+    def _is_finished(request: Request) -> bool:
+        return len(request.seqs) == request.params.n and all(seq.is_finished for seq in request.seqs)
+
     def _output(self, request: Request) -> RequestOutput:
         completions = []
-        lazy = not self.detokenize_every_step and not request.params.stop
         for seq in request.seqs:
-            text = "" if lazy and not seq.is_finished else self._text(request, seq)
+            text = self._text(request, seq)
             reason = seq.finish_reason.value if seq.finish_reason else None
             logprobs = request.logprobs.get(seq.sample_index) if request.params.logprobs is not None else None
             completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason,

@@ -79,7 +79,7 @@ class LLM:
                 raise
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm, unit="req")
         bar.update(len(results))
-        streaming, self.engine.detokenize_every_step = self.engine.detokenize_every_step, False
+        streaming, self.engine.stream_outputs = self.engine.stream_outputs, False
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -91,7 +91,7 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         finally:
-            self.engine.detokenize_every_step = streaming
+            self.engine.stream_outputs = streaming
             bar.close()
         return [results[request_id] for request_id in ids]
 
