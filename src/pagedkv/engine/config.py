@@ -37,6 +37,9 @@ class EngineConfig:
     seed: int = 0
     model_impl: str = "auto"  # "auto": pagedkv's own decoder where it covers the family, else HF modules
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    # Schedule and launch step k+1 while the device runs step k (its tokens feed k+1 on the device).
+    # Requests with n > 1 or penalties run without overlap while they are live.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)

@@ -68,6 +68,23 @@ class Request:
     logprobs: dict[int, list] = field(default_factory=dict)  # sample index -> TokenLogprobs per output token
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not been read back yet."""
+
+    out: object  # SchedulerOutput
+    step_input: object  # StepInput
+    result: object  # SamplerOutput | None
+    length_finished: list  # sequences `advance` finished by length
+    wait_s: float = 0.0
+
+    @property
+    def rows(self) -> dict[int, int]:
+        """seq id -> this step's sampling row, for the next step's inputs that are this step's tokens."""
+        scheduled = self.out.scheduled
+        return {scheduled[index].seq.seq_id: row for row, index in enumerate(self.step_input.sample_seqs)}
+
+
 @dataclass(frozen=True)
 class StepTiming:
     """Where one step's wall time went (seconds). Only `wait_s` overlaps the device's work."""
@@ -186,6 +203,8 @@ class LLMEngine:
                                   eos_token_ids=self._eos_ids(), scratch_slot=num_blocks * config.block_size,
                                   enforce_eager=config.enforce_eager)
         self.requests: dict[str, Request] = {}
+        self._in_flight: _InFlight | None = None
+        self._num_sync_requests = 0  # live requests that need their tokens before the next step (n > 1, penalties)
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._seq_to_request: dict[int, Request] = {}
@@ -302,6 +321,8 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, [seq], time.perf_counter())
         self.scheduler.add(seq)
         self.requests[request_id] = request
+        if params.n > 1 or params.needs_history:
+            self._num_sync_requests += 1
         self._seq_to_request[seq.seq_id] = request
 
     def abort(self, request_id: str) -> bool:
@@ -322,26 +343,57 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that progressed or finished."""
+        """Run one step; returns an output for every request that progressed or finished.
+
+        With async scheduling the step launched here finishes in the next call: this call
+        schedules and launches step k, then waits for step k-1's tokens (which the device
+        has long produced, or is about to) and reports them, while the device runs step k.
+        """
         start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        previous = self._in_flight
+        if previous is not None and not self._can_overlap():
+            outputs += self._complete(previous)
+            self._in_flight = previous = None
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        step_input = self.input_builder.build(out, self._seq_to_request, self._num_samples(out))
+        step_input = self.input_builder.build(out, self._seq_to_request, self._num_samples(out),
+                                              previous_rows=previous.rows if previous is not None else None)
         built = time.perf_counter()
-        result = self.runner.execute(step_input)  # block moves run even in a step that schedules nothing
+        previous_tokens = previous.result.device_tokens if previous is not None and previous.result else None
+        result = self.runner.execute(step_input, previous_tokens)  # block moves run even in an empty step
+        length_finished = self.scheduler.advance(out)
+        current = _InFlight(out, step_input, result, length_finished)
         launched = time.perf_counter()
-        sampled = self._sampled(step_input, out, result)  # waits for the device
-        waited = time.perf_counter()
-        finished = self.scheduler.update(out, sampled)
-        outputs = self._outputs(out, sampled, finished)
+        wait_s = 0.0
+        if previous is not None:
+            outputs += self._complete(previous)
+            wait_s = previous.wait_s
+        self._in_flight = None
+        if self._can_overlap() and not out.is_empty:
+            self._in_flight = current
+        else:
+            outputs += self._complete(current)
+            wait_s += current.wait_s
         end = time.perf_counter()
         self._busy += end - start
         if self.step_timings is not None and not out.is_empty:
             self.step_timings.append(StepTiming(out.shape, scheduled - start, built - scheduled, launched - built,
-                                                waited - launched, end - waited))
+                                                wait_s, end - launched - wait_s))
         if self.on_step is not None and not out.is_empty:
             self.on_step(out, end - start)
         return outputs
+
+    def _can_overlap(self) -> bool:
+        return self.config.async_scheduling and self._num_sync_requests == 0
+
+    def _complete(self, flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, resolve them in the scheduler and report what moved."""
+        waiting = time.perf_counter()
+        sampled = self._sampled(flight.step_input, flight.out, flight.result)
+        flight.wait_s = time.perf_counter() - waiting
+        finished = flight.length_finished + self.scheduler.resolve(flight.out, sampled)
+        return self._outputs(flight.out, sampled, finished)
 
     def _num_samples(self, out) -> dict[int, int]:
         """Sequences whose step samples all n first tokens of an n > 1 request from one row."""
@@ -412,12 +464,12 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         state = request.detok.setdefault(seq.sample_index, Detokenized())
-        ids = seq.output_token_ids
+        ids = seq.known_output_token_ids
         decode = self.tokenizer.decode
         searched_from = len(state.text)
         if state.final:
             return state.text
-        if seq.is_finished:
+        if seq.is_done:
             # One full decode at the end, which also flushes a held-back partial character.
             state.text = decode(ids, skip_special_tokens=True)
             state.prefix_offset = state.read_offset = len(ids)
@@ -441,8 +493,10 @@ class LLMEngine:
                 state.final = True
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.STOP)
-                elif seq.finish_reason is FinishReason.LENGTH:
-                    seq.finish_reason = FinishReason.STOP  # the last allowed token completed a stop string
+                else:
+                    Scheduler.drop_pending(seq)  # a token still on its way is past the stop string
+                    if seq.finish_reason is FinishReason.LENGTH:
+                        seq.finish_reason = FinishReason.STOP  # the last allowed token completed a stop string
         return text
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -459,15 +513,15 @@ class LLMEngine:
 
     @staticmethod
     def _is_finished(request: Request) -> bool:
-        return len(request.seqs) == request.params.n and all(seq.is_finished for seq in request.seqs)
+        return len(request.seqs) == request.params.n and all(seq.is_done for seq in request.seqs)
 
     def _output(self, request: Request) -> RequestOutput:
         completions = []
         for seq in request.seqs:
             text = self._text(request, seq)
-            reason = seq.finish_reason.value if seq.finish_reason else None
+            reason = seq.finish_reason.value if seq.is_done else None
             logprobs = request.logprobs.get(seq.sample_index) if request.params.logprobs is not None else None
-            completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason,
+            completions.append(CompletionOutput(seq.sample_index, text, seq.known_output_token_ids, reason,
                                                 logprobs=list(logprobs) if logprobs is not None else None))
         finished = all(c.finish_reason is not None for c in completions) and request.params.n == len(completions)
         return RequestOutput(
@@ -477,6 +531,8 @@ class LLMEngine:
         )
 
     def _forget(self, request: Request) -> None:
+        if request.params.n > 1 or request.params.needs_history:
+            self._num_sync_requests -= 1
         for seq in request.seqs:
             self._seq_to_request.pop(seq.seq_id, None)
             self.input_builder.release(seq.seq_id)

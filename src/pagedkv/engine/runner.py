@@ -113,7 +113,8 @@ class ModelRunner:
         o = self._offsets = {}
         cursor = 0
         for name, size in (("ids", max_tokens), ("pos", max_tokens), ("slots", max_tokens), ("rows", max_seqs),
-                           ("lens", max_seqs), ("cu", max_seqs + 1), ("logits", max_seqs)):
+                           ("lens", max_seqs), ("cu", max_seqs + 1), ("logits", max_seqs), ("fill_at", max_seqs),
+                           ("fill_from", max_seqs)):
             o[name] = cursor
             cursor += size
         self._fixed = cursor
@@ -189,6 +190,10 @@ class ModelRunner:
             # The flat index of each sampling row's last token.
             ends = np.cumsum(step.query_lens)
             host[o["logits"]:o["logits"] + num_sample] = ends[step.sample_seqs] - 1
+        num_fill = len(step.pending_inputs)
+        if num_fill:
+            host[o["fill_at"]:o["fill_at"] + num_fill] = [at for at, _ in step.pending_inputs]
+            host[o["fill_from"]:o["fill_from"] + num_fill] = [row for _, row in step.pending_inputs]
         num_updates = 0
         if step.table_updates:
             width = self.max_blocks_per_seq
@@ -208,7 +213,14 @@ class ModelRunner:
             start = self._fixed
             self.backend.update_tables(self._dev[start:start + num_updates],
                                        self._dev[start + num_updates:start + 2 * num_updates])
-        return num_updates
+        return num_fill
+
+    def _fill_pending(self, num_fill: int, previous_tokens: torch.Tensor) -> None:
+        """Input tokens sampled by the step still in flight: copied on the device, never through the host."""
+        o = self._offsets
+        at = self._dev[o["fill_at"]:o["fill_at"] + num_fill]
+        rows = self._dev[o["fill_from"]:o["fill_from"] + num_fill]
+        self.input_ids.index_copy_(0, at, previous_tokens.index_select(0, rows))
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -247,15 +259,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, step: StepInput):
-        """Run one step; returns the sampler's output (its `token_ids()` waits for the device) or None."""
+    def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None):
+        """Run one step; returns the sampler's output (its `token_ids()` waits for the device) or None.
+
+        `previous_tokens` [rows] are the device-side first samples of the step before, which
+        `step.pending_inputs` refers to (async scheduling). Nothing here waits for the device.
+        """
         self.swap_out(step.swap_out)
         self.swap_in(step.swap_in)
         self.copy_blocks(step.block_copies)
         if not step.num_seqs:
             return None
         padded = self._graph_for(step.num_seqs) if step.is_decode_only and self.graphs else 0
-        self._stage(step, padded_batch=padded)
+        num_fill = self._stage(step, padded_batch=padded)
+        if num_fill:
+            self._fill_pending(num_fill, previous_tokens)
         num_sample = len(step.sample_seqs)
         if padded:
             graph, graph_logits = self.graphs[padded]

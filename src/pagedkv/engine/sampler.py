@@ -210,7 +210,9 @@ class SamplerOutput:
     """One step's sampled tokens (and logprobs), on their way to the host in one copy."""
 
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None, num_samples: list[int],
-                 logprobs_ks: list[int | None]):
+                 logprobs_ks: list[int | None], device_tokens: torch.Tensor | None = None):
+        # The first sample of each row, still on the device: the next step's inputs under async scheduling.
+        self.device_tokens = device_tokens
         # [rows, width] tokens; when some row wants logprobs, then [rows, width] sampled logprobs,
         # [rows, k] top values and [rows, k] top ids (k the largest asked for). All float64.
         self._host = host
@@ -300,4 +302,4 @@ class Sampler:
             event = torch.cuda.Event()
             event.record()
             result = host
-        return SamplerOutput(result, event, step.num_samples, step.logprobs_ks)
+        return SamplerOutput(result, event, step.num_samples, step.logprobs_ks, device_tokens=tokens[:, 0])

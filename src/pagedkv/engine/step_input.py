@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.engine.sampler import SamplingRow
 from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.engine.sequence import PENDING_TOKEN
 
 
 @dataclass
@@ -38,6 +39,9 @@ class StepInput:
     num_decode_seqs: int = 0
     # (row, first column, block ids): the persistent table rows this step changes
     table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # (token index, sampling row of the previous step): input tokens still on the device (async
+    # scheduling); the runner copies them from the previous step's sampled tokens
+    pending_inputs: list[tuple[int, int]] = field(default_factory=list)
     sample_seqs: list[int] = field(default_factory=list)  # [num_sampling_rows] index into the scheduled seqs
     sampling: list[SamplingRow] = field(default_factory=list)  # [num_sampling_rows]
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block)
@@ -115,8 +119,13 @@ class StepInputBuilder:
         """A sequence left the device (finished, aborted or preempted): its row can be reused."""
         self.rows.release(seq_id)
 
-    def build(self, out: SchedulerOutput, live_seq_ids, num_samples: dict[int, int] | None = None) -> StepInput:
-        """The runner's input for `out`. `num_samples[seq_id] = n` asks for n samples from one row."""
+    def build(self, out: SchedulerOutput, live_seq_ids, num_samples: dict[int, int] | None = None,
+              previous_rows: dict[int, int] | None = None) -> StepInput:
+        """The runner's input for `out`. `num_samples[seq_id] = n` asks for n samples from one row.
+
+        `previous_rows` maps seq id -> sampling row of the step still in flight, for decode
+        inputs that are that step's (still unknown) tokens.
+        """
         for seq in out.preempted:
             self.rows.release(seq.seq_id)
         step = StepInput(
@@ -139,10 +148,15 @@ class StepInputBuilder:
             block_ids = table.block_ids
             if end - start == 1:
                 num_decode += 1
-                input_ids.append(seq.token_ids[start])
+                token = seq.token_ids[start]
+                if token == PENDING_TOKEN:
+                    step.pending_inputs.append((len(input_ids), previous_rows[seq.seq_id]))
+                    token = 0
+                input_ids.append(token)
                 positions.append(start)
                 slots.append(block_ids[start // block_size] * block_size + start % block_size)
             else:
+                assert seq.first_pending_index >= end, f"a prefill chunk of {seq} reads a pending token"
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 pos = start
