@@ -443,13 +443,15 @@ class LLMEngine:
                 request.first_token_time = now
             touched[request.request_id] = request
         outputs = []
+        ended = {seq.request_id for seq in finished}
         for request in touched.values():
+            if not self.stream_outputs and request.request_id not in ended:
+                if not request.params.stop:
+                    continue  # offline: nothing to report until a sequence of it finishes
+                for seq in request.seqs:
+                    self._text(request, seq)  # may finish the sequence on a stop string
             if not self.stream_outputs and not self._is_finished(request):
-                if request.params.stop:
-                    for seq in request.seqs:
-                        self._text(request, seq)  # may finish the sequence on a stop string
-                if not self._is_finished(request):
-                    continue
+                continue
             output = self._output(request)
             if output.finished:
                 request.finish_time = time.perf_counter()

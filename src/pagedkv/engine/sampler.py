@@ -277,6 +277,14 @@ class Sampler:
         self._check(logits, rows)
         if not rows:
             return SamplerOutput(torch.zeros(0, 0, dtype=torch.float64), None, [], [])
+        if all(row.params.is_greedy and not row.params.needs_penalties and row.params.logprobs is None
+               for row in rows):
+            # Plain greedy (the common serving case): one argmax on the logits as they are (a bf16 -> fp32
+            # cast is exact, so the first maximum is the same), no per-row packing, one copy back.
+            width = max(len(row.sample_indices) for row in rows)
+            tokens = logits.argmax(-1, keepdim=True)
+            return self._send(tokens.expand(-1, width).contiguous(), [len(row.sample_indices) for row in rows],
+                              [None] * len(rows), tokens[:, 0])
         step = _pack(rows, self.vocab_size, self.eos_token_ids, self.device)
         raw = logits.float()
         adjusted = _adjust(raw, step)
@@ -294,7 +302,11 @@ class Sampler:
             logprobs = raw.log_softmax(-1)
             top = logprobs.topk(max(ks), dim=-1)
             parts += [logprobs.gather(1, tokens).double(), top.values.double(), top.indices.double()]
-        result = torch.cat(parts, dim=1)
+        return self._send(torch.cat(parts, dim=1), step.num_samples, step.logprobs_ks, tokens[:, 0])
+
+    @staticmethod
+    def _send(result: torch.Tensor, num_samples: list[int], logprobs_ks: list, device_tokens: torch.Tensor):
+        """Start the one device-to-host copy of a step's results (pinned memory, an event to wait on)."""
         event = None
         if result.is_cuda:
             host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
@@ -302,4 +314,4 @@ class Sampler:
             event = torch.cuda.Event()
             event.record()
             result = host
-        return SamplerOutput(result, event, step.num_samples, step.logprobs_ks, device_tokens=tokens[:, 0])
+        return SamplerOutput(result, event, num_samples, logprobs_ks, device_tokens=device_tokens)
