@@ -127,6 +127,7 @@ class StepShape:
     prefill_tokens: int  # tokens of chunks with more than one query token
     decode_seqs: int  # sequences with exactly one query token
     kv_tokens: int  # K/V tokens attention reads: every scheduled sequence's length after the step
+    swapped_blocks: int = 0  # blocks copied between the device and host swap space
 
 
 @dataclass
@@ -149,7 +150,7 @@ class SchedulerOutput:
             else:
                 prefill += item.num_new_tokens
             kv += item.start + item.num_new_tokens
-        return StepShape(prefill, decode, kv)
+        return StepShape(prefill, decode, kv, len(self.swap_out) + len(self.swap_in))
 
     @property
     def num_batched_tokens(self) -> int:

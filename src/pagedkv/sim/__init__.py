@@ -12,6 +12,9 @@ numbers on any machine.
     sweep.py       many runs (optionally in processes), the watermark sweep, its plot
     fidelity.py    predict a measured engine run's throughput
     cli.py         `pagedkv sim`
+    chat_workload.py  open-loop chat requests sharing system prompts (Poisson or bursty arrivals)
+    cluster.py     R replicas behind the real router (`engine.router`) on one clock; the replica-count search
+    cluster_cli.py `pagedkv sim --cluster`
 """
 
 from pagedkv.sim.cost_model import CostModel, StepMeasurement, fit, load_cost_model, resolve_cost_model

@@ -4,6 +4,7 @@
     pagedkv sim --sweep                 watermarks 0-50% x victim policies x preemption modes;
                                         writes <out>/sim_sweep.json and <out>/sim_sweep.png
     pagedkv sim --fidelity RUN.json     predict a measured engine run's throughput
+    pagedkv sim --cluster               replicas behind the data-parallel router (see sim.cluster_cli)
 
 Standard output depends only on the arguments and the cost model, never on the machine or
 the clock (wall time and provenance go to the JSON files only). Bad input raises
@@ -20,6 +21,7 @@ import time
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.cli import ArgumentParser
 from pagedkv.errors import InvalidArgumentError, require_positive_int
+from pagedkv.sim.cluster_cli import add_cluster_arguments, run_cluster
 from pagedkv.sim.cost_model import CostModel, resolve_cost_model
 from pagedkv.sim.fidelity import TARGET_RELATIVE_ERROR, load_engine_run, predict
 from pagedkv.sim.sweep import (
@@ -82,6 +84,7 @@ def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     run.add_argument("--out", default="benchmarks/results", help="where --sweep and --fidelity write (default %(default)s)")
     run.add_argument("--tag", default="", help="suffix of the written file names: sim_sweep_TAG.json (default none)")
+    add_cluster_arguments(parser)
     return parser
 
 
@@ -194,6 +197,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
     args = build_parser(prog).parse_args(argv)
     _check_args(args)
     cost_model = resolve_cost_model(args.cost_model)
+    if args.cluster:
+        return run_cluster(args, cost_model)
     if args.fidelity:
         return _run_fidelity(args, cost_model)
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import asdict, dataclass
 
 from pagedkv.engine.sampling import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepShape
 from pagedkv.engine.sequence import FinishReason, Sequence
 from pagedkv.errors import RequestRejectedError, require_positive_int
 from pagedkv.sim.cost_model import CostModel
@@ -62,6 +62,28 @@ class SimResult:
         return asdict(self)
 
 
+def fake_step(out: SchedulerOutput, block_size: int,
+              vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[StepShape, dict[int, int]]:
+    """Run a scheduled step without a model: its shape (the scheduler's one definition) and a
+    deterministic token per sampling sequence."""
+    sampled: dict[int, int] = {}
+    vocab = vocab_size - 1
+    for item in out.scheduled:
+        seq = item.seq
+        end = item.start + item.num_new_tokens
+        if end == len(seq.token_ids):
+            # Any deterministic token will do: ignore_eos and max_tokens decide the length.
+            sampled[seq.seq_id] = 1 + (seq.seq_id * 7919 + end) % vocab
+    return out.shape, sampled
+
+
+def job_sequence(job: Job, seq_id: int) -> Sequence:
+    """A job as a new engine `Sequence` that generates exactly its output length; `seq_id` is its arrival order."""
+    params = SamplingParams(max_tokens=job.num_output_tokens, ignore_eos=True)
+    return Sequence(seq_id, f"job-{job.job_id}", list(job.prompt_token_ids), params,
+                    arrival_index=seq_id, priority=job.priority)
+
+
 class Simulation:
     """One run: a fresh `Scheduler` for `config`, fed `jobs` by `num_clients` closed-loop clients."""
 
@@ -79,17 +101,13 @@ class Simulation:
 
     def _sequence(self, index: int) -> Sequence:
         # Sequence ids are submission indices (job ids need not be contiguous); arrival order is submission order.
-        job = self.jobs[index]
-        params = SamplingParams(max_tokens=job.num_output_tokens, ignore_eos=True)
-        return Sequence(index, f"job-{job.job_id}", list(job.prompt_token_ids), params,
-                        arrival_index=index, priority=job.priority)
+        return job_sequence(self.jobs[index], index)
 
     def run(self) -> SimResult:
         """Simulate until every job has finished (or was rejected as never fitting)."""
         scheduler = self.scheduler
         cost = self.cost_model
         block_size = self.config.block_size
-        vocab = self.vocab_size - 1
         num_jobs = len(self.jobs)
         submit_time = [0.0] * num_jobs
         first_scheduled: list[float | None] = [None] * num_jobs
@@ -121,25 +139,17 @@ class Simulation:
             if not scheduled and not out.preempted:
                 raise AssertionError(f"scheduler stalled at step {num_steps} with {scheduler.num_unfinished} "
                                      f"unfinished sequences and {scheduler.block_manager.num_free_blocks} free blocks")
-            shape = out.shape  # the one definition of a step's cost, shared with the engine benchmark
-            prefill_tokens, decode_seqs, kv_tokens = shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens
-            sampled: dict[int, int] = {}
+            shape, sampled = fake_step(out, block_size, self.vocab_size)
             for item in scheduled:
-                seq = item.seq
-                end = item.start + item.num_new_tokens
-                if end == len(seq.token_ids):
-                    # Any deterministic token will do: ignore_eos and max_tokens decide the length.
-                    sampled[seq.seq_id] = 1 + (seq.seq_id * 7919 + end) % vocab
-                if first_scheduled[seq.seq_id] is None:
-                    first_scheduled[seq.seq_id] = clock
-            swapped_tokens = (len(out.swap_out) + len(out.swap_in)) * block_size
-            dt = cost.step_time_s(prefill_tokens, decode_seqs, kv_tokens, swapped_tokens)
+                if first_scheduled[item.seq.seq_id] is None:
+                    first_scheduled[item.seq.seq_id] = clock
+            dt = cost.step_time_s(shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens, shape.swapped_blocks * block_size)
             num_running = len(scheduler.running)
             peak_running = max(peak_running, num_running)
-            decoding_time += decode_seqs * dt
+            decoding_time += shape.decode_seqs * dt
             running_time += num_running * dt
-            num_prefill_total += prefill_tokens
-            num_swapped_total += swapped_tokens
+            num_prefill_total += shape.prefill_tokens
+            num_swapped_total += shape.swapped_blocks * block_size
             num_steps += 1
             clock += dt
             for seq in scheduler.update(out, sampled):

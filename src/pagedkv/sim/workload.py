@@ -63,6 +63,18 @@ def split_length(num_tokens: int, prompt_fraction: float) -> tuple[int, int]:
     return num_prompt, num_tokens - num_prompt
 
 
+def random_tokens(rng: SplitMix64, num_tokens: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
+    """`num_tokens` token ids in [1, vocab_size) from `rng`."""
+    # One 64-bit draw gives four 16-bit-ish token ids: a quarter of the generator calls.
+    tokens: list[int] = []
+    while len(tokens) < num_tokens:
+        x = rng.next_u64()
+        for _ in range(4):
+            tokens.append(1 + (x & 0xFFFF) % (vocab_size - 1))
+            x >>= 16
+    return tokens[:num_tokens]
+
+
 def jobs_from_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int], seed: int = DEFAULT_SEED,
                       vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[Job]:
     """Jobs with these prompt and output lengths, distinct seeded prompt tokens and priorities."""
@@ -76,14 +88,8 @@ def jobs_from_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int], se
     for job_id, (num_prompt, num_output) in enumerate(zip(prompt_lens, output_lens)):
         require_positive_int(f"prompt length of job {job_id}", num_prompt)
         require_positive_int(f"output length of job {job_id}", num_output)
-        # One 64-bit draw gives four 16-bit-ish token ids: a quarter of the generator calls.
-        tokens: list[int] = []
-        while len(tokens) < num_prompt:
-            x = rng.next_u64()
-            for _ in range(4):
-                tokens.append(1 + (x & 0xFFFF) % (vocab_size - 1))
-                x >>= 16
-        jobs.append(Job(job_id, tuple(tokens[:num_prompt]), num_output, priority=rng.randint(0, NUM_PRIORITIES - 1)))
+        tokens = random_tokens(rng, num_prompt, vocab_size)
+        jobs.append(Job(job_id, tuple(tokens), num_output, priority=rng.randint(0, NUM_PRIORITIES - 1)))
     return jobs
 
 

@@ -1,0 +1,294 @@
+"""The data-parallel router: which engine replica serves a new request.
+
+Pure Python, no torch: the server calls it from request handlers and the cluster
+simulator calls it from its event loop, on the very same code.
+
+Policies:
+- `prefix` (default): the replica that holds the longest cached prefix of the prompt, judged
+  by the engine's own block hashes (`pagedkv.core.prefix_cache.hash_blocks`, so the router
+  and every replica compute identical keys). Ties and misses go to the least-loaded replica:
+  fewest waiting requests, then most free blocks, then lowest index.
+- `least_loaded`: always the least-loaded replica, by the same key.
+- `round_robin`: replicas in turn.
+
+Two refinements of the prefix rule, both configurable (`RouterConfig`):
+
+1. **Recent decisions.** A replica only *has* a prefix once it has prefilled it, so a burst
+   of requests sharing a new system prompt would all miss and be spread over every replica,
+   each of which then computes the same prefix. Like sglang's router (whose approximate radix
+   tree records where it sent each prefix, not what the workers hold), the router also
+   remembers, per block key, the replica it last sent that block to. A replica's match is
+   the longer of what it reports cached and what the router remembers sending it:
+
+       prompt keys   | h0 | h1 | h2 | h3 | h4 |
+       replica 2     | cached  | cached  |              -> 2 blocks
+       remembered    | -> 5    | -> 5    | -> 5 | -> 5 | -> 4 blocks for replica 5 (in flight)
+
+   The memory is bounded (LRU over keys) and can be stale: a remembered replica may have
+   evicted the blocks since. That costs one miss on a replica that was a good guess anyway.
+2. **Balance guard.** Pure prefix affinity sends every request of a popular prefix to one
+   replica, however busy. A replica is eligible for a prefix match only while its requests
+   in flight (waiting + running) exceed the least-busy replica's by at most
+   `balance_threshold` (32 by default, sglang's `balance_abs_threshold`); past that the
+   request goes to the best eligible replica (a miss goes to the least-loaded one), which
+   then caches the prefix too, so hot prefixes end up on as many replicas as their load
+   needs. The guard counts running requests, not only waiting ones, because a replica
+   slows down with its batch long before its queue grows (in the cluster simulation with
+   the default cost model, a guard on waiting requests alone doubled the P99 latency).
+
+Replica state is read through the small `Replica` protocol. Reads may race with the replica's
+engine thread; they are single attribute reads and dict lookups (atomic under the GIL), so
+the worst case is a slightly stale view, which only makes a routing choice less good. The
+router's own state (round-robin position, memory, counters) sits behind one lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pagedkv.core.prefix_cache import BlockHash, hash_blocks
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.errors import ConfigError, PagedKVError, require_positive_int
+
+DEFAULT_BALANCE_THRESHOLD = 32
+DEFAULT_MAX_REMEMBERED_BLOCKS = 1 << 16
+
+
+class NoReplicaAvailableError(PagedKVError):
+    """Every replica was excluded (e.g. all unhealthy), so a request cannot be routed."""
+
+
+class RoutingPolicy(str, enum.Enum):
+    """How the router picks a replica."""
+
+    PREFIX = "prefix"
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+
+
+class Replica(Protocol):
+    """What the router reads from one engine replica."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (the same on every replica)."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued but not yet admitted."""
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks an allocation could get now (evictable cached blocks count as free)."""
+
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `block_hashes` the replica's prefix cache holds."""
+
+
+class SchedulerReplica:
+    """The `Replica` view of one engine `Scheduler` (the simulator's replicas, or a server's engines)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.config.block_size
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.block_manager.num_free_blocks
+
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        cache = self.scheduler.block_manager.prefix_cache
+        return len(cache.match(block_hashes)) if cache is not None else 0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Routing policy and the prefix policy's two refinements (see the module docstring).
+
+    `balance_threshold=None` turns the balance guard off (pure prefix affinity);
+    `max_remembered_blocks=0` turns the memory of recent decisions off.
+    """
+
+    policy: RoutingPolicy = RoutingPolicy.PREFIX
+    balance_threshold: int | None = DEFAULT_BALANCE_THRESHOLD
+    max_remembered_blocks: int = DEFAULT_MAX_REMEMBERED_BLOCKS
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "policy", RoutingPolicy(self.policy))
+        except ValueError:
+            choices = ", ".join(p.value for p in RoutingPolicy)
+            raise ConfigError(f"routing policy must be one of {choices}; got {self.policy!r}") from None
+        if self.balance_threshold is not None:
+            require_positive_int("balance_threshold", self.balance_threshold, allow_zero=True)
+        require_positive_int("max_remembered_blocks", self.max_remembered_blocks, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where a request went and why."""
+
+    replica: int
+    num_prompt_blocks: int  # prompt blocks that could hit (all full blocks but the last token's)
+    num_matched_blocks: int  # of those, the chosen replica's match (cached or remembered)
+    reason: str  # "prefix", "least_loaded" (tie, miss or policy), "balance" (guard overrode), "round_robin"
+
+
+@dataclass
+class RouterStats:
+    """Counters since construction."""
+
+    num_routed: int = 0
+    num_prefix: int = 0  # sent to a replica for its prefix match
+    num_balanced: int = 0  # a longer match existed but its replica was too loaded
+    num_per_replica: list[int] = field(default_factory=list)
+
+
+class Router:
+    """Chooses a replica for each request; safe to call from several threads."""
+
+    def __init__(self, replicas: Sequence[Replica], config: RouterConfig = RouterConfig()):
+        require_positive_int("replicas", len(replicas))
+        block_sizes = sorted({replica.block_size for replica in replicas})
+        if len(block_sizes) > 1:
+            raise ConfigError(f"replicas must share one block size to share block hashes, got {block_sizes}")
+        self.replicas = list(replicas)
+        self.config = config
+        self.block_size = block_sizes[0]
+        self.stats = RouterStats(num_per_replica=[0] * len(replicas))
+        self._lock = threading.Lock()
+        self._next_round_robin = 0
+        self._remembered: OrderedDict[BlockHash, int] = OrderedDict()  # block key -> replica last sent it
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def prompt_block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Keys of the prompt blocks that could hit: every full block that leaves the last token to compute.
+
+        The same keys, and the same cap, as `KVBlockManager.match_prefix`: the model must run
+        on the last prompt token, so a prompt of exactly k blocks can hit k - 1 of them.
+        """
+        num_blocks = max(0, len(token_ids) - 1) // self.block_size
+        return hash_blocks(token_ids[:num_blocks * self.block_size], self.block_size)
+
+    def route(self, token_ids: Sequence[int], exclude: Collection[int] = ()) -> RouteDecision:
+        """Pick a replica for a prompt, skipping the replica indices in `exclude`.
+
+        Raises `NoReplicaAvailableError` (no state changes) when every replica is excluded.
+        """
+        policy = self.config.policy
+        keys = self.prompt_block_hashes(token_ids) if policy is RoutingPolicy.PREFIX else []
+        with self._lock:
+            candidates = [i for i in range(len(self.replicas)) if i not in exclude]
+            if not candidates:
+                raise NoReplicaAvailableError(f"all {len(self.replicas)} replicas are excluded")
+            if policy is RoutingPolicy.ROUND_ROBIN:
+                decision = self._round_robin(candidates)
+            elif policy is RoutingPolicy.LEAST_LOADED:
+                decision = RouteDecision(self._least_loaded(candidates), 0, 0, "least_loaded")
+            else:
+                decision = self._by_prefix(keys, candidates)
+                self._remember(keys, decision.replica)
+            self.stats.num_routed += 1
+            self.stats.num_prefix += decision.reason == "prefix"
+            self.stats.num_balanced += decision.reason == "balance"
+            self.stats.num_per_replica[decision.replica] += 1
+            return decision
+
+    # ------------------------------------------------------------------ policies
+    def _load_key(self, index: int) -> tuple[int, int, int]:
+        replica = self.replicas[index]
+        return (replica.num_waiting, -replica.num_free_blocks, index)
+
+    def _num_in_flight(self, index: int) -> int:
+        replica = self.replicas[index]
+        return replica.num_waiting + replica.num_running
+
+    def _least_loaded(self, candidates: Sequence[int]) -> int:
+        return min(candidates, key=self._load_key)
+
+    def _round_robin(self, candidates: Sequence[int]) -> RouteDecision:
+        # The next replica at or after the position, so an excluded one is skipped, not retried.
+        start = self._next_round_robin
+        index = min(candidates, key=lambda i: (i - start) % len(self.replicas))
+        self._next_round_robin = (index + 1) % len(self.replicas)
+        return RouteDecision(index, 0, 0, "round_robin")
+
+    def _by_prefix(self, keys: Sequence[BlockHash], candidates: Sequence[int]) -> RouteDecision:
+        matched = {i: self.replicas[i].num_cached_blocks(keys) for i in candidates} if keys else {}
+        if keys:
+            owner, num_remembered = self._remembered_prefix(keys)
+            if owner in matched:
+                matched[owner] = max(matched[owner], num_remembered)
+        best = max(matched.values(), default=0)
+        if best == 0:
+            return RouteDecision(self._least_loaded(candidates), len(keys), 0, "least_loaded")
+        threshold = self.config.balance_threshold
+        eligible = list(candidates)
+        if threshold is not None:
+            in_flight = {i: self._num_in_flight(i) for i in candidates}
+            limit = min(in_flight.values()) + threshold
+            eligible = [i for i in candidates if in_flight[i] <= limit]
+        top = max(matched[i] for i in eligible)
+        if top == 0:
+            return RouteDecision(self._least_loaded(eligible), len(keys), 0, "balance")
+        index = self._least_loaded([i for i in eligible if matched[i] == top])
+        return RouteDecision(index, len(keys), top, "prefix" if top == best else "balance")
+
+    # ------------------------------------------------------------------ memory of decisions
+    def _remembered_prefix(self, keys: Sequence[BlockHash]) -> tuple[int | None, int]:
+        """The replica the router last sent the first block to, and how many leading blocks it sent there."""
+        owner = self._remembered.get(keys[0])
+        if owner is None:
+            return None, 0
+        count = 0
+        for key in keys:
+            if self._remembered.get(key) != owner:
+                break
+            count += 1
+        return owner, count
+
+    def _remember(self, keys: Sequence[BlockHash], replica: int) -> None:
+        capacity = self.config.max_remembered_blocks
+        if capacity == 0:
+            return
+        remembered = self._remembered
+        for key in keys[:capacity]:  # leading blocks: a remembered prefix is read from the first block on
+            remembered[key] = replica
+            remembered.move_to_end(key)
+        while len(remembered) > capacity:
+            remembered.popitem(last=False)
+
+
+__all__: Sequence[str] = [
+    "NoReplicaAvailableError",
+    "Replica",
+    "RouteDecision",
+    "Router",
+    "RouterConfig",
+    "RouterStats",
+    "RoutingPolicy",
+    "SchedulerReplica",
+]
