@@ -40,6 +40,7 @@ def sdpa(model):
         model.set_attn_implementation("pagedkv")
 
 
+@torch.no_grad()  # as in HF's prompt-reuse recipe; DynamicCache tensors with grad history cannot be deep-copied
 def forward(model, ids, mask, cache) -> torch.Tensor:
     """One forward through `cache`; returns the logits."""
     return model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits

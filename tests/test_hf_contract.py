@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from helpers import left_padded
 from hf_oracle import CONTRACT_MODELS, assistant_of, forward, generate, model_of, sdpa
-from pagedkv import InvalidArgumentError
+from pagedkv import InvalidArgumentError, PagedKVError
 from pagedkv.hf import PagedCache, PagePool
 
 
@@ -246,5 +246,48 @@ def test_bad_batch_indices_raise_and_change_nothing():
     with pytest.raises(InvalidArgumentError, match="repeats"):
         cache.batch_repeat_interleave(0)
     assert [list(t.block_ids) for t in cache.tables] == tables
+    cache.free()
+    pool.check_integrity()
+
+
+def test_a_failed_step_after_a_fork_rolls_back_with_its_copy_filled():
+    """Out of blocks mid-step: rows already moved onto private copies keep them, filled, and nothing else changes."""
+    model = model_of("tiny-llama")
+    ids, mask = left_padded([6], seed=3)  # 2 blocks of 4, the last one partial
+    pool = PagePool.for_model(model, num_blocks=4, block_size=4)
+    paged, dynamic = PagedCache(pool), DynamicCache()
+    forward(model, ids, mask, paged)
+    with sdpa(model):
+        forward(model, ids, mask, dynamic)
+    for cache in (paged, dynamic):
+        cache.batch_repeat_interleave(3)
+    three = torch.randint(3, 500, (3, 3), generator=torch.Generator().manual_seed(1))
+    # row 0 copies the shared partial block and claims one more (2 free -> 0); row 1 finds none
+    with pytest.raises(PagedKVError, match="Cannot allocate"):
+        forward(model, three, torch.ones(3, 9, dtype=mask.dtype), paged)
+    assert paged.get_seq_length() == 6 and [t.num_tokens for t in paged.tables] == [6, 6, 6]
+    pool.check_integrity()
+    for cache in (paged, dynamic):
+        cache.batch_select_indices(torch.tensor([0]))
+    one, step_mask = torch.tensor([[17]]), torch.ones(1, 7, dtype=mask.dtype)
+    got = forward(model, one, step_mask, paged)
+    with sdpa(model):
+        expected = forward(model, one, step_mask, dynamic)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    paged.free()
+    pool.check_integrity()
+
+
+def test_crop_after_pads_right_of_real_tokens_raises():
+    model = model_of("tiny-llama")
+    pool = _pool(model)
+    cache = PagedCache(pool)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # right padding: row 0's last column holds nothing
+    forward(model, ids, mask, cache)
+    cache.crop(0)
+    with pytest.raises(InvalidArgumentError, match="pads on its left"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == 4 and [t.num_tokens for t in cache.tables] == [3, 4]
     cache.free()
     pool.check_integrity()
