@@ -5,8 +5,10 @@ import functools
 
 import torch
 
+from transformers import DynamicCache
+
 from helpers import tiny
-from pagedkv.hf import random_model
+from pagedkv.hf import PagedCache, random_model
 
 #: Tiny models of four families; "tiny-mistral-sw" slides a 6-token window over prompts longer than it.
 CONTRACT_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral-sw"]
@@ -50,3 +52,19 @@ def generate(model, ids, mask, cache, steps: int, **kwargs):
     """`model.generate` with fixed lengths (no EOS stop) through `cache`."""
     return model.generate(ids, attention_mask=mask, max_new_tokens=steps, past_key_values=cache,
                           pad_token_id=0, eos_token_id=None, **kwargs)
+
+
+def paged_and_oracle(model, pool, run, seed: int | None = None):
+    """`run(cache)` through a fresh PagedCache on `pool`, then through DynamicCache with sdpa: (paged, oracle).
+
+    With `seed`, torch's generator is seeded before each run, so sampled runs draw the same numbers.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    with PagedCache(pool) as cache:
+        got = run(cache)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with sdpa(model):
+        expected = run(DynamicCache())
+    return got, expected

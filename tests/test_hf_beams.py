@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from helpers import left_padded, smollm2, tiny
-from hf_oracle import forward, generate, sdpa
+from hf_oracle import forward, generate, paged_and_oracle, sdpa
 from pagedkv.hf import PagedCache, PagePool
 
 BEAM_MODELS = ["tiny-gpt2", "tiny-llama"]
@@ -40,11 +40,7 @@ def test_beam_search_matches_dynamic_cache(name, lengths):
     pool = PagePool.for_model(model, num_blocks=128, block_size=4)
     kwargs = dict(num_beams=4, num_return_sequences=2, do_sample=False, return_dict_in_generate=True,
                   output_scores=True)
-    with PagedCache(pool) as cache:
-        got = generate(model, ids, mask, cache, 10, **kwargs)
-        pool.check_integrity()
-    with sdpa(model):
-        expected = generate(model, ids, mask, DynamicCache(), 10, **kwargs)
+    got, expected = paged_and_oracle(model, pool, lambda cache: generate(model, ids, mask, cache, 10, **kwargs))
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-5, rtol=1e-5)
     assert pool.num_used_blocks == 0
@@ -57,10 +53,7 @@ def test_seeded_parallel_sampling_matches_dynamic_cache(name, lengths):
     model = tiny(name)
     ids, mask = left_padded(lengths, seed=4)
     pool = PagePool.for_model(model, num_blocks=128, block_size=4)
-    with PagedCache(pool) as cache:
-        got = _sample(model, ids, mask, cache, 10, n=4, seed=11)
-    with sdpa(model):
-        expected = _sample(model, ids, mask, DynamicCache(), 10, n=4, seed=11)
+    got, expected = paged_and_oracle(model, pool, lambda cache: _sample(model, ids, mask, cache, 10, n=4, seed=11))
     assert torch.equal(got, expected)
     assert len({tuple(row) for row in got[:4, -10:].tolist()}) > 1  # the four samples are not all the same
     pool.check_integrity()
@@ -70,13 +63,8 @@ def test_beam_sampling_matches_dynamic_cache():
     model = tiny("tiny-llama")
     ids, mask = left_padded([8])
     pool = PagePool.for_model(model, num_blocks=128, block_size=4)
-    kwargs = dict(num_beams=3, do_sample=True, temperature=1.0)
-    torch.manual_seed(5)
-    with PagedCache(pool) as cache:
-        got = generate(model, ids, mask, cache, 8, **kwargs)
-    torch.manual_seed(5)
-    with sdpa(model):
-        expected = generate(model, ids, mask, DynamicCache(), 8, **kwargs)
+    got, expected = paged_and_oracle(
+        model, pool, lambda cache: generate(model, ids, mask, cache, 8, num_beams=3, do_sample=True), seed=5)
     assert torch.equal(got, expected)
 
 

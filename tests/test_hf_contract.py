@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from helpers import left_padded
-from hf_oracle import CONTRACT_MODELS, assistant_of, forward, generate, model_of, sdpa
+from hf_oracle import CONTRACT_MODELS, assistant_of, forward, generate, model_of, paged_and_oracle, sdpa
 from pagedkv import InvalidArgumentError, PagedKVError
 from pagedkv.hf import PagedCache, PagePool
 
@@ -82,11 +82,10 @@ def test_assisted_decoding_matches_greedy(name, seed):
     model, assistant = model_of(name), assistant_of(name, seed)
     ids, mask = left_padded([12], seed=3)
     pool = _pool(model)
-    with PagedCache(pool) as cache:
-        got = generate(model, ids, mask, cache, 12, do_sample=False, assistant_model=assistant)
-    with sdpa(model):
-        expected = generate(model, ids, mask, DynamicCache(), 12, do_sample=False)
-    assert torch.equal(got, expected)
+    got, expected = paged_and_oracle(
+        model, pool, lambda cache: generate(model, ids, mask, cache, 12, do_sample=False,
+                                            assistant_model=assistant if isinstance(cache, PagedCache) else None))
+    assert torch.equal(got, expected)  # assisted decoding through PagedCache == plain greedy through DynamicCache
     assert pool.num_used_blocks == 0
     pool.check_integrity()
 
@@ -101,11 +100,10 @@ def test_prompt_lookup_decoding_matches_greedy(name, repeats):
         ids, _ = left_padded([11], seed=7)
     mask = torch.ones_like(ids)
     pool = _pool(model)
-    with PagedCache(pool) as cache:
-        got = generate(model, ids, mask, cache, 12, do_sample=False, prompt_lookup_num_tokens=3)
-    with sdpa(model):
-        expected = generate(model, ids, mask, DynamicCache(), 12, do_sample=False)
-    assert torch.equal(got, expected)
+    got, expected = paged_and_oracle(
+        model, pool, lambda cache: generate(model, ids, mask, cache, 12, do_sample=False,
+                                            prompt_lookup_num_tokens=3 if isinstance(cache, PagedCache) else None))
+    assert torch.equal(got, expected)  # prompt lookup through PagedCache == plain greedy through DynamicCache
     pool.check_integrity()
 
 

@@ -62,6 +62,10 @@ class PagedKVCacheBase(Cache):
     def __init__(self, pool: KVPool):
         super().__init__(layers=[])
         self.pool = pool
+        # Per layer, the K and V pages as [num_blocks * block_size, Hkv, D]: a slot is a row index.
+        # Made once here, so the attention function's write is one index_copy_ each, with no view per call.
+        self.k_rows = [k.view(-1, pool.num_kv_heads, pool.head_dim) for k in pool.k_caches]
+        self.v_rows = [v.view(-1, pool.num_kv_heads, pool.head_dim) for v in pool.v_caches]
         self._metadata: PagedAttentionMetadata | None = None
         self._attention_ran = True
 
@@ -204,6 +208,12 @@ def _row_indices(indices: object, num_rows: int) -> list[int]:
     return rows
 
 
+def _align(packed: list[int]) -> None:
+    """Pad `packed` to an even length: the next int64 segment starts on 16 bytes."""
+    if len(packed) & 1:
+        packed.append(0)
+
+
 class _HostStaging:
     """The per-step metadata's way to the device: one host buffer, one copy.
 
@@ -231,7 +241,7 @@ class _HostStaging:
             self._copied.synchronize()
         self._host_values[:n] = values
         on_device = self._host[:n].to(self.device, non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
         return on_device
 
 
@@ -429,18 +439,30 @@ class PagedCache(PagedKVCacheBase):
                 n = q_len if num_new is None else num_new[row]
                 slots += table.slot_mapping(table.num_tokens - n, table.num_tokens)
                 seq_lens.append(table.num_tokens)
-        max_blocks = max(1, max(table.num_blocks for table in tables))
-        # [slots | seq_lens | cu_seqlens_q (prefill) | cow src | cow dst | block tables]
-        packed = slots + seq_lens
+        max_blocks = max(1, max((table.num_blocks for table in tables), default=0))
+        # [slots | seq_lens | cu_seqlens_q (prefill) | cow src | cow dst | block tables], every kernel input
+        # starting on 16 bytes: Triton specializes pointers on that alignment, so a shifting offset would
+        # compile (and cache) another variant of the kernel mid-generation.
+        num_slots = len(slots)
+        packed = slots  # grown in place from here on
+        _align(packed)
+        seq_lens_at = len(packed)
+        packed += seq_lens
+        _align(packed)
+        cu_at = len(packed)
         if q_len > 1:
             cu = 0
             packed.append(0)
             for row in range(batch):
                 cu += q_len if num_new is None else num_new[row]
                 packed.append(cu)
-        offset = len(packed)
+            _align(packed)
+        copies_at = len(packed)
+        num_copies = len(copies)
         packed += [c.src for c in copies]
         packed += [c.dst for c in copies]
+        _align(packed)
+        tables_at = len(packed)
         for table in tables:
             packed += table.block_ids
             if table.num_blocks < max_blocks:
@@ -449,18 +471,17 @@ class PagedCache(PagedKVCacheBase):
 
         if copies:
             kv = self.pool.kv  # [2, L, N, B, Hkv, D]: one block id addresses every layer's K and V
-            src = on_device[offset:offset + len(copies)]
-            dst = on_device[offset + len(copies):offset + 2 * len(copies)]
+            src = on_device[copies_at:copies_at + num_copies]
+            dst = on_device[copies_at + num_copies:copies_at + 2 * num_copies]
             kv.index_copy_(2, dst, kv.index_select(2, src))
-        num_slots = len(slots)
         slot_mapping = on_device[:num_slots]
-        seq_lens_t = on_device[num_slots:num_slots + batch]
-        block_tables = on_device[offset + 2 * len(copies):].view(batch, max_blocks)
-        max_len = max(seq_lens)
+        seq_lens_t = on_device[seq_lens_at:seq_lens_at + batch]
+        block_tables = on_device[tables_at:tables_at + batch * max_blocks].view(batch, max_blocks)
+        max_len = max(seq_lens, default=0)
         if q_len == 1:
             return PagedAttentionMetadata(slot_mapping, batch, block_tables, seq_lens_t, max_len,
                                           None, None, None, 0, 0, token_index)
-        cu_seqlens_q = on_device[num_slots + batch:offset]
+        cu_seqlens_q = on_device[cu_at:cu_at + batch + 1]
         max_seqlen_q = q_len if num_new is None else max(num_new)
         return PagedAttentionMetadata(slot_mapping, 0, None, None, 0, block_tables, seq_lens_t, cu_seqlens_q,
                                       max_seqlen_q, max_len, token_index)
