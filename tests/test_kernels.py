@@ -6,8 +6,6 @@ kernel that reads one slot it should not comes out NaN. Shapes are small because
 interpreter runs every program in Python; each parameter value is covered, not their product.
 """
 
-import math
-
 import pytest
 import torch
 from kernel_scenarios import Scenario, assert_matches, seq_lens_for

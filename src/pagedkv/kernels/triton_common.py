@@ -126,6 +126,11 @@ def merge_partials(partial_out_ptr, partial_lse_ptr, num_parts, first_row, part_
     return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
+def merge_group_rows(group: int) -> int:
+    """GROUP_P2 of `merge_partials`: the group padded to a power of 2, at least 2 (no size-1 tensor dims)."""
+    return max(2, triton.next_power_of_2(group))
+
+
 def merge_chunk(group_p2: int, dim_pad: int) -> int:
-    """Parts merged per step: a `[CHUNK, GROUP_P2, DIM_PAD]` fp32 tile of at most 4096 elements."""
-    return max(1, min(16, 4096 // (group_p2 * dim_pad)))
+    """Parts merged per step: a `[CHUNK, GROUP_P2, DIM_PAD]` fp32 tile of at most 8192 elements (64 per thread)."""
+    return max(1, min(32, 8192 // (group_p2 * dim_pad)))

@@ -33,6 +33,7 @@ from pagedkv.kernels.triton_common import (
     arrive,
     load_kv_tile,
     merge_chunk,
+    merge_group_rows,
     merge_partials,
     online_softmax_step,
     tile_scores,
@@ -169,7 +170,7 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         return out
     group = num_heads // num_kv_heads
     use_dot = group >= tuning.dot_min_group
-    group_p2, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    group_p2, dim_pad = merge_group_rows(group), triton.next_power_of_2(head_dim)
     is_split = num_splits > 1
     merge_in_kernel = is_split and tuning.merge == "in_kernel"
     if is_split:

@@ -40,6 +40,7 @@ from pagedkv.kernels.triton_common import (
     arrive,
     load_kv_tile,
     merge_chunk,
+    merge_group_rows,
     merge_partials,
     online_softmax_step,
     tile_scores,
@@ -48,7 +49,8 @@ from pagedkv.kernels.triton_decode import group_padding
 from pagedkv.kernels.tuning import DecodeTuning
 
 #: The longest batch stream-K takes (every program holds all seq_lens in registers); larger
-#: batches fill the GPU anyway and run the split grid.
+#: batches fill the GPU anyway and run the split grid. Batches up to 64 share one compiled
+#: SEQS_PAD (the vector is cheap), so an engine's graph sizes compile once.
 MAX_STREAM_K_SEQS = 4096
 
 
@@ -212,7 +214,7 @@ def triton_stream_k_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     group = num_heads // num_kv_heads
     use_dot = group >= tuning.dot_min_group
-    group_p2, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    group_p2, dim_pad = merge_group_rows(group), triton.next_power_of_2(head_dim)
     block_n = tuning.block_n_for(head_dim)
     span = min(max_seq_len, sliding_window or max_seq_len)
     num_programs = stream_k_num_programs(num_seqs, num_kv_heads, max(1, -(-span // block_n)), sm_count, tuning)
@@ -227,8 +229,8 @@ def triton_stream_k_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_padding(group, use_dot), GROUP_P2=group_p2,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SEQS_PAD=triton.next_power_of_2(num_seqs), MERGE_CHUNK=merge_chunk(group_p2, dim_pad), USE_DOT=use_dot,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SEQS_PAD=max(64, triton.next_power_of_2(num_seqs)), MERGE_CHUNK=merge_chunk(group_p2, dim_pad),
+        USE_DOT=use_dot, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
