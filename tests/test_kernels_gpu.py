@@ -233,6 +233,11 @@ def test_block_offsets_past_2_to_the_31():
     expected = reference_prefill_attention(query, *kv, cu, scale=0.088, float64=True)
     assert_matches(paged_prefill_attention(query, *kv, cu, scale=0.088, max_seqlen_q=seq_len), expected,
                    torch.bfloat16)
+    # Round 2: the unified kernel and every decode schedule on the same far blocks.
+    assert_matches(paged_attention(query, *kv, cu, scale=0.088, max_seqlen_q=seq_len), expected, torch.bfloat16)
+    for tuning in SCHEDULES.values():
+        assert_matches(paged_decode_attention(query[-1:], *kv, scale=0.088, num_splits=3, tuning=tuning),
+                       expected[-1:], torch.bfloat16)
     del k_cache, v_cache
     torch.cuda.empty_cache()
 
@@ -429,7 +434,7 @@ def test_unified_mixed_step_is_cuda_graph_capturable():
                        torch.bfloat16)
 
 
-# --------------------------------------------------------------------------- round 2: strided views, 64-bit
+# --------------------------------------------------------------------------- round 2: strided views
 def _interleave(tensor, poison, dim=0):
     """A stride-2 view of `tensor` along `dim` whose gaps hold `poison` (as in test_kernel_views.py)."""
     shape = list(tensor.shape)
@@ -462,26 +467,3 @@ def test_strided_views_on_gpu():
                                out=decode_out, tuning=tuning)
         assert_matches(decode_out, expected[rows], torch.bfloat16)
 
-
-def test_new_kernels_address_past_2_to_the_31():
-    block_size, num_kv_heads, head_dim = 16, 8, 128
-    num_blocks = 2**31 // (block_size * num_kv_heads * head_dim) + 64
-    k_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.empty_like(k_cache)
-    block_table = torch.tensor([[num_blocks - 1, num_blocks - 40, 3, num_blocks // 2 + 1]], dtype=torch.int32,
-                               device="cuda")
-    seq_len = 60
-    positions = torch.arange(seq_len, device="cuda")
-    slots = block_table[0, positions // block_size].long() * block_size + positions % block_size
-    key = torch.randn(seq_len, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    write_kv(key, torch.randn_like(key), k_cache, v_cache, slots)
-    kv = (k_cache, v_cache, block_table, torch.tensor([seq_len], dtype=torch.int32, device="cuda"))
-    query = torch.randn(seq_len, 32, head_dim, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
-    expected = reference_paged_attention(query, *kv, cu, scale=0.088, float64=True)
-    assert_matches(paged_attention(query, *kv, cu, scale=0.088, max_seqlen_q=seq_len), expected, torch.bfloat16)
-    for tuning in SCHEDULES.values():
-        assert_matches(paged_decode_attention(query[-1:], *kv, scale=0.088, num_splits=3, tuning=tuning),
-                       expected[-1:], torch.bfloat16)
-    del k_cache, v_cache
-    torch.cuda.empty_cache()
