@@ -74,8 +74,11 @@ class PagedKVCacheBase(Cache):
         """Hand the new K/V back, tagged with this cache; the attention function writes them into pages."""
         if not self._attention_ran:
             raise PagedKVError(
-                f"a pagedkv cache needs attn_implementation={ATTN_IMPLEMENTATION!r}: call "
-                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) after `import pagedkv.hf`"
+                f"a pagedkv cache needs attn_implementation={ATTN_IMPLEMENTATION!r}, and the previous layer's "
+                f"attention did not go through it. If the model uses another attn_implementation, call "
+                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) after `import pagedkv.hf`. If it already "
+                f"asked for it, this architecture does not support custom attention functions (Falcon, for one, "
+                f"runs its own attention code), so it cannot use a pagedkv cache"
             )
         if layer_idx == 0:
             self._metadata = None  # a new forward begins
