@@ -40,9 +40,12 @@ class EngineConfig:
     # Schedule and launch step k+1 while the device runs step k (its tokens feed k+1 on the device).
     # Requests with n > 1 or penalties run without overlap while they are live.
     async_scheduling: bool = True
+    tensor_parallel_size: int = 1  # ranks that split heads and MLP width (NCCL on GPUs, gloo on CPU)
+    distributed_timeout_s: float = 120.0  # a collective that waits longer fails the engine
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
+        require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         require_positive_int("max_num_seqs", self.max_num_seqs)
         require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         require_positive_int("swap_space", self.swap_space, allow_zero=True)

@@ -11,8 +11,10 @@ configurations where one max-length request could not fit.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import FinishReason, Sequence
 from pagedkv.engine.step_input import StepInputBuilder
-from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError
+from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, RequestRejectedError
 from pagedkv.hf.cache import kv_shape_of
 from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
 from pagedkv.kernels import KVPool
@@ -145,14 +147,21 @@ def _pick_device(name: str | None) -> torch.device:
 class LLMEngine:
     """A continuous-batching engine over any HF causal LM with standard attention."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None, *,
+                 tp_rank: int | None = None, tp_init_method: str | None = None):
+        """`tp_rank`/`tp_init_method` are for spawned tensor-parallel workers (pagedkv.distributed.worker)."""
         self.config = config
         self.device = _pick_device(config.device)
+        self.tp = None
+        self._workers: list = []
+        self._dead: str | None = None
+        if config.tensor_parallel_size > 1:
+            self._join_tensor_parallel(model, tp_rank, tp_init_method)
         if model is None:
             dtype = parse_dtype(config.dtype) if config.dtype else (
                 torch.bfloat16 if self.device.type == "cuda" else torch.float32)
             model = load_model(config.model, dtype, self.device)
-            if tokenizer is None:
+            if tokenizer is None and self.is_driver:
                 tokenizer = load_tokenizer(config.model)
         elif model.config._attn_implementation != "pagedkv":
             model.set_attn_implementation("pagedkv")
@@ -162,6 +171,7 @@ class LLMEngine:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.get_text_config().vocab_size
         num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
+        num_kv_heads //= config.tensor_parallel_size  # this rank's heads (the shard checks divisibility)
         bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * self.dtype.itemsize
         self.model, self.model_impl = self._pick_model(model)
         # The HF model stays on CPU (the demo checks answers against its generate); on a GPU its
@@ -171,6 +181,8 @@ class LLMEngine:
             del model
             torch.cuda.empty_cache()
         num_blocks = self._num_blocks(bytes_per_block)
+        if self.tp is not None:
+            num_blocks = self.tp.min_int(num_blocks)  # every rank holds the same block ids: the smallest pool wins
         capacity_tokens = num_blocks * config.block_size
         max_model_len = self._max_model_len(capacity_tokens)
         self.max_model_len = max_model_len
@@ -223,6 +235,82 @@ class LLMEngine:
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
             num_blocks * bytes_per_block / 2**20, self.dtype, max_model_len, capacity_tokens / max_model_len)
+        if hasattr(self, "_run_torchrun_worker"):  # torchrun rank > 0: serve rank 0's steps, then leave
+            try:
+                self._run_torchrun_worker()
+            finally:
+                self.tp.shutdown()
+            raise SystemExit(0)
+
+    # ------------------------------------------------------------------ tensor parallel
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process schedules (rank 0, or no tensor parallelism)."""
+        return self.tp is None or self.tp.rank == 0
+
+    def _join_tensor_parallel(self, model, tp_rank: int | None, init_method: str | None) -> None:
+        """Start or join the tensor-parallel group (spawning workers, or as torchrun started us)."""
+        from pagedkv.distributed import ParallelConfig, TensorParallel, launched_by_torchrun
+        from pagedkv.distributed.worker import free_tcp_address, run_worker, worker_entry
+
+        size = self.config.tensor_parallel_size
+        if model is not None:
+            raise ConfigError("tensor_parallel_size > 1 loads the model by name in every rank: pass the model "
+                              "name or path, not a loaded model object")
+        if self.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, but torch sees "
+                              f"{torch.cuda.device_count()}")
+        torchrun = tp_rank is None and launched_by_torchrun()
+        if torchrun:
+            tp_rank, init_method = int(os.environ["RANK"]), "env://"
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} processes for tensor_parallel_size "
+                                  f"{size}")
+        elif tp_rank is None:
+            tp_rank, init_method = 0, free_tcp_address()
+            context = torch.multiprocessing.get_context("spawn")
+            for rank in range(1, size):
+                process = context.Process(target=worker_entry, args=(self.config, rank, init_method), daemon=True)
+                process.start()
+                self._workers.append(process)
+            atexit.register(self.shutdown)
+        self.tp = TensorParallel(ParallelConfig(size, tp_rank, init_method, self.device.type,
+                                                self.config.distributed_timeout_s))
+        self.device = self.tp.device
+        if torchrun and tp_rank != 0:
+            self._run_torchrun_worker = lambda: run_worker(self)
+
+    def _check_workers(self) -> None:
+        """Raise `EngineDeadError` (failing every request) if a spawned worker has died."""
+        if self._dead is None:
+            dead = [p for p in self._workers if not p.is_alive()]
+            if dead:
+                self._fail(f"tensor-parallel worker process {dead[0].pid} exited with code {dead[0].exitcode}")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _fail(self, reason: str) -> None:
+        self._dead = reason
+        logger.error("engine stopped: %s", reason)
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self._in_flight = None
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (rank 0 only; idempotent)."""
+        if self.tp is None or not self.is_driver or getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        if self._dead is None:
+            try:
+                self.tp.broadcast_object(None)
+            except Exception:  # a dead peer: nothing left to tell
+                pass
+        for process in self._workers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        self.tp.shutdown()
 
     def _pick_model(self, hf_model: torch.nn.Module):
         """(model, "pagedkv" | "hf"): the own decoder where it covers the family (per `model_impl`), else HF's modules."""
@@ -230,12 +318,15 @@ class LLMEngine:
 
         wanted = self.config.model_impl
         model_type = getattr(self.hf_config.get_text_config(), "model_type", None)
+        if self.tp is not None and (wanted == "hf" or not is_supported(self.hf_config)):
+            raise ConfigError(f"tensor parallelism runs on pagedkv's own decoder, which does not cover model_type "
+                              f"{model_type!r} (or model_impl='hf' was asked for)")
         if wanted == "hf" or (wanted == "auto" and not is_supported(self.hf_config)):
             logger.info("model path: HF modules with pagedkv attention (model_type %r)", model_type)
             return hf_model, "hf"
         max_positions = self.config.max_model_len or getattr(self.hf_config.get_text_config(),
                                                                "max_position_embeddings", None)
-        own = LlamaFamilyModel.from_hf(hf_model, max_positions=max_positions)  # ConfigError if not covered
+        own = LlamaFamilyModel.from_hf(hf_model, max_positions=max_positions, tp=self.tp)  # ConfigError if not covered
         logger.info("model path: pagedkv's own decoder (model_type %r)", model_type)
         return own, "pagedkv"
 
@@ -349,6 +440,8 @@ class LLMEngine:
         schedules and launches step k, then waits for step k-1's tokens (which the device
         has long produced, or is about to) and reports them, while the device runs step k.
         """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         previous = self._in_flight
@@ -361,6 +454,9 @@ class LLMEngine:
                                               previous_rows=previous.rows if previous is not None else None)
         built = time.perf_counter()
         previous_tokens = previous.result.device_tokens if previous is not None and previous.result else None
+        if self.tp is not None:
+            self._check_workers()
+            self.tp.broadcast_object(step_input)
         result = self.runner.execute(step_input, previous_tokens)  # block moves run even in an empty step
         length_finished = self.scheduler.advance(out)
         current = _InFlight(out, step_input, result, length_finished)
@@ -390,6 +486,10 @@ class LLMEngine:
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, resolve them in the scheduler and report what moved."""
         waiting = time.perf_counter()
+        if self._workers and flight.result is not None:
+            while not flight.result.ready():  # a worker that died mid-step would leave its collective hanging
+                self._check_workers()
+                time.sleep(0.0001)
         sampled = self._sampled(flight.step_input, flight.out, flight.result)
         flight.wait_s = time.perf_counter() - waiting
         finished = flight.length_finished + self.scheduler.resolve(flight.out, sampled)

@@ -228,6 +228,10 @@ class SamplerOutput:
             self._values = self._host.tolist()
         return self._values
 
+    def ready(self) -> bool:
+        """Whether the results have reached the host (reading them will not wait)."""
+        return self._event is None or self._event.query()
+
     def token_ids(self) -> list[list[int]]:
         """Per row, one token per sample index (waits for the copy)."""
         return [[int(v) for v in row[:n]] for row, n in zip(self._rows(), self._num_samples)]

@@ -22,7 +22,7 @@ is what makes fp32 logits agree and bf16 greedy decoding agree up to ties.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -61,6 +61,20 @@ class DecoderConfig:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if len(self.sliding_windows) != self.num_layers:
             raise ConfigError(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
+
+    def shard(self, tp_size: int) -> DecoderConfig:
+        """This config as one of `tp_size` tensor-parallel ranks sees it (heads and MLP width split).
+
+        Raises `ConfigError` naming the count that does not divide.
+        """
+        if tp_size == 1:
+            return self
+        for name, count in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                            ("intermediate_size", self.intermediate_size)):
+            if count % tp_size:
+                raise ConfigError(f"{name} = {count} does not divide by tensor_parallel_size = {tp_size}")
+        return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
+                       intermediate_size=self.intermediate_size // tp_size)
 
     @property
     def q_size(self) -> int:
@@ -157,16 +171,19 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # Row-parallel layers reduce partial sums across ranks; a bias is added once, after the reduce.
+        self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
+        self.down_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
-                attn, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                attn, fused: bool, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over the residual stream: returns (this layer's MLP output, the residual before it)."""
         cfg = self.cfg
         num_tokens = hidden.shape[0]
@@ -189,23 +206,38 @@ class DecoderLayer(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
         out = attn.forward(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
-        hidden = self.o_proj(out.view(num_tokens, cfg.q_size))
+        hidden = self._reduce(self.o_proj(out.view(num_tokens, cfg.q_size)), self.o_bias, tp)
         normed, residual = add_norm(hidden, residual, self.post_norm.weight, cfg.rms_norm_eps)
         gate_up = self.gate_up_proj(normed)
         act = fused_ops.silu_mul(gate_up) if fused else fused_ops.silu_mul_reference(gate_up)
-        return self.down_proj(act), residual
+        return self._reduce(self.down_proj(act), self.down_bias, tp), residual
+
+    @staticmethod
+    def _reduce(x: torch.Tensor, bias: torch.Tensor | None, tp) -> torch.Tensor:
+        if tp is not None:
+            x = tp.all_reduce(x)
+        return x if bias is None else x + bias
 
 
 class LlamaFamilyModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head over flat token batches."""
 
-    def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
+    def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
+                 tp=None):
         super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.cfg = cfg  # the whole model's shape; layers get this rank's shard of it
+        self.tp = tp  # None, or the TensorParallel group this rank belongs to
+        tp_size, tp_rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+        local = cfg.shard(tp_size)
+        self.local_cfg = local
+        # Vocab-parallel embedding and LM head: rank r holds rows [r * shard, (r + 1) * shard), the last
+        # shard padded with zero rows that no id reaches and whose logits are cut off after the gather.
+        self.vocab_shard = -(-cfg.vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.vocab_shard
+        self.embed = nn.Embedding(self.vocab_shard, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(local, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_shard, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(inv_freq, attention_scaling, max_positions)
@@ -220,54 +252,89 @@ class LlamaFamilyModel(nn.Module):
         Returns logits [len(logits_indices), vocab] (all tokens when None).
         """
         fused = self.use_fused_kernels and input_ids.is_cuda
-        hidden, residual = self.embed(input_ids), None
+        tp = self.tp
+        if tp is None:
+            hidden = self.embed(input_ids)
+        else:  # each rank embeds the ids in its vocab shard, zeros elsewhere; the all-reduce sums them
+            local = input_ids - self.vocab_start
+            inside = (local >= 0) & (local < self.vocab_shard)
+            hidden = tp.all_reduce(self.embed(local.clamp(0, self.vocab_shard - 1)) * inside[:, None])
+        residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, self.rotary, attn, fused)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, attn, fused, tp)
         hidden = hidden + residual  # the last layer's residual add (HF rounds it the same way)
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        if tp is not None:
+            logits = tp.all_gather_last_dim(logits)[:, :self.cfg.vocab_size]
+        return logits
 
     # ------------------------------------------------------------------ loading
     @classmethod
     @torch.no_grad()
-    def from_hf(cls, hf_model: nn.Module, max_positions: int | None = None) -> LlamaFamilyModel:
-        """Fuse an HF Llama-family model's weights into this layout (same dtype and device).
+    def from_hf(cls, hf_model: nn.Module, max_positions: int | None = None, tp=None) -> LlamaFamilyModel:
+        """Fuse an HF Llama-family model's weights into this layout (same dtype; `tp`'s device, or the HF model's).
 
+        With `tp` (a `TensorParallel`), keep only this rank's shard: q/k/v heads and gate/up rows
+        column-parallel, o and down columns row-parallel, embedding and LM head by vocab rows.
         `max_positions` sizes the rotary table (default: the config's max_position_embeddings).
-        Raises `ConfigError` when the model is not a covered family.
+        Raises `ConfigError` when the model is not a covered family or does not divide by the TP size.
         """
         cfg = DecoderConfig.from_hf(hf_model.config)
         inner = hf_model.model
         weight = inner.embed_tokens.weight
+        device = tp.device if tp is not None else weight.device
+        tp_size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+        local = cfg.shard(tp_size)
         rotary = inner.rotary_emb
         positions = max_positions or cfg.max_position_embeddings or 4096
         with torch.device("meta"):
-            model = cls(cfg, torch.zeros(cfg.head_dim // 2), 1.0, 1)
-        model = model.to_empty(device=weight.device).to(weight.dtype)
-        model.rotary = Rotary(rotary.inv_freq.to(weight.device), float(rotary.attention_scaling), positions)
-        model.embed.weight.copy_(weight)
+            model = cls(cfg, torch.zeros(cfg.head_dim // 2), 1.0, 1, tp=tp)
+        model = model.to_empty(device=device).to(weight.dtype)
+        model.tp = tp
+        model.rotary = Rotary(rotary.inv_freq.to(device), float(rotary.attention_scaling), positions)
+
+        def rows(t: torch.Tensor, per_rank: int) -> torch.Tensor:  # this rank's block of output rows
+            return t[rank * per_rank:(rank + 1) * per_rank]
+
+        def cols(t: torch.Tensor, per_rank: int) -> torch.Tensor:  # this rank's block of input columns
+            return t[:, rank * per_rank:(rank + 1) * per_rank]
+
+        def vocab_rows(t: torch.Tensor) -> torch.Tensor:
+            shard = model.vocab_shard
+            out = torch.zeros(shard, t.shape[1], dtype=t.dtype, device=t.device)
+            part = t[rank * shard:(rank + 1) * shard]
+            out[:part.shape[0]] = part
+            return out
+
+        q_rows, kv_rows, mlp_rows = local.q_size, local.kv_size, local.intermediate_size
+        model.embed.weight.copy_(vocab_rows(weight))
         for layer, src in zip(model.layers, inner.layers):
             attn, mlp = src.self_attn, src.mlp
             layer.input_norm.weight.copy_(src.input_layernorm.weight)
             layer.post_norm.weight.copy_(src.post_attention_layernorm.weight)
-            layer.qkv_proj.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+            layer.qkv_proj.weight.copy_(torch.cat([rows(attn.q_proj.weight, q_rows), rows(attn.k_proj.weight, kv_rows),
+                                                   rows(attn.v_proj.weight, kv_rows)]))
             if cfg.attention_bias:
-                layer.qkv_proj.bias.copy_(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-            layer.o_proj.weight.copy_(attn.o_proj.weight)
+                layer.qkv_proj.bias.copy_(torch.cat([rows(attn.q_proj.bias, q_rows), rows(attn.k_proj.bias, kv_rows),
+                                                     rows(attn.v_proj.bias, kv_rows)]))
+            layer.o_proj.weight.copy_(cols(attn.o_proj.weight, q_rows))
             if cfg.o_bias:
-                layer.o_proj.bias.copy_(attn.o_proj.bias)
+                layer.o_bias.copy_(attn.o_proj.bias)
             if cfg.qk_norm:
                 layer.q_norm.weight.copy_(attn.q_norm.weight)
                 layer.k_norm.weight.copy_(attn.k_norm.weight)
-            layer.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            layer.down_proj.weight.copy_(mlp.down_proj.weight)
+            layer.gate_up_proj.weight.copy_(torch.cat([rows(mlp.gate_proj.weight, mlp_rows),
+                                                       rows(mlp.up_proj.weight, mlp_rows)]))
+            layer.down_proj.weight.copy_(cols(mlp.down_proj.weight, mlp_rows))
             if cfg.mlp_bias:
-                layer.gate_up_proj.bias.copy_(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]))
-                layer.down_proj.bias.copy_(mlp.down_proj.bias)
+                layer.gate_up_proj.bias.copy_(torch.cat([rows(mlp.gate_proj.bias, mlp_rows),
+                                                         rows(mlp.up_proj.bias, mlp_rows)]))
+                layer.down_bias.copy_(mlp.down_proj.bias)
         model.norm.weight.copy_(inner.norm.weight)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
         else:
-            model.lm_head.weight.copy_(hf_model.lm_head.weight)
+            model.lm_head.weight.copy_(vocab_rows(hf_model.lm_head.weight))
         return model.eval()
