@@ -18,6 +18,8 @@ for stage in "$@"; do
     engine-tests) python3 -m pytest -q -o addopts="" tests/test_gpu_models.py tests/test_fused_kernels.py \
               tests/test_sampler.py tests/test_models.py 2>&1 | tee "$OUT/r/gpu_engine_tests.log" | tail -25 ;;
     profile) python3 benchmarks/profile_engine.py "$OUT/r" 2>&1 | tee "$OUT/r/profile.log" | tail -12 ;;
+    models-tests) python3 -m pytest -q -o addopts="" -x tests/test_gpu_models.py tests/test_sampler.py 2>&1 \
+              | tee "$OUT/r/gpu_models_tests.log" | tail -15 ;;
     latency) python3 -m pagedkv bench latency --out "$OUT/r" 2>&1 | tee "$OUT/r/latency.log" | tail -40 ;;
     kernel) python3 -m pagedkv bench kernel --validate --variants --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     kernel-quick) python3 -m pagedkv bench kernel --validate --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
