@@ -454,15 +454,3 @@ def test_the_chat_stream_sends_nothing_before_the_first_token(chat_server):
     first = chunks[0]["choices"][0]
     assert first["delta"].get("role") == "assistant" and first["delta"].get("content")
     assert all("role" not in chunk["choices"][0]["delta"] for chunk in chunks[1:])
-
-
-# ---------------------------------------------------------------------- sampler branch (seed bounds, epsilon)
-
-def test_a_near_zero_temperature_is_greedy(chat_server):
-    """Needs `SamplingParams` to treat temperatures under an epsilon as greedy (branch `sampler`)."""
-    prompt = [5, 6, 7, 8]
-    greedy = _post(chat_server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
-                                                    "ignore_eos": True, "return_token_ids": True}).json()
-    tiny_t = _post(chat_server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 1e-300,
-                                                    "ignore_eos": True, "return_token_ids": True}).json()
-    assert tiny_t["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
