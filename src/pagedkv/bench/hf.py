@@ -15,7 +15,6 @@ a 512-token budget, pages of 16 tokens.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench.common import provenance, write_json
+from pagedkv.cli import ArgumentParser
 
 STEPS = (5, 50, 200)
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     from pagedkv.hf.cache import PagePool
     from pagedkv.hf.models import random_model
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--budget", type=int, default=512, help="tokens per sequence (naive reservation)")
     parser.add_argument("--prompt-len", type=int, default=10)
