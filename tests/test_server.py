@@ -1,11 +1,11 @@
 """The OpenAI-compatible server, over real uvicorn servers on 127.0.0.1 driven by `openai` and `httpx`.
 
 SmolLM2 answers the completion and chat tests, which compare against `LLM.generate` on the
-same engine config. A tiny random model (token-id prompts, `return_token_ids`) carries the
-load test, disconnects, the API key and the engine-death test, because it is fast.
+same engine config. A tiny random model (token-id prompts, `return_token_ids`) carries
+disconnects, the API key and the failed-step test, because it is fast. The load test is
+`test_server_load.py`; issue 14's robustness tests are `test_server_robustness.py`.
 """
 
-import asyncio
 import json
 import random
 import re
@@ -165,7 +165,8 @@ def _bad_input_cases(max_model_len: int):
         "'max_tokens'", "valid integer"], None
     yield "missing field (was 422)", "/v1/completions", {"max_tokens": 3}, ["Missing required field 'prompt'"], None
     yield "prompt shape (was 422)", "/v1/completions", {"prompt": [["a"], 3]}, ["Invalid 'prompt'"], None
-    yield "unsupported", "/v1/completions", {"prompt": "Hi", "logprobs": 2}, ["'logprobs' is not supported"], None
+    yield "unsupported", "/v1/completions", {"prompt": "Hi", "tools": [{"type": "function"}]}, [
+        "'tools' is not supported"], None
     yield "image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, ["only text parts"], None
 
@@ -221,7 +222,7 @@ def test_metrics_move_with_the_engine(smol, client):
     assert again["pagedkv_kv_cache_total_blocks"] == stats.num_blocks
 
 
-# ---------------------------------------------------------------------- tiny random model: load, disconnects
+# ---------------------------------------------------------------------- tiny random model: batches, disconnects
 
 def _tiny_prompts(count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -270,62 +271,6 @@ def test_idle_engine_thread_sleeps(tiny_server):
     before = tiny_server.async_engine.num_iterations
     time.sleep(0.3)
     assert tiny_server.async_engine.num_iterations == before  # blocked on its queue, not spinning
-
-
-def test_load_64_streams_a_quarter_disconnect(tiny_server):
-    num_clients = 64
-    rng = random.Random(1234)
-    prompts = _tiny_prompts(num_clients, seed=5)
-    max_tokens = [rng.randint(8, 32) for _ in range(num_clients)]
-    leavers = set(rng.sample(range(num_clients), num_clients // 4))
-    leave_after = {i: rng.randint(0, max_tokens[i] - 1) for i in leavers}  # chunks read before hanging up
-    start_delay_s = [rng.uniform(0, 0.3) for _ in range(num_clients)]
-    reference = LLM(hf_model=tiny("tiny-llama"), block_size=4, num_blocks=2048)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
-
-    async def one_client(http: httpx.AsyncClient, i: int) -> dict:
-        await asyncio.sleep(start_delay_s[i])
-        body = {"model": "tiny-llama", "prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
-        tokens, num_chunks = [], 0
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return {"status": response.status_code, "body": (await response.aread()).decode()}
-            async for line in response.aiter_lines():
-                if i in leavers and num_chunks >= leave_after[i]:
-                    return {"status": 200, "left": True}  # leaving the block closes the connection mid-stream
-                if not line:
-                    continue
-                assert line.startswith("data: "), line
-                if line == "data: [DONE]":
-                    return {"status": 200, "done": True, "tokens": tokens}
-                chunk = json.loads(line[len("data: "):])
-                assert "error" not in chunk, chunk
-                tokens += chunk["choices"][0]["token_ids"]
-                num_chunks += 1
-        return {"status": 200, "done": False, "tokens": tokens}
-
-    async def run_all() -> list[dict]:
-        limits = httpx.Limits(max_connections=num_clients, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60, limits=limits) as http:
-            return await asyncio.gather(*(one_client(http, i) for i in range(num_clients)))
-
-    before = tiny_server.metrics()
-    results = asyncio.run(asyncio.wait_for(run_all(), timeout=90))
-    assert [r for r in results if r["status"] >= 500] == []
-    assert all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200]
-    for i, result in enumerate(results):
-        if i in leavers:
-            assert result.get("left"), i
-        else:
-            assert result["done"], i
-            assert result["tokens"] == expected[i], i
-    after = tiny_server.wait_idle(timeout_s=20)
-    assert delta(before, after, "pagedkv_e2e_request_latency_seconds_count") >= num_clients - len(leavers)
-    assert tiny_server.on_engine(lambda engine: engine.stats().num_used_blocks) == 0
-    tiny_server.on_engine(lambda engine: engine.check_integrity())
-    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
 
 
 # ---------------------------------------------------------------------- API key, engine death, CLI

@@ -5,8 +5,9 @@ when that subcommand runs (so `pagedkv calc` never imports torch). Bad input of 
 (argparse's own errors and every `PagedKVError`) becomes one line on stderr and exit status
 2, with no traceback; Ctrl-C exits 130 quietly.
 
-Helpers the subcommands share live here too: `ArgumentParser` (the one-line errors) and
-`parse_memory` (sizes such as 512MiB, for both `generate` and `serve`).
+Helpers the subcommands share live here too: `ArgumentParser` (the one-line errors),
+`parse_memory` / `parse_size` (sizes such as 512MiB) and `add_engine_arguments` (the engine
+flags of both `generate` and `serve`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ def parse_memory(text: str) -> int | float:
         return parse_size(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a fraction like 0.5 or a size like 512MiB, got {text!r}") from None
+
+
+def add_engine_arguments(group) -> None:
+    """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory, --max-model-len."""
+    group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    group.add_argument("--kv-cache-memory", type=parse_memory, default=None,
+                       help="KV pool budget: a fraction of free memory (0.5) or a size (512MiB) "
+                            "(default: 0.5 on CUDA, 256MiB on CPU)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's limit, capped by the pool)")
 
 
 #: subcommand -> (module with `main(argv)`, one-line help)

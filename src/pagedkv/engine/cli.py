@@ -17,7 +17,7 @@ import logging
 import sys
 import warnings
 
-from pagedkv.cli import ArgumentParser, parse_memory
+from pagedkv.cli import ArgumentParser, add_engine_arguments
 from pagedkv.errors import InvalidArgumentError
 
 
@@ -43,14 +43,7 @@ def build_parser(prog: str = "pagedkv generate") -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="HF id, local path, .gguf file or random:NAME (default: "
                                                       "the embedded SmolLM2-135M-Instruct)")
-    engine.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    engine.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                        help="KV pool budget: a fraction of free memory (0.5) or a size (512MiB) "
-                             "(default: 0.5 on CUDA, 256MiB on CPU)")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output (default: the model's limit, capped by the pool)")
+    add_engine_arguments(engine)
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     output.add_argument("--no-progress", action="store_true", help="no progress bar (shown for 2+ prompts)")

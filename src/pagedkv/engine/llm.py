@@ -74,9 +74,8 @@ def as_prompts(prompts) -> list[Prompt]:
         if prompts.ndim != 2:
             raise InvalidArgumentError(f"prompts: an array of prompts must be 2-D, got shape {tuple(prompts.shape)}")
         return [_as_prompt(row, f"prompts[{i}]") for i, row in enumerate(prompts)]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts):
-        return [_as_prompt(prompts, "prompt")]
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Number):
+        return [_as_prompt(prompts, "prompt")]  # numbers are token ids of one prompt (ints checked there)
     if not isinstance(prompts, Iterable):
         raise InvalidArgumentError(f"prompts must be a prompt or a sequence of prompts, got {type(prompts).__name__}")
     return [_as_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]

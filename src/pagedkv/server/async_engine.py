@@ -262,7 +262,10 @@ class AsyncEngine:
             logger.critical("the engine loop died: %s: %s", type(error).__name__, error, exc_info=error)
             self._die(error)
             if self._on_dead is not None:
-                self._on_dead(error)
+                try:
+                    self._on_dead(error)
+                except Exception:  # noqa: BLE001 - the loop is already dead; say so, do not raise again
+                    logger.exception("on_dead failed")
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`). False once asked to stop."""

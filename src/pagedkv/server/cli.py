@@ -21,7 +21,7 @@ import math
 import os
 import socket
 
-from pagedkv.cli import ArgumentParser, parse_memory, parse_size
+from pagedkv.cli import ArgumentParser, add_engine_arguments, parse_memory, parse_size
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError
 from pagedkv.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
@@ -84,14 +84,7 @@ def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
     limits.add_argument("--ignore-unknown-fields", action="store_true",
                         help="ignore request fields this API does not know (default: 400 naming the field)")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    engine.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                        help="KV pool budget: a fraction of free memory (0.5) or a size (512MiB) "
-                             "(default: 0.5 on CUDA, 256MiB on CPU)")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output (default: the model's limit, capped by the pool)")
+    add_engine_arguments(engine)
     engine.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default %(default)s)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens per step (default %(default)s)")
