@@ -32,6 +32,17 @@ def _chat_llm(**options) -> LLM:
     return LLM(hf_model=model, tokenizer=tokenizer, block_size=4, num_blocks=256, **options)
 
 
+def _slow_steps(llm: LLM, seconds: float) -> None:
+    """Make every engine step take at least `seconds`, so a long request is still running when the test acts."""
+    real_step = llm.engine.step
+
+    def step():
+        threading.Event().wait(seconds)
+        return real_step()
+
+    llm.engine.step = step
+
+
 @pytest.fixture(scope="module")
 def tiny_server():
     """Token-id prompts only (no tokenizer); max_num_seqs 8."""
@@ -76,17 +87,20 @@ def test_a_request_that_fails_on_the_engine_thread_fails_alone():
         return real_add(request_id, prompt, params, priority)
 
     llm.engine.add_request = add_request  # the engine thread looks it up on every add
+    _slow_steps(llm, 0.01)  # the neighbour is still running when the bad request comes
     with LiveServer(create_app(llm.engine, NAME)) as server:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 40, "ignore_eos": True, "stream": True}
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 40, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as neighbour:
             lines = neighbour.iter_lines()
-            assert next(line for line in lines if line).startswith("data: {")
+            first = next(line for line in lines if line)
             bad = _post(server, "/v1/completions", {"prompt": [9, 9, 9], "max_tokens": 2})
             assert bad.status_code == 500
             assert "injected failure" in bad.json()["error"]["message"]
             assert bad.json()["error"]["type"] == "server_error"
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and all("error" not in line for line in rest)
+        assert sum(len(json.loads(line[6:])["choices"][0]["token_ids"]) for line in [first, *rest[:-1]]) == 40
         streamed = _post(server, "/v1/completions", {"prompt": [9, 9, 9], "max_tokens": 2, "stream": True})
         frames = _sse_frames(streamed.text)
         assert frames[-1] == "data: [DONE]" and "injected failure" in frames[-2]
@@ -128,16 +142,23 @@ def test_a_step_failure_that_names_its_request_fails_that_request_alone():
         return real_step()
 
     llm.engine.step = step
+    _slow_steps(llm, 0.01)  # both requests are still running when the culprit is named
     with LiveServer(create_app(llm.engine, NAME)) as server:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 30, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as neighbour:
-            lines = neighbour.iter_lines()
-            assert next(line for line in lines if line).startswith("data: {")
-            victim = server.on_engine(lambda engine: next(iter(engine.requests)))
-            culprit.append(victim)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and "broke the step" in rest[-2]
+        body = {"max_tokens": 40, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": [5, 6, 7, 8], **body},
+                          timeout=30) as bystander, \
+                httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": [9, 8, 7], **body},
+                             timeout=30) as victim:
+            bystander_lines, victim_lines = bystander.iter_lines(), victim.iter_lines()
+            bystander_first = next(line for line in bystander_lines if line)
+            first = next(line for line in victim_lines if line)
+            culprit.append(json.loads(first[len("data: "):])["id"] + "-0")  # engine request ids: <response id>-<prompt>
+            victim_rest = [line for line in victim_lines if line]
+            bystander_rest = [line for line in bystander_lines if line]
+        assert victim_rest[-1] == "data: [DONE]" and "broke the step" in victim_rest[-2]
+        assert bystander_rest[-1] == "data: [DONE]" and all("error" not in line for line in bystander_rest)
+        chunks = [bystander_first, *bystander_rest[:-1]]
+        assert sum(len(json.loads(line[6:])["choices"][0]["token_ids"]) for line in chunks) == 40
         _assert_healthy(server)
 
 
@@ -415,17 +436,6 @@ def test_a_request_past_its_timeout_is_aborted(stream):
 
 
 # ---------------------------------------------------------------------- metrics, TTFT
-
-def _slow_steps(llm: LLM, seconds: float) -> None:
-    """Make every engine step take at least `seconds`, so a long request is still running when the test acts."""
-    real_step = llm.engine.step
-
-    def step():
-        threading.Event().wait(seconds)
-        return real_step()
-
-    llm.engine.step = step
-
 
 def test_disconnects_rejections_and_statuses_are_counted():
     llm = _tiny_llm()
