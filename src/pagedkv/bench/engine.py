@@ -21,7 +21,6 @@ It also:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import time
@@ -29,6 +28,7 @@ import time
 import torch
 
 from pagedkv.bench.common import provenance, write_json
+from pagedkv.cli import ArgumentParser
 
 
 def nano_vllm_workload(num_requests: int, min_len: int, max_len: int, seed: int, vocab: int):
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     from pagedkv.engine.llm import LLM
     from pagedkv.hf.models import random_model
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="random-weight architecture (pagedkv.hf.RANDOM_CONFIGS)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)

@@ -18,7 +18,6 @@ a 512-token budget, pages of 16 tokens.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench.common import provenance, write_json
+from pagedkv.cli import ArgumentParser
 
 STEPS = (5, 50, 200)
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     from pagedkv.hf.cache import PagePool
     from pagedkv.hf.models import load_model, parse_dtype, random_model
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("all", "sharing"), default="all",
                         help="sharing: only the beam / parallel-sampling memory part (runs on CPU too)")
     parser.add_argument("--model", default="random:gpt2", help="what load_model takes (default random:gpt2)")

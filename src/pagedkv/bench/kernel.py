@@ -27,6 +27,8 @@ import functools
 import time
 from pathlib import Path
 
+from pagedkv.cli import ArgumentParser
+
 #: (batch, context length) grid, Llama-3-8B attention: 32 q heads, 8 kv heads, head_dim 128, bf16.
 GRID = [(1, 32768), (8, 4096), (64, 4096), (256, 512), (64, 512)]
 SMOKE_GRID = [(1, 256), (4, 64)]
@@ -706,7 +708,7 @@ def _print_table(console, title: str, header: list[str], body: list[list[str]]) 
 
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> int:
     """Validate, time and report the paged kernels; writes `<out>/kernel.json` and `<out>/kernel.md`."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results", help="directory for kernel.json and kernel.md")
     parser.add_argument("--validate", action="store_true",
                         help="check every contender vs the reference first (always on for a GPU run)")

@@ -4,11 +4,18 @@
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     outs = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+
+A prompt is a string, token ids (a list or tuple of ints, a 1-D numpy array or tensor), or a
+vLLM-style dict (`{"prompt_token_ids": [...]}` or `{"prompt": "..."}`); `generate` takes one
+prompt or a sequence of them (a 2-D array or tensor is a batch of rows). A tuple of ints is
+one prompt, never a batch of one-token prompts.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceT
 
 import torch
@@ -22,6 +29,56 @@ from pagedkv.engine.sequence import FinishReason
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError
 
 Prompt = str | list[int]
+
+
+def _token_ids(value, where: str) -> list[int] | None:
+    """`value` as a list of token ids, or None if it is not a token-id sequence at all."""
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):  # numpy array or torch tensor
+        if value.ndim != 1:
+            raise InvalidArgumentError(f"{where}: token ids must be 1-D, got an array of shape {tuple(value.shape)}")
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+        raise InvalidArgumentError(f"{where}: token ids must be ints, got {value[:8]!r}")
+    return [int(t) for t in value]
+
+
+def _as_prompt(prompt, where: str) -> Prompt:
+    """One prompt as text or a list of token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']")
+            if ids is None:
+                raise InvalidArgumentError(f"{where}['prompt_token_ids'] must be a list of token ids")
+            return ids
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"]
+        raise InvalidArgumentError(f"{where}: a dict prompt needs 'prompt_token_ids' (token ids) or 'prompt' (text), "
+                                   f"got keys {sorted(prompt)}")
+    ids = _token_ids(prompt, where)
+    if ids is None:
+        raise InvalidArgumentError(f"{where}: a prompt is text, token ids or a dict with 'prompt_token_ids', got "
+                                   f"{type(prompt).__name__}")
+    return ids
+
+
+def as_prompts(prompts) -> list[Prompt]:
+    """The batch that `prompts` stands for: one prompt of any accepted form, or a sequence of them."""
+    is_array = hasattr(prompts, "tolist") and hasattr(prompts, "ndim")
+    if isinstance(prompts, (str, dict)) or (is_array and prompts.ndim == 1):
+        return [_as_prompt(prompts, "prompt")]
+    if is_array:
+        if prompts.ndim != 2:
+            raise InvalidArgumentError(f"prompts: an array of prompts must be 2-D, got shape {tuple(prompts.shape)}")
+        return [_as_prompt(row, f"prompts[{i}]") for i, row in enumerate(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Number):
+        return [_as_prompt(prompts, "prompt")]  # numbers are token ids of one prompt (ints checked there)
+    if not isinstance(prompts, Iterable):
+        raise InvalidArgumentError(f"prompts must be a prompt or a sequence of prompts, got {type(prompts).__name__}")
+    return [_as_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
 
 
 class LLM:
@@ -43,17 +100,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | SequenceT[Prompt],
-                 sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
                  use_tqdm: bool = False, priorities: SequenceT[int] | None = None) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids). Outputs come back in prompt order.
+        """Complete every prompt (see the module docstring for the forms). Outputs come back in prompt order.
 
         A prompt that can never fit (prompt + max_tokens over max_model_len or the pool) is
         not run: its output has `error` set and finish reason "rejected", and the rest finish.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -100,6 +154,8 @@ class LLM:
         """Apply the tokenizer's chat template to each conversation and complete it."""
         if self.tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidArgumentError("this model's tokenizer has no chat template: pass plain prompts instead")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

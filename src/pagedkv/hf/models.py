@@ -116,11 +116,17 @@ def _resolve(model: str | None) -> tuple[str, dict]:
     """(path or id for from_pretrained, extra kwargs) for a model argument."""
     if model is None or model in ("embedded", EMBEDDED_NAME, EMBEDDED_NAME.lower()):
         return str(embedded_model_dir()), {}
-    path = Path(model)
+    path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.exists():
             raise ConfigError(f"GGUF file {model} does not exist")
         return str(path.parent), {"gguf_file": path.name}
+    # NOTE: a hub id is "name" or "org/name"; anything else that looks like a path must exist,
+    # or the hub client answers "Repo id must be in the form ..." about a typo in a path.
+    if model.startswith(("/", "./", "../", "~", ".\\")) or model.count("/") > 1:
+        if not path.exists():
+            raise ConfigError(f"model path {model} does not exist")
+        return str(path), {}
     return model, {}
 
 
