@@ -54,6 +54,10 @@ def add_engine_arguments(group) -> None:
     """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory, --max-model-len."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="GPUs that split one model (NCCL; gloo on CPU) (default %(default)s)")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas behind the prefix-aware router, one GPU each (default %(default)s)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     group.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                        help="KV pool budget: a fraction of free memory (0.5) or a size (512MiB) "

@@ -26,7 +26,7 @@ from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.sequence import FinishReason
-from pagedkv.errors import InvalidArgumentError, RequestRejectedError
+from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError
 
 Prompt = str | list[int]
 
@@ -86,14 +86,24 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, block_size: int = 16, kv_cache_memory: int | float | None = None,
                  device: str | None = None, dtype: str | None = None, hf_model: torch.nn.Module | None = None,
-                 tokenizer=None, **engine_options):
+                 tokenizer=None, data_parallel_size: int = 1, **engine_options):
         """`model`: None (embedded SmolLM2), an HF id or path, a .gguf file, or `random:NAME`.
 
-        `hf_model`/`tokenizer` pass an already loaded model. Other keywords are `EngineConfig` fields.
+        `hf_model`/`tokenizer` pass an already loaded model. `data_parallel_size` > 1 runs that
+        many engine replicas (one process and device each) behind the prefix-aware router. Other
+        keywords are `EngineConfig` fields (`tensor_parallel_size` among them).
         """
         config = EngineConfig(model=model, block_size=block_size, kv_cache_memory=kv_cache_memory, device=device,
                               dtype=dtype, **engine_options)
-        self.engine = LLMEngine(config, model=hf_model, tokenizer=tokenizer)
+        if data_parallel_size > 1:
+            if hf_model is not None:
+                raise ConfigError("data_parallel_size > 1 loads the model by name in every replica: pass the model "
+                                  "name or path, not a loaded model object")
+            from pagedkv.engine.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(config, data_parallel_size, tokenizer=tokenizer)
+        else:
+            self.engine = LLMEngine(config, model=hf_model, tokenizer=tokenizer)
         self._counter = 0
 
     @property

@@ -280,7 +280,12 @@ def create_app(engine: LLMEngine, served_model_name: str = DEFAULT_SERVED_MODEL_
             return _error_response(503, error_body("the server is shutting down", "server_error",
                                                    code="shutting_down"))
         if async_engine.is_alive:
-            return JSONResponse({"status": "ok"})
+            replicas = engine.health() if hasattr(engine, "health") else None  # data-parallel replicas
+            if replicas is None:
+                return JSONResponse({"status": "ok"})
+            alive = sum(r["alive"] for r in replicas)
+            status = "ok" if alive == len(replicas) else "degraded" if alive else "dead"
+            return JSONResponse({"status": status, "replicas": replicas}, status_code=200 if alive else 503)
         reason = async_engine.error or "the engine loop is not running"
         return _error_response(503, error_body(f"engine loop is not running: {reason}", "server_error",
                                                code="engine_dead"))

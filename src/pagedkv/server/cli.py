@@ -104,7 +104,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        preemption_mode=args.preemption_mode, swap_space=args.swap_space, watermark=args.watermark)
+                        preemption_mode=args.preemption_mode, swap_space=args.swap_space, watermark=args.watermark,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -182,7 +183,12 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
         from pagedkv.engine.engine import LLMEngine
         from pagedkv.server.app import DEFAULT_SERVED_MODEL_NAME, create_app
 
-        engine = LLMEngine(config)
+        if args.data_parallel_size > 1:
+            from pagedkv.engine.data_parallel import DataParallelEngine
+
+            engine = DataParallelEngine(config, args.data_parallel_size)
+        else:
+            engine = LLMEngine(config)
         name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
         app = create_app(engine, name, config=options)
         logger.info("serving %r on http://%s:%d/v1%s", name, args.host, sock.getsockname()[1],

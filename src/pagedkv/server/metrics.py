@@ -79,7 +79,18 @@ class ServerMetrics:
                                         "engine, by error code.", ["reason"], registry=self.registry)
         self.http_responses = Counter("pagedkv_http_responses", "HTTP responses, by status code.", ["status"],
                                       registry=self.registry)
+        self._replica_gauges()
         self._last: dict[str, int] | None = None
+
+    def _replica_gauges(self) -> None:
+        self.replica_alive = Gauge("pagedkv_replica_alive", "1 while a data-parallel replica runs.", ["replica"],
+                                   registry=self.registry)
+        self.replica_waiting = Gauge("pagedkv_replica_num_requests_waiting", "Requests waiting, per replica.",
+                                     ["replica"], registry=self.registry)
+        self.replica_running = Gauge("pagedkv_replica_num_requests_running", "Requests running, per replica.",
+                                     ["replica"], registry=self.registry)
+        self.replica_free_blocks = Gauge("pagedkv_replica_kv_cache_free_blocks", "Free KV blocks, per replica.",
+                                         ["replica"], registry=self.registry)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         return Gauge(name, documentation, registry=self.registry)
@@ -91,6 +102,12 @@ class ServerMetrics:
         """
         stats = engine.stats()
         scheduler = engine.scheduler
+        for replica in engine.health() if hasattr(engine, "health") else ():  # data-parallel replicas, labelled
+            label = str(replica["replica"])
+            self.replica_alive.labels(replica=label).set(1 if replica["alive"] else 0)
+            self.replica_waiting.labels(replica=label).set(replica["waiting"])
+            self.replica_running.labels(replica=label).set(replica["running"])
+            self.replica_free_blocks.labels(replica=label).set(replica["free_blocks"])
         self.num_requests_running.set(len({seq.request_id for seq in scheduler.running}))
         self.num_requests_waiting.set(len({seq.request_id for seq in scheduler.waiting}))
         self.num_requests_swapped.set(len({seq.request_id for seq in scheduler.swapped}))
