@@ -20,6 +20,15 @@ for stage in "$@"; do
     profile) python3 benchmarks/profile_engine.py "$OUT/r" 2>&1 | tee "$OUT/r/profile.log" | tail -12 ;;
     models-tests) python3 -m pytest -q -o addopts="" -x tests/test_gpu_models.py tests/test_sampler.py 2>&1 \
               | tee "$OUT/r/gpu_models_tests.log" | tail -15 ;;
+    multi) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+            nvidia-smi topo -m > "$OUT/r/topo.txt" 2>&1
+            ( CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pagedkv bench kernel --validate --no-flex --budget-s 90 \
+                --out "$OUT/r" > "$OUT/r/kernel.log" 2>&1 ) &
+            CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pagedkv bench parallel tp1 dp1 --out "$OUT/r" 2>&1 | tail -4
+            wait
+            timeout 120 python3 -m pytest -q -o addopts="" tests/test_tensor_parallel_gpu.py 2>&1 | tail -4
+            timeout 300 python3 -m pagedkv bench parallel tp2 dp2 routing --routing-requests 1024 --out "$OUT/r" 2>&1 \
+              | tail -6 ;;
     latency) python3 -m pagedkv bench latency --out "$OUT/r" 2>&1 | tee "$OUT/r/latency.log" | tail -40 ;;
     kernel) python3 -m pagedkv bench kernel --validate --variants --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     kernel-quick) python3 -m pagedkv bench kernel --validate --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;

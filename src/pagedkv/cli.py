@@ -81,6 +81,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernel": ("pagedkv.bench.kernel", "paged attention kernels vs SDPA (GPU)"),
     "hf": ("pagedkv.bench.hf", "PagedCache vs DynamicCache/StaticCache in model.generate (GPU)"),
     "engine": ("pagedkv.bench.engine", "engine throughput on nano-vllm's offline workload (GPU)"),
+    "parallel": ("pagedkv.bench.parallel", "tensor parallel, data-parallel replicas and routing (2+ GPUs)"),
     "latency": ("pagedkv.bench.latency", "decode step time at batch 1..256 against the roofline (GPU)"),
 }
 
