@@ -24,6 +24,10 @@ from pagedkv.bench.common import provenance
 from pagedkv.bench.engine import nano_vllm_workload
 from pagedkv.cli import ArgumentParser
 
+DTYPE = "bfloat16"
+MAX_MODEL_LEN = 4096
+SYSTEM_PROMPT_TOKENS = 1000
+
 
 def _record(out: Path, key: str, value: dict) -> None:
     path = out / "parallel.json"
@@ -58,12 +62,12 @@ def _throughput(llm, prompts, output_lens) -> dict:
     return {"elapsed_s": elapsed, "num_output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
 
 
-def tensor_parallel(tp: int, out: Path) -> None:
+def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None:
     from pagedkv.engine.llm import LLM
 
     start = time.perf_counter()
-    llm = LLM("random:llama3-8b", dtype="bfloat16", tensor_parallel_size=tp, kv_cache_memory=0.6,
-              max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM(model, dtype=DTYPE, tensor_parallel_size=tp, kv_cache_memory=0.6,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=256, max_num_batched_tokens=8192)
     startup = time.perf_counter() - start
     vocab = llm.engine.vocab_size
     warm, warm_lens = nano_vllm_workload(8, 32, 64, seed=1, vocab=vocab)
@@ -76,15 +80,15 @@ def tensor_parallel(tp: int, out: Path) -> None:
     _record(out, f"tp{tp}", result)
 
 
-def data_parallel(dp: int, out: Path) -> None:
+def data_parallel(dp: int, out: Path, model: str = "random:qwen3-0.6b") -> None:
     from pagedkv.engine.llm import LLM
 
     start = time.perf_counter()
-    options = dict(dtype="bfloat16", kv_cache_memory=0.5, max_model_len=4096, max_num_seqs=256,
+    options = dict(dtype=DTYPE, kv_cache_memory=0.5, max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
                    max_num_batched_tokens=8192)
-    llm = LLM("random:qwen3-0.6b", data_parallel_size=dp, **options)
+    llm = LLM(model, data_parallel_size=dp, **options)
     startup = time.perf_counter() - start
-    vocab = 151936
+    vocab = 500 if "tiny" in model else 151936
     warm, warm_lens = nano_vllm_workload(16, 32, 64, seed=1, vocab=vocab)
     _throughput(llm, warm, warm_lens)
     prompts, output_lens = nano_vllm_workload(512, 100, 1024, 0, vocab)
@@ -95,14 +99,14 @@ def data_parallel(dp: int, out: Path) -> None:
     _record(out, f"dp{dp}", result)
 
 
-def routing(out: Path, num_requests: int, num_system_prompts: int) -> None:
+def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = "random:qwen3-0.6b") -> None:
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.router import RouterConfig
     from pagedkv.engine.sampling import SamplingParams
 
     rng = random.Random(0)
-    systems = [[rng.randrange(3, 10000) for _ in range(1000)] for _ in range(num_system_prompts)]
-    prompts = [systems[rng.randrange(num_system_prompts)] + [rng.randrange(3, 10000) for _ in range(rng.randint(20, 100))]
+    systems = [[rng.randrange(3, 10000 if DTYPE != 'float32' else 400) for _ in range(SYSTEM_PROMPT_TOKENS)] for _ in range(num_system_prompts)]
+    prompts = [systems[rng.randrange(num_system_prompts)] + [rng.randrange(3, 400) for _ in range(rng.randint(20, 100))]
                for _ in range(num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     results = {}
@@ -110,7 +114,7 @@ def routing(out: Path, num_requests: int, num_system_prompts: int) -> None:
         from pagedkv.engine.data_parallel import DataParallelEngine
         from pagedkv.engine.config import EngineConfig
 
-        config = EngineConfig(model="random:qwen3-0.6b", dtype="bfloat16", kv_cache_memory=0.5, max_model_len=4096,
+        config = EngineConfig(model=model, dtype=DTYPE, kv_cache_memory=0.5, max_model_len=MAX_MODEL_LEN,
                               max_num_seqs=256, max_num_batched_tokens=8192)
         engine = DataParallelEngine(config, 2, router_config=RouterConfig(policy=policy))
         llm = LLM.__new__(LLM)
@@ -133,17 +137,24 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--routing-requests", type=int, default=2048)
     parser.add_argument("--system-prompts", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (checks the script, not the speed)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.smoke:
         print("pagedkv bench parallel needs CUDA GPUs")
         return 2
+    global DTYPE, MAX_MODEL_LEN, SYSTEM_PROMPT_TOKENS, nano_vllm_workload
+    if args.smoke:
+        DTYPE, MAX_MODEL_LEN, SYSTEM_PROMPT_TOKENS = "float32", 512, 100
+        full = nano_vllm_workload
+        nano_vllm_workload = lambda n, lo, hi, seed, vocab: full(min(n, 12), min(lo, 8), min(hi, 40), seed, vocab)
+        torch.cuda.get_device_name = lambda *a: "cpu (smoke)"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for section in args.sections:
         if section.startswith("tp"):
-            tensor_parallel(int(section[2:]), out)
+            tensor_parallel(int(section[2:]), out, *(["random:tiny-llama"] if args.smoke else []))
         elif section.startswith("dp"):
-            data_parallel(int(section[2:]), out)
+            data_parallel(int(section[2:]), out, *(["random:tiny-qwen3"] if args.smoke else []))
         else:
-            routing(out, args.routing_requests, args.system_prompts)
+            routing(out, args.routing_requests, args.system_prompts, *(["random:tiny-qwen3"] if args.smoke else []))
     return 0
