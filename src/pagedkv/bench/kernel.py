@@ -488,7 +488,7 @@ def prefill_throughput(device, dtype, backend: str, batch: int, seq_len: int, tu
 
 # --------------------------------------------------------------------------- variants
 def decode_variant_tunings() -> dict:
-    """Decode launch configurations `--variants` times side by side (round 1's, then round 2's schedules)."""
+    """Decode launch configurations `--variants` times side by side: the default, then round 2's schedules."""
     from pagedkv.kernels import DecodeTuning
 
     # Round 1's block_n / warps / stages variants are gone: measured slower (block_n 32, 128) or
