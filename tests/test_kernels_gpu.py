@@ -290,7 +290,7 @@ def test_new_decode_schedules_llama3(schedule, block_size):
     num_heads, num_kv_heads, head_dim = LLAMA3
     scenario = GpuScenario(LENGTHS + [0], block_size, num_kv_heads, head_dim, torch.bfloat16, seed=20)
     query = scenario.query(len(LENGTHS) + 1, num_heads)
-    workspace = KernelWorkspace(64, "cuda")
+    workspace = KernelWorkspace((len(LENGTHS) + 1) * num_kv_heads, "cuda")
     expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
     for _ in range(2):  # the second call starts from the counters the first left behind
         out = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=max(LENGTHS),

@@ -3,15 +3,17 @@
 Small decode work (batch 1 x 32K, 8 x 4K, 64 x 512 on 8 kv heads) loses a third of the
 bandwidth to per-program start-up (three dependent loads before the first K byte), to
 waves of equal programs starting and ending together, and to the merge launch. Here the
-grid is fixed by the machine, `P = programs_per_sm * num_sms`, and the work is one flat
-stream of tiles, sequence-major, kv-head minor:
+grid is fixed by the machine, `P = programs_per_sm * num_sms` (what fits at once: one
+wave), and the work is one flat stream of tiles, sequence-major, kv-head minor:
 
     flat tile t:  | seq 0: head 0 tiles | head 1 tiles | ... | seq 1: head 0 tiles | ...
     item          (sequence, kv head): max(1, cdiv(visible length, BLOCK_N)) tiles
     program p     tiles [p * W, (p + 1) * W), W = cdiv(total tiles, P)
 
 Each program runs ONE loop over its tiles, so the software pipeline keeps prefetching
-across item boundaries. The loop body is branch-free: at an item's last tile (or the
+across item boundaries (the item's length is loaded at the top of each iteration: loading
+it at the bottom, for the next one, crashed Triton 3.6's pipeliner on sm_90, "Op used
+before defined"). The loop body is branch-free: at an item's last tile (or the
 program's) the rows are finished with masked stores and the softmax state is reset with
 `where`. An item wholly inside a program is written straight to `out`. An item cut by a
 program boundary leaves one partial per program it touches; after the loop, each of its
@@ -128,14 +130,15 @@ def _stream_k_decode_kernel(
     out_mask = row_mask[:, None] & dim_mask[None, :]
 
     # Loop state: the current item and tile, and whether the item began in this program.
-    seq, kv_head, num_tiles = first_seq, first_head, first_tiles
+    seq, kv_head = first_seq, first_head
     tile = t_begin - first_begin
     started_here = tile == 0
-    seq_len = tl.load(seq_lens_ptr + seq * stride_lens, mask=seq < num_seqs, other=0).to(tl.int32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
     for t in range(t_begin, t_end):
+        seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
+        num_tiles = _visible_tiles(seq_len, sliding_window, BLOCK_N, USE_WINDOW)
         kv_start = 0
         if USE_WINDOW:
             kv_start = tl.maximum(seq_len - sliding_window, 0)
@@ -176,8 +179,6 @@ def _stream_k_decode_kernel(
         next_seq = kv_head == NUM_KV_HEADS
         kv_head = tl.where(next_seq, 0, kv_head)
         seq += next_seq.to(tl.int32)
-        seq_len = tl.load(seq_lens_ptr + seq * stride_lens, mask=seq < num_seqs, other=0).to(tl.int32)
-        num_tiles = _visible_tiles(seq_len, sliding_window, BLOCK_N, USE_WINDOW)
 
     # Items cut by this program's boundaries: at most the first and the last (the same item when one spans it).
     if t_begin < t_end:
@@ -194,9 +195,9 @@ def _stream_k_decode_kernel(
 
 
 def stream_k_num_programs(num_seqs: int, num_kv_heads: int, max_tiles_per_item: int, sm_count: int,
-                          tuning: DecodeTuning) -> int:
+                          programs_per_sm: int) -> int:
     """Persistent programs for a step, from host ints: the machine's slots, but no more than there are tiles."""
-    return max(1, min(tuning.programs_per_sm * sm_count, num_seqs * num_kv_heads * max_tiles_per_item))
+    return max(1, min(programs_per_sm * sm_count, num_seqs * num_kv_heads * max_tiles_per_item))
 
 
 def triton_stream_k_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -217,7 +218,8 @@ def triton_stream_k_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     group_p2, dim_pad = merge_group_rows(group), triton.next_power_of_2(head_dim)
     block_n = tuning.block_n_for(head_dim)
     span = min(max_seq_len, sliding_window or max_seq_len)
-    num_programs = stream_k_num_programs(num_seqs, num_kv_heads, max(1, -(-span // block_n)), sm_count, tuning)
+    per_sm = tuning.stream_k_programs_per_sm(head_dim, sliding_window is not None or soft_cap is not None)
+    num_programs = stream_k_num_programs(num_seqs, num_kv_heads, max(1, -(-span // block_n)), sm_count, per_sm)
     partial_out = torch.empty(2 * num_programs, group, dim_pad, dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(2 * num_programs, group, dtype=torch.float32, device=query.device)
     if counters is None:

@@ -55,14 +55,15 @@ class DecodeTuning:
     # (the multiply-sum ran at 0.4 TB/s on the H200 against 3.8-4.2 for tl.dot, so MHA uses tl.dot too)
     schedule: str = "split"  # "split" (grid seq x kv head x split) or "stream_k" (persistent, see above)
     merge: str = "launch"  # split partials merged by a second "launch" or "in_kernel" by the last arrival
-    programs_per_sm: int = 2  # stream_k programs per SM (3-stage 64-token bf16 K+V tiles: 96 KiB of shared memory)
+    programs_per_sm: int | None = None  # stream_k programs per SM; None: what fits (`stream_k_programs_per_sm`)
 
     def __post_init__(self):
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
             raise InvalidArgumentError(f"block_n must be a power of 2 >= 16, got {self.block_n}")
-        for name in ("num_warps", "num_stages", "min_split_tokens", "max_splits", "dot_min_group",
-                     "programs_per_sm"):
+        for name in ("num_warps", "num_stages", "min_split_tokens", "max_splits", "dot_min_group"):
             require_positive_int(name, getattr(self, name))
+        if self.programs_per_sm is not None:
+            require_positive_int("programs_per_sm", self.programs_per_sm)
         if not self.target_waves > 0:
             raise InvalidArgumentError(f"target_waves must be > 0, got {self.target_waves}")
         if self.schedule not in DECODE_SCHEDULES:
@@ -75,6 +76,20 @@ class DecodeTuning:
         if self.block_n is not None:
             return self.block_n
         return 64 if head_dim <= 128 else 32
+
+    def stream_k_programs_per_sm(self, head_dim: int, masked: bool) -> int:
+        """Stream-K programs resident per SM: the grid must fit in one wave, or half of it waits a whole program.
+
+        From the kernel's registers on sm_90 (Triton 3.6, 4 warps, `python -m
+        pagedkv.kernels.offline_compile`): 111-126 at head_dim 64 (4 fit in 64 K registers),
+        147-158 at 80-128 (3 fit), up to 188 with a window or soft cap at 80-128 (2 fit at
+        worst) and 231 at 256 (2 fit). Shared memory (23-57 KiB) never binds first.
+        """
+        if self.programs_per_sm is not None:
+            return self.programs_per_sm
+        if head_dim <= 64:
+            return 4
+        return 3 if head_dim <= 128 and not masked else 2
 
 
 def _check_tiles(tuning) -> None:
