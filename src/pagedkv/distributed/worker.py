@@ -39,6 +39,10 @@ def worker_entry(config, rank: int, init_method: str) -> None:
     from pagedkv.engine.engine import LLMEngine
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.environ.get("PAGEDKV_HANG_DUMP_S"):  # debugging aid: print every thread's stack if still running then
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["PAGEDKV_HANG_DUMP_S"]), exit=False)
     engine = LLMEngine(config, tp_rank=rank, tp_init_method=init_method)
     try:
         run_worker(engine)
