@@ -152,6 +152,9 @@ class LLMEngine:
         """`tp_rank`/`tp_init_method` are for spawned tensor-parallel workers (pagedkv.distributed.worker)."""
         self.config = config
         self.device = _pick_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Graph capture and Triton launch on the current device's stream: it must be the engine's.
+            torch.cuda.set_device(self.device)
         self.tp = None
         self._workers: list = []
         self._dead: str | None = None
