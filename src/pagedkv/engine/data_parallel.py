@@ -63,6 +63,8 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
                 engine.abort(payload)
             elif command == "stats":
                 conn.send(("stats", engine.stats().as_dict()))
+            elif command == "stream":
+                engine.stream_outputs = payload
             continue
         if busy:
             outputs = engine.step()
@@ -182,7 +184,7 @@ class DataParallelEngine:
         self.scheduler = _SchedulerView(self, Scheduler(self.replicas[0].info["scheduler_config"]))
         self._request_replica: dict[str, int] = {}
         self._vocab_size = getattr(self.tokenizer, "vocab_size", None)
-        self.stream_outputs = True  # replicas always stream; LLM.generate keeps the finished outputs
+        self._stream_outputs = True
         logger.info("data parallel: %d replicas on %s", len(self.replicas), ", ".join(devices))
 
     @staticmethod
@@ -200,6 +202,19 @@ class DataParallelEngine:
         return [f"cuda:{i}" for i in range(size)]
 
     # ------------------------------------------------------------------ the engine API
+    @property
+    def stream_outputs(self) -> bool:
+        """Like `LLMEngine.stream_outputs`; False makes replicas send only finished requests (offline),
+        which keeps per-step pickling off the pipes (measured: with streaming, DP=2 gave 1.18x)."""
+        return self._stream_outputs
+
+    @stream_outputs.setter
+    def stream_outputs(self, value: bool) -> None:
+        self._stream_outputs = value
+        for replica in self.replicas:
+            if replica.process.is_alive():
+                replica.conn.send(("stream", value))
+
     def tokenize(self, prompt):
         if isinstance(prompt, str):
             if self.tokenizer is None:
