@@ -282,7 +282,9 @@ def test_crop_after_pads_right_of_real_tokens_raises():
     cache = PagedCache(pool)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # right padding: row 0's last column holds nothing
+    assert cache.is_croppable
     forward(model, ids, mask, cache)
+    assert not cache.is_croppable
     cache.crop(0)
     with pytest.raises(InvalidArgumentError, match="pads on its left"):
         cache.crop(-1)

@@ -193,7 +193,7 @@ def _host_int(name: str, value: object) -> int:
 
 def _row_indices(indices: object, num_rows: int) -> list[int]:
     """Row numbers in [0, num_rows) from an int or bool tensor (or a sequence), read as tensor indexing would."""
-    indices = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=None)
+    indices = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
     if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex():
         raise InvalidArgumentError(f"row indices must be a 1-D integer or boolean tensor, got {tuple(indices.shape)} "
                                    f"{indices.dtype}")
@@ -228,6 +228,7 @@ class _HostStaging:
     def __init__(self, device: torch.device):
         self.device = device
         self._host: torch.Tensor | None = None  # pinned int64 buffer (CUDA only)
+        self._host_values = None  # a numpy view of it: filling it from a list is one C loop
         self._copied: torch.cuda.Event | None = None
 
     def to_device(self, values: list[int]) -> torch.Tensor:
@@ -289,8 +290,9 @@ class PagedCache(PagedKVCacheBase):
 
     @property
     def is_croppable(self) -> bool:
-        """Pages keep every token (sliding windows included), so `crop` always rolls back exactly."""
-        return True
+        """Whether `crop` can roll back exactly: pages keep every token (sliding windows included),
+        as long as pads were only ever on the left (see `crop`)."""
+        return self._left_aligned
 
     def reset(self) -> None:
         """Free every page and forget all tokens (the cache can be used again)."""
@@ -374,7 +376,10 @@ class PagedCache(PagedKVCacheBase):
             self.tables = [BlockTable(self.page_pool.allocator, self.pool.block_size, self._max_cache_len)
                            for _ in range(batch)]
         elif batch != len(self.tables):
-            raise InvalidArgumentError(f"this cache holds {len(self.tables)} sequences; the forward has {batch}")
+            raise InvalidArgumentError(
+                f"this cache holds {len(self.tables)} sequences; the forward has {batch} (to sample or beam-search "
+                f"from a filled cache, fork its rows first: cache.batch_repeat_interleave(n))"
+            )
 
         num_new = None  # None: every row gains q_len tokens (decode steps, unpadded chunks)
         token_index = None
