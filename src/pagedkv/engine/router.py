@@ -201,7 +201,8 @@ class Router:
         policy = self.config.policy
         keys = self.prompt_block_hashes(token_ids) if policy is RoutingPolicy.PREFIX else []
         with self._lock:
-            candidates = [i for i in range(len(self.replicas)) if i not in exclude]
+            num_replicas = len(self.replicas)
+            candidates = [i for i in range(num_replicas) if i not in exclude] if exclude else range(num_replicas)
             if not candidates:
                 raise NoReplicaAvailableError(f"all {len(self.replicas)} replicas are excluded")
             if policy is RoutingPolicy.ROUND_ROBIN:
@@ -232,8 +233,9 @@ class Router:
     def _round_robin(self, candidates: Sequence[int]) -> RouteDecision:
         # The next replica at or after the position, so an excluded one is skipped, not retried.
         start = self._next_round_robin
-        index = min(candidates, key=lambda i: (i - start) % len(self.replicas))
-        self._next_round_robin = (index + 1) % len(self.replicas)
+        num_replicas = len(self.replicas)
+        index = start if len(candidates) == num_replicas else min(candidates, key=lambda i: (i - start) % num_replicas)
+        self._next_round_robin = (index + 1) % num_replicas
         return RouteDecision(index, 0, 0, "round_robin")
 
     def _by_prefix(self, keys: Sequence[BlockHash], candidates: Sequence[int]) -> RouteDecision:
