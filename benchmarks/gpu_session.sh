@@ -15,10 +15,25 @@ for stage in "$@"; do
   case $stage in
     tests)  python3 -m pytest -q -o addopts="" -m gpu tests/test_kernels_gpu.py tests/test_gpu_models.py \
               2>&1 | tee "$OUT/r/gpu_tests.log" | tail -25 ;;
+    engine-tests) python3 -m pytest -q -o addopts="" tests/test_gpu_models.py tests/test_fused_kernels.py \
+              tests/test_sampler.py tests/test_models.py 2>&1 | tee "$OUT/r/gpu_engine_tests.log" | tail -25 ;;
+    profile) python3 benchmarks/profile_engine.py "$OUT/r" 2>&1 | tee "$OUT/r/profile.log" | tail -12 ;;
+    models-tests) python3 -m pytest -q -o addopts="" -x tests/test_gpu_models.py tests/test_sampler.py 2>&1 \
+              | tee "$OUT/r/gpu_models_tests.log" | tail -15 ;;
+    multi) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+            nvidia-smi topo -m > "$OUT/r/topo.txt" 2>&1
+            ( CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pagedkv bench kernel --validate --no-flex --budget-s 90 \
+                --out "$OUT/r" > "$OUT/r/kernel.log" 2>&1 ) &
+            CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pagedkv bench parallel tp1 dp1 --out "$OUT/r" 2>&1 | tail -4
+            wait
+            timeout 120 python3 -m pytest -q -o addopts="" tests/test_tensor_parallel_gpu.py 2>&1 | tail -4
+            timeout 300 python3 -m pagedkv bench parallel tp2 dp2 routing --routing-requests 1024 --out "$OUT/r" 2>&1 \
+              | tail -6 ;;
+    latency) python3 -m pagedkv bench latency --out "$OUT/r" 2>&1 | tee "$OUT/r/latency.log" | tail -40 ;;
     kernel) python3 -m pagedkv bench kernel --validate --variants --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     kernel-quick) python3 -m pagedkv bench kernel --validate --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     hf)     python3 -m pagedkv bench hf --out "$OUT/r" 2>&1 | tee "$OUT/r/hf.log" | tail -40 ;;
-    engine) python3 -m pagedkv bench engine --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
+    engine) python3 -m pagedkv bench engine --hf-time-limit 60 --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
     engine-nohf) python3 -m pagedkv bench engine --skip-hf --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac

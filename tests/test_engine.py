@@ -229,13 +229,14 @@ def test_forked_sequence_swapped_out_with_the_whole_pool_comes_back():
     assert llm.stats()["num_used_blocks"] == 0
 
 
-def test_seeded_parallel_samples_are_reproducible_and_release_their_generators():
+def test_seeded_parallel_samples_are_reproducible_and_distinct():
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
     llm = _llm("tiny-llama")
     first = llm.generate([[4, 5, 6]], params)[0]
     second = llm.generate([[4, 5, 6]], params)[0]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs]
-    assert llm.engine.runner.sampler._seeded == {}
+    # The sampler keeps no per-sequence state: streams are a function of (seed, sample index, position).
+    assert len({tuple(c.token_ids) for c in first.outputs}) == 3
 
 
 def test_prompt_tokens_are_counted_once_with_parallel_sampling():
@@ -260,3 +261,73 @@ def test_stop_string_completed_by_the_last_token_reports_stop():
     assert full.text.find(stop) == len(full.text) - 5  # the stop string first appears at the very end
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop=[stop]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == full.text[:-5]
+
+
+def test_logprobs_come_back_per_token_and_per_sample():
+    llm = _llm("tiny-llama")
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=3)
+    out = llm.generate([[4, 5, 6, 7]], params)[0]
+    for completion in out.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids) == 6
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert entry.token_id == token and entry.logprob <= 0.0
+            assert len(entry.top) == 3 and entry.top[0][1] >= entry.top[-1][1]
+    greedy = llm.generate([[4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert greedy.outputs[0].logprobs is None
+
+
+def test_min_tokens_holds_back_eos():
+    model = tiny("tiny-llama")
+    eos = model.generation_config.eos_token_id
+    llm = _llm("tiny-llama")
+    # A logit bias makes EOS the greedy choice; min_tokens must still produce 5 tokens first.
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=5, logit_bias={eos: 100.0})
+    out = llm.generate([[4, 5, 6]], params)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_equals_sync_under_preemption_eos_and_stop(mode):
+    """Step k+1 scheduled before step k's tokens are known: the same tokens, reasons and clean pools."""
+    model = tiny("tiny-llama")
+    eos = model.generation_config.eos_token_id
+    prompts = _prompts(10, seed=7)
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + i, ignore_eos=i % 3 == 0, stop_token_ids=(17,) * (i % 2))
+              for i in range(10)]
+    results = {}
+    for async_scheduling in (False, True):
+        llm = _llm("tiny-llama", num_blocks=30, watermark=0.0, preemption_mode=mode, swap_space=64 * 2**10,
+                   max_num_batched_tokens=32, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params)
+        results[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["num_used_blocks"] == 0
+        llm.engine.check_integrity()
+    assert results[True] == results[False]
+    assert all(-1 not in tokens for tokens, _ in results[True])
+    assert eos is not None
+
+
+def test_async_scheduling_aborts_mid_flight_leave_nothing_behind():
+    llm = _llm("tiny-qwen3", num_blocks=64, watermark=0.0)
+    engine = llm.engine
+    rng = random.Random(3)
+    live = []
+    for step in range(200):
+        if rng.random() < 0.5:
+            request_id = f"r{step}"
+            engine.add_request(request_id, _prompts(1, seed=step)[0], SamplingParams(max_tokens=rng.randint(1, 30)))
+            live.append(request_id)
+        if live and rng.random() < 0.2:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for output in engine.step():
+            assert all(-1 not in c.token_ids for c in output.outputs)
+            if output.finished:
+                live.remove(output.request_id)
+        engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # a step in flight with only aborted sequences resolves to nothing
+    assert llm.stats()["num_used_blocks"] == 0
+    engine.check_integrity()

@@ -135,3 +135,23 @@ def test_misuse_errors():
         llama(ids, attention_mask=mask, past_key_values=PagedCache(small), use_cache=True)
     assert small.num_used_blocks == 0  # all rows or none
     small.check_integrity()
+
+
+def test_step_metadata_starts_every_kernel_input_on_16_bytes():
+    """Triton specializes pointer arguments on 16-byte alignment: a shifting offset would compile new variants."""
+    model = tiny("tiny-llama")
+    ids, mask = _batch([5, 9, 2])  # 16 real tokens of 27 columns: odd-length segments everywhere
+    pool = PagePool.for_model(model, num_blocks=64, block_size=4)
+    cache = PagedCache(pool)
+    seen = []
+    for step in range(4):
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        meta = cache._metadata
+        seen += [meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, meta.prefill_seq_lens,
+                 meta.prefill_block_tables, meta.cu_seqlens_q]
+        cache.reorder_cache(torch.tensor([2, 0, 0]))  # forks: the next step copies a shared partial block
+        ids, mask = torch.tensor([[7], [8], [9]]), torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+    tensors = [t for t in seen if t is not None]
+    assert len(tensors) == 4 + 3 * 3 and all(t.data_ptr() % 16 == 0 for t in tensors)  # 1 prefill + 3 decodes
+    cache.free()
+    pool.check_integrity()

@@ -6,10 +6,9 @@ kernel that reads one slot it should not comes out NaN. Shapes are small because
 interpreter runs every program in Python; each parameter value is covered, not their product.
 """
 
-import math
-
 import pytest
 import torch
+from kernel_scenarios import Scenario, assert_matches, seq_lens_for
 
 from pagedkv.core import ModelSpec
 from pagedkv.errors import KernelInputError, PagedKVError
@@ -31,8 +30,6 @@ HEAD_SIZES = [64, 80, 128]
 BLOCK_SIZES = [8, 16, 128]
 NUM_HEADS = [(4, 4), (6, 2), (8, 2), (7, 1), (16, 2)]  # (q heads, kv heads): GQA ratios 1, 3, 4, 7, 8
 BACKENDS = ["triton", "torch"]
-#: (atol, rtol) against the float64 reference. fp16: the output and the P @ V operand are rounded to fp16.
-TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3)}
 
 #: One case per line; together they cover every DTYPES / HEAD_SIZES / BLOCK_SIZES / NUM_HEADS value.
 CASES = [
@@ -44,53 +41,6 @@ CASES = [
     (torch.float16, (16, 2), 64, 8),
 ]
 CASE_IDS = [f"{str(d)[6:]}-h{h}:{kv}-d{hd}-bs{bs}" for d, (h, kv), hd, bs in CASES]
-
-
-def seq_lens_for(block_size: int) -> list[int]:
-    """1, an exact multiple of the block size, one more than a multiple, and a longer one."""
-    return [1, block_size, block_size + 1, 2 * block_size + 5, 3 * block_size]
-
-
-class Scenario:
-    """A NaN-poisoned pool holding a few sequences' K/V behind shuffled block tables."""
-
-    def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, dtype, *, extra_blocks=7, seed=0,
-                 table_blocks=None):
-        generator = torch.Generator().manual_seed(seed)
-        self.block_size, self.dtype = block_size, dtype
-        blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-        num_blocks = sum(blocks_per_seq) + extra_blocks
-        table_blocks = table_blocks or max(blocks_per_seq + [1]) + 2
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
-        order = torch.randperm(num_blocks, generator=generator)
-        owned, unowned = order[: sum(blocks_per_seq)], order[sum(blocks_per_seq):]
-        # Padding entries point at poisoned blocks no sequence owns.
-        self.block_tables = unowned[torch.randint(len(unowned), (len(seq_lens), table_blocks),
-                                                  generator=generator)].to(torch.int32)
-        start = 0
-        for b, n in enumerate(blocks_per_seq):
-            self.block_tables[b, :n] = owned[start : start + n].to(torch.int32)
-            start += n
-        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-        slots = [self.slot(b, p) for b, n in enumerate(seq_lens) for p in range(n)]
-        self.keys = torch.randn(len(slots), num_kv_heads, head_dim, generator=generator).to(dtype)
-        self.values = torch.randn(len(slots), num_kv_heads, head_dim, generator=generator).to(dtype)
-        reference_write_kv(self.keys, self.values, self.k_cache, self.v_cache, torch.tensor(slots))
-
-    def slot(self, seq: int, position: int) -> int:
-        return int(self.block_tables[seq, position // self.block_size]) * self.block_size + position % self.block_size
-
-    def query(self, num_tokens, num_heads, seed=1):
-        generator = torch.Generator().manual_seed(seed)
-        return torch.randn(num_tokens, num_heads, self.k_cache.shape[-1], generator=generator).to(self.dtype)
-
-
-def assert_matches(out, expected, dtype):
-    atol, rtol = TOLERANCES[dtype]
-    assert not out.isnan().any(), "NaN leaked from a poisoned slot"
-    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
 
 
 # --------------------------------------------------------------------------- write_kv

@@ -1,9 +1,10 @@
 """pagedkv.kernels on CUDA at full size: Llama-3-8B attention (32 q heads, 8 kv heads, head_dim 128), bf16.
 
-The same checks as tests/test_kernels.py (NaN-poisoned pool, shuffled tables, lengths 1 /
-multiples of the block size / one more, split-KV, zero-length rows, window, soft cap,
-chunked prefill, 64-bit offsets, bad input), compiled for the GPU, plus the head dims the
-CPU run skips and a CUDA-graph capture of the decode hot path.
+The same checks as tests/test_kernels.py, test_kernels_unified.py and test_kernel_views.py
+(NaN-poisoned pool, shuffled tables, lengths 1 / multiples of the block size / one more,
+split-KV, zero-length rows, window, soft cap, chunked prefill, 64-bit offsets, strided
+views, bad input), compiled for the GPU, plus the head dims the CPU run skips and CUDA-graph
+captures of the decode hot path (every schedule) and of a mixed step (unified kernel).
 """
 
 import math
@@ -13,9 +14,14 @@ import torch
 
 from pagedkv.errors import KernelInputError
 from pagedkv.kernels import (
+    DecodeTuning,
+    KernelWorkspace,
+    UnifiedTuning,
+    paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
     reference_decode_attention,
+    reference_paged_attention,
     reference_prefill_attention,
     reference_write_kv,
     write_kv,
@@ -31,6 +37,11 @@ LLAMA3 = (32, 8, 128)
 #: (atol, rtol) against the float64 reference.
 TOLERANCES = {torch.bfloat16: (1.5e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
 LENGTHS = [1, 16, 17, 128, 129, 1000, 4095, 4096]
+#: The decode schedules (round 1's default, then round 2's).
+SCHEDULES = {"split": DecodeTuning(), "in_kernel": DecodeTuning(merge="in_kernel"),
+             "stream_k": DecodeTuning(schedule="stream_k")}
+#: Engine models' attention: Qwen3-0.6B, SmolLM2-135M, GPT-2 as (q heads, kv heads, head_dim).
+ENGINE_HEADS = [(16, 8, 128), (9, 3, 64), (12, 12, 64)]
 
 
 class GpuScenario:
@@ -222,6 +233,11 @@ def test_block_offsets_past_2_to_the_31():
     expected = reference_prefill_attention(query, *kv, cu, scale=0.088, float64=True)
     assert_matches(paged_prefill_attention(query, *kv, cu, scale=0.088, max_seqlen_q=seq_len), expected,
                    torch.bfloat16)
+    # Round 2: the unified kernel and every decode schedule on the same far blocks.
+    assert_matches(paged_attention(query, *kv, cu, scale=0.088, max_seqlen_q=seq_len), expected, torch.bfloat16)
+    for tuning in SCHEDULES.values():
+        assert_matches(paged_decode_attention(query[-1:], *kv, scale=0.088, num_splits=3, tuning=tuning),
+                       expected[-1:], torch.bfloat16)
     del k_cache, v_cache
     torch.cuda.empty_cache()
 
@@ -265,3 +281,189 @@ def test_decode_is_cuda_graph_capturable():
     torch.cuda.synchronize()
     expected = reference_decode_attention(query, *scenario.kv, scale=0.088, float64=True)
     assert_matches(out, expected, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- round 2: decode schedules
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+def test_new_decode_schedules_llama3(schedule, block_size):
+    num_heads, num_kv_heads, head_dim = LLAMA3
+    scenario = GpuScenario(LENGTHS + [0], block_size, num_kv_heads, head_dim, torch.bfloat16, seed=20)
+    query = scenario.query(len(LENGTHS) + 1, num_heads)
+    workspace = KernelWorkspace((len(LENGTHS) + 1) * num_kv_heads, "cuda")
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    for _ in range(2):  # the second call starts from the counters the first left behind
+        out = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=max(LENGTHS),
+                                     tuning=SCHEDULES[schedule], workspace=workspace)
+        assert_matches(out, expected, torch.bfloat16)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        workspace.check_integrity()
+
+
+@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+@pytest.mark.parametrize("heads", ENGINE_HEADS + [(28, 4, 128)], ids=["qwen3", "smollm2", "gpt2", "gqa7"])
+def test_new_decode_schedules_engine_heads(schedule, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    scenario = GpuScenario([1, 16, 17, 700, 2049], 16, num_kv_heads, head_dim, torch.bfloat16, seed=21)
+    query = scenario.query(5, num_heads)
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    assert_matches(paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=2049,
+                                          tuning=SCHEDULES[schedule]), expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+def test_new_decode_schedules_long_single_sequence(schedule):
+    num_heads, num_kv_heads, head_dim = LLAMA3
+    scenario = GpuScenario([32768], 16, num_kv_heads, head_dim, torch.bfloat16, seed=22)
+    query = scenario.query(1, num_heads)
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    out = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=32768,
+                                 tuning=SCHEDULES[schedule])
+    assert_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+@pytest.mark.parametrize("sliding_window, soft_cap", [(256, None), (None, 30.0), (1000, 50.0), (1, None)])
+def test_new_decode_schedules_window_and_soft_cap(schedule, sliding_window, soft_cap):
+    scenario = GpuScenario(LENGTHS, 16, 8, 128, torch.bfloat16, seed=23)
+    query = scenario.query(len(LENGTHS), 32) * 4
+    options = {"scale": 0.088, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    expected = reference_decode_attention(query, *scenario.kv, **options, float64=True)
+    assert_matches(paged_decode_attention(query, *scenario.kv, **options, tuning=SCHEDULES[schedule]), expected,
+                   torch.bfloat16)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_decode_schedules_are_cuda_graph_capturable(schedule):
+    """Captured once; replayed with new queries and new (shorter) lengths: the split follows the device data."""
+    scenario = GpuScenario([100, 3000, 17, 4096, 0, 1], 16, 8, 128, torch.bfloat16, seed=24)
+    query = scenario.query(6, 32)
+    out = torch.empty_like(query)
+    workspace = KernelWorkspace(6 * 8, "cuda")
+    options = {"scale": 0.088, "max_seq_len": 4096, "validate": False, "out": out, "tuning": SCHEDULES[schedule],
+               "workspace": workspace}
+    paged_decode_attention(query, *scenario.kv, **options)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(query, *scenario.kv, **options)
+    for seed, new_lens in ((99, None), (98, [50, 2999, 16, 1, 0, 1])):
+        query.copy_(scenario.query(6, 32, seed=seed))
+        if new_lens is not None:
+            scenario.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference_decode_attention(query, *scenario.kv, scale=0.088, float64=True),
+                       torch.bfloat16)
+        workspace.check_integrity()
+
+
+# --------------------------------------------------------------------------- round 2: unified kernel
+def _mixed_case(block_size, heads=LLAMA3, dtype=torch.bfloat16, seed=30):
+    """Decode rows (q_len 1) of every LENGTHS value, then prefill chunks: whole prompts and chunks on a prefix."""
+    seq_lens = LENGTHS + [17, 1000, 4096, 2048, 129]
+    q_lens = [1] * len(LENGTHS) + [17, 1, 1000, 512, 128]
+    scenario = GpuScenario(seq_lens, block_size, heads[1], heads[2], dtype, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return scenario, cu, max(q_lens), scenario.query(int(cu[-1]), heads[0])
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_m", [None, 16, 128])
+def test_unified_llama3_mixed_step(block_size, block_m):
+    scenario, cu, max_q, query = _mixed_case(block_size)
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True)
+    out = paged_attention(query, *scenario.kv, cu, scale=0.088, max_seqlen_q=max_q,
+                          tuning=UnifiedTuning(block_m=block_m))
+    assert_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+def test_unified_head_dims(dtype, head_dim):
+    seq_lens, q_lens = [300, 77, 40, 1], [300, 40, 1, 1]
+    scenario = GpuScenario(seq_lens, 16, 2, head_dim, dtype, seed=31)
+    cu = torch.tensor([0, 300, 340, 341, 342], dtype=torch.int32, device="cuda")
+    query = scenario.query(342, 14)
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, float64=True)
+    assert_matches(paged_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, max_seqlen_q=300), expected,
+                   dtype)
+
+
+@pytest.mark.parametrize("heads", ENGINE_HEADS + [(32, 32, 128), (28, 4, 128)],
+                         ids=["qwen3", "smollm2", "gpt2", "mha", "gqa7"])
+def test_unified_gqa_groups(heads):
+    scenario, cu, max_q, query = _mixed_case(16, heads=heads, seed=32)
+    scale = heads[2] ** -0.5
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=scale, float64=True)
+    assert_matches(paged_attention(query, *scenario.kv, cu, scale=scale, max_seqlen_q=max_q), expected,
+                   torch.bfloat16)
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap", [(300, None), (None, 30.0), (700, 50.0)])
+def test_unified_window_and_soft_cap(sliding_window, soft_cap):
+    scenario, cu, max_q, query = _mixed_case(16, seed=33)
+    options = {"scale": 0.088, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    expected = reference_paged_attention(query * 4, *scenario.kv, cu, **options, float64=True)
+    assert_matches(paged_attention(query * 4, *scenario.kv, cu, **options, max_seqlen_q=max_q), expected,
+                   torch.bfloat16)
+
+
+def test_unified_mixed_step_is_cuda_graph_capturable():
+    """Captured once; replayed after the step's contents change (other chunk split, other lengths, same shape)."""
+    scenario, cu, max_q, query = _mixed_case(16, seed=34)
+    out = torch.empty_like(query)
+    options = {"scale": 0.088, "max_seqlen_q": max_q, "max_seq_len": 4096, "validate": False, "out": out}
+    paged_attention(query, *scenario.kv, cu, **options)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(query, *scenario.kv, cu, **options)
+    num_decode = len(LENGTHS)
+    # Same token count: 100 of the 1000-token chunk's tokens move to the one-token chunk before it.
+    q_lens = [1] * num_decode + [17, 101, 900, 512, 128]
+    seq_lens = LENGTHS + [17, 1000, 4000, 2048, 129]
+    for new_q_lens, new_seq_lens in ((None, None), (q_lens, seq_lens)):
+        if new_q_lens is not None:
+            cu.copy_(torch.tensor([0, *torch.tensor(new_q_lens).cumsum(0).tolist()], dtype=torch.int32))
+            scenario.seq_lens.copy_(torch.tensor(new_seq_lens, dtype=torch.int32))
+        query.copy_(torch.randn_like(query))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True),
+                       torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- round 2: strided views
+def _interleave(tensor, poison, dim=0):
+    """A stride-2 view of `tensor` along `dim` whose gaps hold `poison` (as in test_kernel_views.py)."""
+    shape = list(tensor.shape)
+    shape[dim] *= 2
+    wide = torch.full(shape, poison, dtype=tensor.dtype, device=tensor.device)
+    view = wide.unflatten(dim, (tensor.shape[dim], 2)).select(dim + 1, 0)
+    view.copy_(tensor)
+    return view
+
+
+def test_strided_views_on_gpu():
+    scenario, cu, max_q, query = _mixed_case(16, seed=35)
+    poison_block = int(scenario.block_tables[0, -1])
+    tables = _interleave(scenario.block_tables, poison_block, dim=1)
+    lens = _interleave(scenario.seq_lens, 10**6)
+    cu_view = _interleave(cu, 10**7)
+    strided_query = _interleave(query, float("nan"), dim=2)
+    kv = (scenario.k_cache, scenario.v_cache, tables, lens)
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True)
+    out = _interleave(torch.empty_like(query), float("nan"), dim=2)
+    paged_attention(strided_query, *kv, cu_view, scale=0.088, max_seqlen_q=max_q, out=out)
+    assert_matches(out, expected, torch.bfloat16)
+    paged_prefill_attention(strided_query, *kv, cu_view, scale=0.088, max_seqlen_q=max_q, out=out)
+    assert_matches(out, expected, torch.bfloat16)
+    rows = torch.arange(len(LENGTHS), device="cuda")  # the decode rows: token i is sequence i's only query
+    decode_kv = (scenario.k_cache, scenario.v_cache, tables[: len(LENGTHS)], lens[: len(LENGTHS)])
+    for tuning in SCHEDULES.values():
+        decode_out = _interleave(torch.empty_like(query[rows]), float("nan"), dim=2)
+        paged_decode_attention(strided_query[: len(LENGTHS)], *decode_kv, scale=0.088, max_seq_len=4096,
+                               out=decode_out, tuning=tuning)
+        assert_matches(decode_out, expected[rows], torch.bfloat16)
+

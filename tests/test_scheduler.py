@@ -207,14 +207,17 @@ def test_bad_configs():
 
 
 def test_fork_shares_blocks_with_copy_on_write():
-    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=4))
+    import itertools
+
+    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=4), seq_ids=itertools.count(1))
     parent = make_seq(0, 6, 4)
     scheduler.add(parent)
     out = scheduler.schedule()
-    scheduler.update(out, {0: 7})
-    child = Sequence(1, "r0", parent.prompt_token_ids, parent.sampling_params, arrival_index=0, sample_index=1,
-                     token_ids=parent.prompt_token_ids + [8])
-    scheduler.fork(parent, child)
+    scheduler.update(out, {0: [7, 8]})  # the first sample of an n = 2 request: the parent forks one child
+    assert [c.seq_id for c in out.forked] == [1]
+    child = out.forked[0]
+    assert child.sample_index == 1 and child.token_ids == parent.prompt_token_ids + [8]
+    assert parent.token_ids == parent.prompt_token_ids + [7]
     bm = scheduler.block_manager
     assert bm.block_ids(1) == bm.block_ids(0)
     out = scheduler.schedule()

@@ -1,14 +1,20 @@
 """The `pagedkv` command line: a thin argparse layer over typed functions.
 
 Each subcommand is a `main(argv) -> int` in the module that owns the work, imported only
-when that subcommand runs (so `pagedkv calc` never imports torch). A `PagedKVError`
-becomes one line on stderr and exit status 2, with no traceback.
+when that subcommand runs (so `pagedkv calc` never imports torch). Bad input of any kind
+(argparse's own errors and every `PagedKVError`) becomes one line on stderr and exit status
+2, with no traceback; Ctrl-C exits 130 quietly.
+
+Helpers the subcommands share live here too: `ArgumentParser` (the one-line errors),
+`parse_memory` / `parse_size` (sizes such as 512MiB) and `add_engine_arguments` (the engine
+flags of both `generate` and `serve`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from pagedkv.errors import InvalidArgumentError, PagedKVError
@@ -19,6 +25,46 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise InvalidArgumentError(message)
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: '1000000', '512MiB', '2GiB', '1.5GB' (KiB/MiB/GiB are powers of 2, KB/MB/GB of 10)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 512MiB, 2GiB or 1000000, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_memory(text: str) -> int | float:
+    """`--kv-cache-memory`: a fraction of free memory ('0.5') or a size ('512MiB', '2GiB', '1000000')."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*", text)
+    if match is not None and "." in text:
+        return float(match.group(1))
+    try:
+        return parse_size(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.5 or a size like 512MiB, got {text!r}") from None
+
+
+def add_engine_arguments(group) -> None:
+    """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory, --max-model-len."""
+    group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="GPUs that split one model (NCCL; gloo on CPU) (default %(default)s)")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas behind the prefix-aware router, one GPU each (default %(default)s)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    group.add_argument("--kv-cache-memory", type=parse_memory, default=None,
+                       help="KV pool budget: a fraction of free memory (0.5) or a size (512MiB) "
+                            "(default: 0.5 on CUDA, 256MiB on CPU)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's limit, capped by the pool)")
+
 
 #: subcommand -> (module with `main(argv)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,43 +81,71 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernel": ("pagedkv.bench.kernel", "paged attention kernels vs SDPA (GPU)"),
     "hf": ("pagedkv.bench.hf", "PagedCache vs DynamicCache/StaticCache in model.generate (GPU)"),
     "engine": ("pagedkv.bench.engine", "engine throughput on nano-vllm's offline workload (GPU)"),
+    "parallel": ("pagedkv.bench.parallel", "tensor parallel, data-parallel replicas and routing (2+ GPUs)"),
+    "latency": ("pagedkv.bench.latency", "decode step time at batch 1..256 against the roofline (GPU)"),
 }
 
 
+def _bench_usage() -> str:
+    lines = ["usage: pagedkv bench NAME [ARGS...]   (pagedkv bench NAME --help for its options)", "",
+             "benchmarks (print a table, write JSON):"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
 def _usage() -> str:
-    lines = ["usage: pagedkv COMMAND [ARGS...]   (pagedkv COMMAND --help for its options)", "", "commands:"]
+    lines = ["usage: pagedkv [--version] COMMAND [ARGS...]   (pagedkv COMMAND --help for its options)", "",
+             "commands:"]
     lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
     lines += ["  bench      benchmarks (print a table, write JSON):"]
     lines += [f"    {name:<10} {help_text}" for name, (_, help_text) in BENCHMARKS.items()]
     return "\n".join(lines)
 
 
+def _version() -> str:
+    from pagedkv import __version__
+
+    return f"pagedkv {__version__}"
+
+
+def _resolve(argv: list[str]) -> tuple[str, str, list[str]] | int:
+    """(module, prog, rest) of the subcommand `argv` names, or the exit status once usage is printed."""
+    command, rest = argv[0], argv[1:]
+    if command == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(_bench_usage())
+            return 0
+        if not rest or rest[0] not in BENCHMARKS:
+            raise InvalidArgumentError(f"unknown benchmark {rest[0] if rest else '(none)'!r}; choose from "
+                                       f"{', '.join(BENCHMARKS)} (pagedkv bench --help)")
+        return BENCHMARKS[rest[0]][0], f"pagedkv bench {rest[0]}", rest[1:]
+    if command in COMMANDS:
+        return COMMANDS[command][0], f"pagedkv {command}", rest
+    raise InvalidArgumentError(f"unknown command {command!r}; choose from {', '.join(COMMANDS)}, bench "
+                               f"(pagedkv --help)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch `argv` to the subcommand's own `main(argv, prog)` and return its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "bench":
-        if not rest or rest[0] not in BENCHMARKS:
-            print(_usage(), file=sys.stderr)
-            print(f"pagedkv: error: unknown benchmark {rest[0] if rest else '(none)'!r}; "
-                  f"choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
-            return 2
-        module_name, prog, rest = BENCHMARKS[rest[0]][0], f"pagedkv bench {rest[0]}", rest[1:]
-    elif command in COMMANDS:
-        module_name, prog = COMMANDS[command][0], f"pagedkv {command}"
-    else:
-        print(_usage(), file=sys.stderr)
-        print(f"pagedkv: error: unknown command {command!r}", file=sys.stderr)
-        return 2
+    if argv[0] in ("-V", "--version"):
+        print(_version())
+        return 0
     try:
+        resolved = _resolve(argv)
+        if isinstance(resolved, int):
+            return resolved
+        module_name, prog, rest = resolved
         module = importlib.import_module(module_name)
         return int(module.main(rest, prog=prog) or 0)
     except PagedKVError as error:
         print(f"pagedkv: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

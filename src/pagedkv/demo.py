@@ -8,11 +8,10 @@ reservation, a block-size sweep), with no model.
 
 from __future__ import annotations
 
-import argparse
-
 from rich.console import Console
 from rich.table import Table
 
+from pagedkv.cli import ArgumentParser
 from pagedkv.core import BlockAllocator, BlockTable, ModelSpec, generate_lengths, memory_report
 
 SMOLLM2_SPEC = ModelSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2, name="SmolLM2-135M (bf16)")
@@ -104,19 +103,21 @@ def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | No
         load_seconds = time.perf_counter() - started
     engine = llm.engine
     console.print(f"[bold]Model[/bold] {model or 'SmolLM2-135M-Instruct (embedded GGUF)'} on {engine.device}, "
-                  f"{engine.dtype}, loaded in {load_seconds:.1f} s. KV pool: {engine.pool.num_blocks} blocks x "
+                  f"{engine.dtype}, loaded in {load_seconds:.1f} s. KV pool: {engine.scheduler.block_manager.num_blocks} blocks x "
                   f"{engine.pool.block_size} tokens, max_model_len {engine.max_model_len}.")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
-    prompts = [llm.apply_chat_template(c) for c in conversations]
+    prompts, note = demo_prompts(llm)
+    if note:
+        console.print(f"[yellow]{note}[/yellow]")
     # One question first, then the rest together: the chat template's shared system prompt is
     # then in the prefix cache, and the batch shares its blocks instead of recomputing them.
     started = time.perf_counter()
     outputs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params, use_tqdm=True)
     wall = time.perf_counter() - started
     for question, output in zip(DEMO_QUESTIONS, outputs):
-        console.print(f"[bold cyan]Q:[/bold cyan] {question}\n[bold green]A:[/bold green] "
-                      f"{output.outputs[0].text.strip()}")
+        completion = output.outputs[0]
+        answer = completion.text.strip() if llm.tokenizer is not None else f"token ids {completion.token_ids}"
+        console.print(f"[bold cyan]Q:[/bold cyan] {question}\n[bold green]A:[/bold green] {answer}")
 
     stats = llm.stats()
     lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
@@ -144,7 +145,7 @@ def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | No
 
     result = {"outputs": [o.outputs[0].text for o in outputs], "stats": stats, "matches_hf": None}
     if verify:
-        model_sdpa = engine.model
+        model_sdpa = engine.hf_model
         matches = 0
         with console.status("checking against HF generate (DynamicCache, sdpa), one prompt at a time..."):
             model_sdpa.set_attn_implementation("sdpa")
@@ -166,6 +167,26 @@ def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | No
     return result
 
 
+def demo_prompts(llm) -> tuple[list[list[int]], str | None]:
+    """Token ids of DEMO_QUESTIONS for this model, and a note when they are not chat turns.
+
+    A chat template makes each question a user turn; a tokenizer without one gets the plain
+    question; a model without a tokenizer (random:NAME) gets each question's UTF-8 bytes as
+    token ids, so paging and the HF check still run, on token ids instead of text.
+    """
+    tokenizer = llm.tokenizer
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None:
+        return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in DEMO_QUESTIONS], None
+    if tokenizer is not None:
+        return ([llm.engine.tokenize(q)[1] for q in DEMO_QUESTIONS],
+                "This tokenizer has no chat template: the questions go in as plain prompts.")
+    vocab = llm.engine.model.config.get_text_config().vocab_size
+    # NOTE: ids from 3 up, past the usual special tokens (pad/bos/eos), so no prompt ends itself.
+    prompts = [[3 + byte % (vocab - 3) for byte in q.encode("utf-8")] for q in DEMO_QUESTIONS]
+    return prompts, ("This model has random weights and no tokenizer: each question goes in as its UTF-8 bytes "
+                     "(as token ids), and the answers are token ids.")
+
+
 def _trim_after_eos(tokens: list[int], eos_ids) -> list[int]:
     for i, token in enumerate(tokens):
         if token in eos_ids:
@@ -175,15 +196,16 @@ def _trim_after_eos(tokens: list[int], eos_ids) -> list[int]:
 
 def main(argv: list[str] | None = None, prog: str = "pagedkv demo") -> int:
     """`pagedkv demo`: the engine demo on the embedded model, or `--memory` for the paging core alone."""
-    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
+    parser = ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("--memory", action="store_true", help="the paging-core memory demo only (no model)")
-    parser.add_argument("--model", default=None, help="HF id, path, .gguf or random:NAME (default: embedded)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--model", default=None, help="HF id, path, .gguf or random:NAME (a model without a "
+                        "tokenizer answers in token ids) (default: embedded)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     parser.add_argument("--no-verify", action="store_true", help="skip the check against HF generate")
-    parser.add_argument("--seqs", type=int, default=32, help="sequences in the memory demo")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seqs", type=int, default=32, help="sequences in the memory demo (default 32)")
+    parser.add_argument("--seed", type=int, default=42, help="workload seed of the memory demo (default 42)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block, memory demo (default 16)")
     args = parser.parse_args(argv)
     if args.memory:
         memory_demo(num_seqs=args.seqs, seed=args.seed, block_size=args.block_size)

@@ -52,6 +52,11 @@ class SchedulerStallError(PagedKVError):
     """The scheduler could schedule nothing while work remained: an internal invariant broke."""
 
 
+class EngineDeadError(PagedKVError):
+    """The engine cannot go on (a tensor-parallel worker died, or a collective timed out): in-flight
+    requests are failed and every later call raises this too."""
+
+
 class SamplingParamsError(InvalidArgumentError):
     """A sampling parameter is out of range. `field` names it."""
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 
+from pagedkv.cli import ArgumentParser
 from pagedkv.core.allocator import BlockAllocator
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench allocator") -
 
     from pagedkv.bench.common import provenance, write_json
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--pairs", type=int, default=1_000_000, help="alloc+free pairs per measurement")
     parser.add_argument("--out", default="benchmarks/results", help="directory for allocator.json")
     args = parser.parse_args(argv)

@@ -1,9 +1,15 @@
 """`pagedkv bench engine`: engine throughput on nano-vllm's offline workload, beside HF continuous batching.
 
 The workload is nano-vllm's `bench.py`: 256 requests, prompt and output lengths each
-uniform in [100, 1024] from a fixed seed, random token ids, `ignore_eos`. The same
-requests then go through transformers' own continuous batching (`generate_batch`'s
-manager, per-request max_new_tokens) in the same run.
+uniform in [100, 1024] from a fixed seed, random token ids, `ignore_eos`. In one run and on the
+same requests it times, side by side:
+
+- pagedkv with its own decoder and CUDA-graph decode (the default);
+- pagedkv with its own decoder, eager (`enforce_eager=True`);
+- pagedkv on HF's modules through the `pagedkv` attention function (`model_impl="hf"`);
+- transformers' own continuous batching (`generate_batch`'s manager, per-request max_new_tokens),
+  under a time limit: when it runs out, the tokens finished so far over the time taken are reported,
+  marked partial.
 
 It also:
 - checks greedy output against HF `generate` (DynamicCache, sdpa) for the first 32 tokens
@@ -15,7 +21,6 @@ It also:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import time
@@ -23,6 +28,7 @@ import time
 import torch
 
 from pagedkv.bench.common import provenance, write_json
+from pagedkv.cli import ArgumentParser
 
 
 def nano_vllm_workload(num_requests: int, min_len: int, max_len: int, seed: int, vocab: int):
@@ -40,9 +46,9 @@ def _engine_run(llm, prompts, output_lens, record: list | None = None) -> dict:
     engine = llm.engine
     if record is not None:
         def observe(out, seconds):
-            prefill = sum(i.num_new_tokens for i in out.scheduled if not i.is_decode)
-            record.append({"prefill_tokens": prefill, "decode_seqs": out.num_decode_seqs,
-                           "kv_tokens": sum(i.end for i in out.scheduled), "seconds": seconds})
+            shape = out.shape
+            record.append({"prefill_tokens": shape.prefill_tokens, "decode_seqs": shape.decode_seqs,
+                           "kv_tokens": shape.kv_tokens, "seconds": seconds})
         engine.on_step = observe
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     torch.cuda.synchronize()
@@ -99,7 +105,7 @@ def _hf_continuous_batching(model, prompts, output_lens, time_limit_s: float) ->
         ids = [manager.add_request(p, request_id=f"hf{i}", max_new_tokens=n)
                for i, (p, n) in enumerate(zip(prompts, output_lens))]
         done, generated = set(), 0
-        while len(done) < len(ids) and time.perf_counter() - start < time_limit_s:
+        while len(done) < len(ids) and time.perf_counter() - start < time_limit_s:  # partial when it runs out
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 done.add(result.request_id)
@@ -115,6 +121,9 @@ def _hf_continuous_batching(model, prompts, output_lens, time_limit_s: float) ->
         model.set_attn_implementation("pagedkv")
 
 
+SYSTEMS = ("pagedkv", "pagedkv_eager", "pagedkv_hf_modules", "hf_continuous_batching")
+
+
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> int:
     """Run the benchmark; print a table; write engine.json, engine.md, engine_run.json and cost_model.json."""
     from rich.console import Console
@@ -123,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     from pagedkv.engine.llm import LLM
     from pagedkv.hf.models import random_model
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="random-weight architecture (pagedkv.hf.RANDOM_CONFIGS)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
@@ -133,7 +142,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--hf-time-limit", type=float, default=240.0)
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="skip transformers' continuous batching")
+    parser.add_argument("--skip", default="", help="comma-separated variants to skip: pagedkv_eager,pagedkv_hf_modules")
     parser.add_argument("--calibration-requests", type=int, default=96)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -145,15 +155,23 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     device = torch.device("cuda")
     model = random_model(args.model, torch.bfloat16, device)
     vocab = model.config.vocab_size
-    llm = LLM(hf_model=model, kv_cache_memory=args.kv_cache_memory, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+    def make_llm(**options):
+        return LLM(hf_model=model, kv_cache_memory=args.kv_cache_memory, max_model_len=4096,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, **options)
+
+    start = time.perf_counter()
+    llm = make_llm()
+    startup_s = time.perf_counter() - start
     engine = llm.engine
     result = {"benchmark": "engine", "model": f"random:{args.model} (bf16)", "provenance": provenance(
-        torch.cuda.get_device_name()), "engine": {"num_blocks": engine.pool.num_blocks,
+        torch.cuda.get_device_name()), "engine": {"num_blocks": engine.scheduler.block_manager.num_blocks,
                                                   "block_size": engine.pool.block_size,
                                                   "max_num_seqs": args.max_num_seqs,
                                                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                                                  "max_model_len": engine.max_model_len}}
+                                                  "max_model_len": engine.max_model_len,
+                                                  "startup_s": startup_s,
+                                                  "num_graphs": len(engine.runner.graphs)}}
 
     check_prompts, _ = nano_vllm_workload(16, 16, 256, seed=args.seed + 99, vocab=vocab)
     result["greedy_check"] = _greedy_check(model, llm, check_prompts, 32)
@@ -170,13 +188,27 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     prompts, output_lens = nano_vllm_workload(args.requests, args.min_len, args.max_len, args.seed, vocab)
     main_steps: list[dict] = []
     result["pagedkv"] = _engine_run(llm, prompts, output_lens, record=main_steps)
-    console.print(f"pagedkv: {result['pagedkv']['output_tokens_per_s']:,.0f} output tok/s "
+    console.print(f"pagedkv (own decoder, CUDA graphs): {result['pagedkv']['output_tokens_per_s']:,.0f} output tok/s "
                   f"({result['pagedkv']['elapsed_s']:.1f} s)")
-    if not args.skip_hf:
-        del llm, engine
+    del llm, engine
+    torch.cuda.empty_cache()
+    for name, options in (("pagedkv_eager", {"enforce_eager": True}), ("pagedkv_hf_modules", {"model_impl": "hf"})):
+        if name in args.skip:
+            continue
+        variant = make_llm(**options)
+        _engine_run(variant, warm_prompts, warm_lens)
+        result[name] = _engine_run(variant, prompts, output_lens)
+        console.print(f"{name}: {result[name]['output_tokens_per_s']:,.0f} output tok/s "
+                      f"({result[name]['elapsed_s']:.1f} s)")
+        del variant
         torch.cuda.empty_cache()
+    if not args.skip_hf:
         result["hf_continuous_batching"] = _hf_continuous_batching(model, prompts, output_lens, args.hf_time_limit)
         console.print(f"HF continuous batching: {result['hf_continuous_batching']}")
+        hf = result["hf_continuous_batching"]
+        if "output_tokens_per_s" in hf:
+            result["pagedkv_vs_hf_continuous_batching"] = (result["pagedkv"]["output_tokens_per_s"]
+                                                           / hf["output_tokens_per_s"])
 
     from pagedkv.sim.cost_model import StepMeasurement, fit
 
@@ -203,7 +235,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     table.add_column("output tok/s", justify="right")
     table.add_column("elapsed s", justify="right")
     table.add_column("output tokens", justify="right")
-    for name in ("pagedkv", "hf_continuous_batching"):
+    for name in SYSTEMS:
         row = result.get(name)
         if not row:
             continue
@@ -217,7 +249,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     lines = [f"# Engine benchmark ({result['provenance']['device']}, {result['provenance']['date']}, "
              f"commit {result['provenance']['commit']})", "", "| system | output tok/s | elapsed s | tokens |",
              "|---|---:|---:|---:|"]
-    for name in ("pagedkv", "hf_continuous_batching"):
+    for name in SYSTEMS:
         row = result.get(name)
         if row and "error" not in row:
             lines.append(f"| {name} | {row['output_tokens_per_s']:,.0f} | {row['elapsed_s']:.1f} | "

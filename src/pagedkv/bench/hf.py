@@ -11,11 +11,13 @@ a 512-token budget, pages of 16 tokens.
 - Decode latency P50/P99 per generated token at batch 1 and batch 32, for all three caches.
 - Plots: KV memory against decode step; the two-batch lifecycle (batch 2 lands on batch 1's
   pages and the pool ends at 0).
+- Sharing (`bench.hf_sharing`): beam search, parallel sampling and prompt reuse with blocks
+  shared by reference count, against DynamicCache's per-sequence copies; a table, a plot and
+  hf_sharing.json. `--only sharing` runs just this part, on CPU too (`--quick` for a small model).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench.common import provenance, write_json
+from pagedkv.cli import ArgumentParser
 
 STEPS = (5, 50, 200)
 
@@ -52,8 +55,34 @@ def _generate(model, ids, cache, steps: int, clock=None, **kwargs):
                           stopping_criteria=criteria, disable_compile=True, **kwargs)
 
 
+class _GcWatch:
+    """Python garbage collections (count per generation, longest pause) while `active` is set."""
+
+    def __init__(self):
+        self.active = False
+        self.collections = [0, 0, 0]
+        self.max_pause_ms = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.max_pause_ms = max(self.max_pause_ms, (time.perf_counter() - self._start) * 1e3)
+
+
 def _latency(model, pool, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
-    """Per-token decode latency (ms) for each cache: P50 and P99 over `repeats` runs of `steps` tokens."""
+    """Per-token decode latency (ms) for each cache: P50 and P99 over `repeats` runs of `steps` tokens.
+
+    Also where the tail sits: the decode steps (counted from the first) of the slowest 1% of
+    samples and how many of those cross a 16-token block boundary (when a row claims a block
+    and the block tables widen), and the garbage collections that ran while timing.
+    """
+    import gc
+
     from transformers import DynamicCache, StaticCache
 
     from pagedkv.hf.cache import PagedCache
@@ -67,19 +96,32 @@ def _latency(model, pool, batch: int, prompt_len: int, steps: int, repeats: int)
     result = {}
     for name, (attn, make) in makers.items():
         model.set_attn_implementation(attn)
-        samples: list[float] = []
-        for repeat in range(repeats + 1):
-            cache = make()
-            clock = _Clock()
-            _generate(model, ids, cache, steps, clock)
-            torch.cuda.synchronize()
-            if isinstance(cache, PagedCache):
-                cache.free()
-            if repeat:  # the first run warms up kernels and allocator
-                samples += [(b - a) * 1e3 for a, b in zip(clock.times[1:], clock.times[2:])]
+        samples: list[tuple[float, int]] = []  # (ms, decode step)
+        watch = _GcWatch()
+        gc.callbacks.append(watch)
+        try:
+            for repeat in range(repeats + 1):
+                cache = make()
+                clock = _Clock()
+                watch.active = bool(repeat)
+                _generate(model, ids, cache, steps, clock)
+                torch.cuda.synchronize()
+                watch.active = False
+                if isinstance(cache, PagedCache):
+                    cache.free()
+                if repeat:  # the first run warms up kernels and allocator
+                    samples += [((b - a) * 1e3, step) for step, (a, b) in
+                                enumerate(zip(clock.times[1:], clock.times[2:]), start=2)]
+        finally:
+            gc.callbacks.remove(watch)
         samples.sort()
-        result[name] = {"p50_ms": statistics.median(samples), "p99_ms": samples[int(0.99 * (len(samples) - 1))],
-                        "mean_ms": statistics.fmean(samples), "num_samples": len(samples)}
+        times = [ms for ms, _ in samples]
+        tail = samples[int(0.99 * (len(samples) - 1)):]
+        result[name] = {"p50_ms": statistics.median(times), "p99_ms": times[int(0.99 * (len(times) - 1))],
+                        "mean_ms": statistics.fmean(times), "num_samples": len(times),
+                        "tail_steps": [step for _, step in tail],
+                        "tail_at_block_boundary": sum((prompt_len + step) % 16 == 1 for _, step in tail),
+                        "gc_collections": watch.collections, "gc_max_pause_ms": watch.max_pause_ms}
     model.set_attn_implementation("pagedkv")
     return result
 
@@ -197,41 +239,97 @@ def _plots(out_dir: str, memory: dict, curve1: list[int], curve2: list[int], byt
     return paths
 
 
+def _sharing_report(model, label: str, args) -> dict:
+    """Run the sharing scenarios; print the table; write hf_sharing.json, hf_sharing.md and hf_sharing.png."""
+    from pagedkv.bench.hf_sharing import measure_sharing, plot, table_lines
+    from pagedkv.hf.cache import PagePool
+
+    batches = tuple(int(b) for b in args.sharing_batches.split(","))
+    block_size = 16
+    blocks_per_seq = -(-(args.sharing_prompt_len + args.sharing_new_tokens) // block_size)
+    pool = PagePool.for_model(model, num_blocks=2 * max(batches) * 4 * blocks_per_seq + 64, block_size=block_size)
+    result = measure_sharing(model, pool, batches, args.sharing_prompt_len, args.sharing_new_tokens)
+    device = torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu"
+    result = {"benchmark": "hf_sharing", "model": label, "dtype": str(model.dtype).removeprefix("torch."),
+              "provenance": provenance(device), **result}
+    title = (f"{label}, {str(model.dtype).removeprefix('torch.')}: {result['prompt_len']}-token prompts, "
+             f"{result['new_tokens']} new tokens, {result['width']} beams / samples, pages of {block_size}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result["plot"] = plot(result, Path(args.out) / "hf_sharing.png", title)
+    lines = [f"# KV memory with shared blocks ({result['provenance']['device']}, {result['provenance']['date']}, "
+             f"commit {result['provenance']['commit']})", "", title, "", *table_lines(result), "",
+             "vLLM paper: 37.6-55.2% less KV memory from sharing in beam search, 6.1-9.8% in parallel sampling."]
+    print("\n".join(lines))
+    write_json(args.out, "hf_sharing", result)
+    Path(args.out, "hf_sharing.md").write_text("\n".join(lines) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
-    """Run the benchmark; print tables; write hf.json, hf.md and two PNG plots."""
+    """Run the benchmark; print tables; write hf.json, hf.md, hf_sharing.json/.md and PNG plots."""
     from rich.console import Console
     from rich.table import Table
 
     from pagedkv.hf.cache import PagePool
-    from pagedkv.hf.models import random_model
+    from pagedkv.hf.models import load_model, parse_dtype, random_model
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("all", "sharing"), default="all",
+                        help="sharing: only the beam / parallel-sampling memory part (runs on CPU too)")
+    parser.add_argument("--model", default="random:gpt2", help="what load_model takes (default random:gpt2)")
+    parser.add_argument("--dtype", default=None, help="default float16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="a 2-layer, 128-wide GPT-2 shape instead of --model (for CPU; the sharing ratios "
+                             "count blocks, which do not depend on the model's width)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--budget", type=int, default=512, help="tokens per sequence (naive reservation)")
     parser.add_argument("--prompt-len", type=int, default=10)
     parser.add_argument("--latency-steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() before timing (both caches), to test whether GC makes the P99 tail")
+    parser.add_argument("--sharing-batches", default="1,8")
+    parser.add_argument("--sharing-prompt-len", type=int, default=512)
+    parser.add_argument("--sharing-new-tokens", type=int, default=128)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("pagedkv bench hf needs a CUDA GPU")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.only == "all" and not device.startswith("cuda"):
+        print("pagedkv bench hf needs a CUDA GPU (on CPU: --only sharing)")
         return 2
+    dtype = parse_dtype(args.dtype) if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
+    if args.quick:
+        model = random_model("gpt2", dtype, device, n_layer=2, n_embd=128, n_head=4)
+        label = "random GPT-2 shape (2 layers x 128 wide)"
+    else:
+        model = load_model(args.model, dtype, device)
+        label = "random GPT-2 124M" if args.model == "random:gpt2" else args.model
+    _sharing_report(model, label, args)
+    if args.only == "sharing":
+        return 0
     console = Console()
-    model = random_model("gpt2", torch.float16, "cuda")
     num_blocks = args.batch * args.budget // 16 * 2
     pool = PagePool.for_model(model, num_blocks=num_blocks, block_size=16)
     naive_bytes = args.batch * args.budget * pool.bytes_per_token
 
     memory = _memory(model, pool, args.batch, args.prompt_len, args.budget)
+    if args.gc_freeze:
+        import gc
+
+        gc.collect()
+        gc.freeze()  # what a server does after start-up (vLLM does): collections then skip the model's objects
     latency = {str(b): _latency(model, pool, b, args.prompt_len, args.latency_steps, args.repeats)
                for b in (1, args.batch)}
     curve1, ids1 = _curve(model, pool, 8, args.prompt_len, 120, seed=5)
     curve2, ids2 = _curve(model, pool, 8, args.prompt_len, 120, seed=6)
     lifecycle = {"batch1_blocks": curve1, "batch2_blocks": curve2, "same_block_ids": ids1 == ids2,
                  "pool_used_after": pool.num_used_blocks}
-    result = {"benchmark": "hf", "model": "random gpt2 124M fp16", "provenance": provenance(torch.cuda.get_device_name()),
+    result = {"benchmark": "hf", "model": f"{label} {str(model.dtype).removeprefix('torch.')}",
+              "provenance": provenance(torch.cuda.get_device_name()), "sharing": "hf_sharing.json",
               "batch": args.batch, "budget_tokens": args.budget, "prompt_len": args.prompt_len, "block_size": 16,
-              "bytes_per_token": pool.bytes_per_token, "memory": memory, "latency": latency, "lifecycle": lifecycle}
+              "bytes_per_token": pool.bytes_per_token, "gc_frozen": args.gc_freeze, "memory": memory,
+              "latency": latency, "lifecycle": lifecycle}
     result["plots"] = _plots(args.out, memory, curve1, curve2, pool.kv.bytes_per_block, naive_bytes, pool,
                              args.batch, args.prompt_len, args.budget)
 
@@ -245,13 +343,16 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
                       f"{row['paged_peak_delta_bytes'] / 1e6:.2f}", f"{row['naive_bytes'] / row['paged_bytes']:.1f}x")
     console.print(table)
     lat = Table(title="Decode latency per token (ms)")
-    for column in ("batch", "cache", "P50", "P99", "vs DynamicCache P50/P99"):
+    for column in ("batch", "cache", "P50", "P99", "vs DynamicCache P50/P99", "tail: steps at a block boundary",
+                   "GC gen0/1/2 (max pause ms)"):
         lat.add_column(column, justify="right")
     for batch, rows in latency.items():
         dyn = rows["DynamicCache"]
         for name, row in rows.items():
             lat.add_row(batch, name, f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}",
-                        f"{row['p50_ms'] / dyn['p50_ms']:.2f}x / {row['p99_ms'] / dyn['p99_ms']:.2f}x")
+                        f"{row['p50_ms'] / dyn['p50_ms']:.2f}x / {row['p99_ms'] / dyn['p99_ms']:.2f}x",
+                        f"{row['tail_at_block_boundary']} of {len(row['tail_steps'])}",
+                        "/".join(map(str, row["gc_collections"])) + f" ({row['gc_max_pause_ms']:.1f})")
     console.print(lat)
     step50 = memory["50"]
     targets = {

@@ -44,13 +44,16 @@ DEFAULT_SEED = 42
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_POOL_BLOCKS = 4096
+#: The toy workload illustrates; it is simulated sequence by sequence, so it stays small enough to print at once.
+MAX_NUM_SEQS = 100_000
 
 
 def build_parser(prog: str = "pagedkv calc") -> argparse.ArgumentParser:
     """The `pagedkv calc` arguments (workload flags default to None so we can tell they were given)."""
     parser = ArgumentParser(prog=prog, description="KV-cache capacity calculator: naive contiguous vs paged.")
     workload = parser.add_argument_group("toy workload (no model args)")
-    workload.add_argument("--seqs", type=int, help=f"sequences in the workload (default {DEFAULT_NUM_SEQS})")
+    workload.add_argument("--seqs", type=int, help=f"sequences in the workload, at most {MAX_NUM_SEQS:,} "
+                          f"(default {DEFAULT_NUM_SEQS})")
     workload.add_argument("--seed", type=int, help=f"workload seed (default {DEFAULT_SEED})")
     workload.add_argument("--num-blocks", type=int, help=f"blocks in the pool (default {DEFAULT_NUM_POOL_BLOCKS})")
     common = parser.add_argument_group("both")
@@ -80,6 +83,9 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InvalidArgumentError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.seqs is not None and args.seqs > MAX_NUM_SEQS:
+        raise InvalidArgumentError(f"--seqs must be <= {MAX_NUM_SEQS:,} (the toy workload is an illustration), "
+                                   f"got {args.seqs:,}")
     if args.budget_gb is not None and not (math.isfinite(args.budget_gb) and args.budget_gb > 0):
         raise InvalidArgumentError(f"--budget-gb must be a positive number of GB, got {args.budget_gb}")
     has_model = args.model is not None or args.config is not None

@@ -35,9 +35,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    model_impl: str = "auto"  # "auto": pagedkv's own decoder where it covers the family, else HF modules
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    # Schedule and launch step k+1 while the device runs step k (its tokens feed k+1 on the device).
+    # Requests with n > 1 or penalties run without overlap while they are live.
+    async_scheduling: bool = True
+    tensor_parallel_size: int = 1  # ranks that split heads and MLP width (NCCL on GPUs, gloo on CPU)
+    distributed_timeout_s: float = 120.0  # a collective that waits longer fails the engine
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
+        require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         require_positive_int("max_num_seqs", self.max_num_seqs)
         require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         require_positive_int("swap_space", self.swap_space, allow_zero=True)
@@ -53,5 +61,7 @@ class EngineConfig:
                 raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
             if isinstance(memory, int) and memory <= 0:
                 raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {memory}")
+        if self.model_impl not in ("auto", "pagedkv", "hf"):
+            raise ConfigError(f"model_impl must be 'auto', 'pagedkv' or 'hf', got {self.model_impl!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

@@ -1,15 +1,21 @@
 """The engine: `add_request` / `step` / `abort` over the scheduler and the model runner.
 
-`step()` is the whole loop body: schedule, run the model, hand the sampled tokens back to
-the scheduler, apply stop strings, and report every request that moved. The engine also
-sizes the KV pool at startup from a memory budget and refuses configurations where one
-max-length request could not fit.
+`step()` is the whole loop body and only delegates, in the order every step runs:
+
+    schedule (Scheduler) -> StepInput (StepInputBuilder) -> execute (ModelRunner) -> update (Scheduler) -> outputs
+
+The engine also picks the model path at startup (pagedkv's own decoder for the Llama family,
+HF's modules for everything else, logged), sizes the KV pool from a memory budget, and refuses
+configurations where one max-length request could not fit.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import os
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +28,8 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import FinishReason, Sequence
-from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError
+from pagedkv.engine.step_input import StepInputBuilder
+from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, RequestRejectedError
 from pagedkv.hf.cache import kv_shape_of
 from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
 from pagedkv.kernels import KVPool
@@ -60,7 +67,40 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     detok: dict[int, Detokenized] = field(default_factory=dict)  # sample index -> text so far
-    forked: bool = False
+    logprobs: dict[int, list] = field(default_factory=dict)  # sample index -> TokenLogprobs per output token
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not been read back yet."""
+
+    out: object  # SchedulerOutput
+    step_input: object  # StepInput
+    result: object  # SamplerOutput | None
+    length_finished: list  # sequences `advance` finished by length
+    wait_s: float = 0.0
+
+    @property
+    def rows(self) -> dict[int, int]:
+        """seq id -> this step's sampling row, for the next step's inputs that are this step's tokens."""
+        scheduled = self.out.scheduled
+        return {scheduled[index].seq.seq_id: row for row, index in enumerate(self.step_input.sample_seqs)}
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one step's wall time went (seconds). Only `wait_s` overlaps the device's work."""
+
+    shape: object  # the step's StepShape
+    schedule_s: float
+    build_s: float  # SchedulerOutput -> StepInput
+    launch_s: float  # staging copy, block moves, graph replay or eager kernel launches, sampler launch
+    wait_s: float  # waiting for the sampled tokens (device time not yet covered by the host)
+    update_s: float  # scheduler update, detokenization, outputs
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.build_s + self.launch_s + self.wait_s + self.update_s
 
 
 @dataclass
@@ -107,29 +147,52 @@ def _pick_device(name: str | None) -> torch.device:
 class LLMEngine:
     """A continuous-batching engine over any HF causal LM with standard attention."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None, *,
+                 tp_rank: int | None = None, tp_init_method: str | None = None):
+        """`tp_rank`/`tp_init_method` are for spawned tensor-parallel workers (pagedkv.distributed.worker)."""
         self.config = config
         self.device = _pick_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Graph capture and Triton launch on the current device's stream: it must be the engine's.
+            torch.cuda.set_device(self.device)
+        self.tp = None
+        self._workers: list = []
+        self._dead: str | None = None
+        if config.tensor_parallel_size > 1:
+            self._join_tensor_parallel(model, tp_rank, tp_init_method)
         if model is None:
             dtype = parse_dtype(config.dtype) if config.dtype else (
                 torch.bfloat16 if self.device.type == "cuda" else torch.float32)
             model = load_model(config.model, dtype, self.device)
-            if tokenizer is None:
+            if tokenizer is None and self.is_driver:
                 tokenizer = load_tokenizer(config.model)
         elif model.config._attn_implementation != "pagedkv":
             model.set_attn_implementation("pagedkv")
-        self.model = model
+        self.hf_config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
         self.tokenizer = tokenizer
         self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.config.get_text_config().vocab_size
         num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
+        num_kv_heads //= config.tensor_parallel_size  # this rank's heads (the shard checks divisibility)
         bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        self.model, self.model_impl = self._pick_model(model)
+        # The HF model stays on CPU (the demo checks answers against its generate); on a GPU its
+        # weights are freed once the own decoder holds its fused copy.
+        self.hf_model = model if self.model_impl == "hf" or self.device.type != "cuda" else None
+        if self.hf_model is None:
+            del model
+            torch.cuda.empty_cache()
         num_blocks = self._num_blocks(bytes_per_block)
+        if self.tp is not None:
+            num_blocks = self.tp.min_int(num_blocks)  # every rank holds the same block ids: the smallest pool wins
         capacity_tokens = num_blocks * config.block_size
         max_model_len = self._max_model_len(capacity_tokens)
         self.max_model_len = max_model_len
         num_swap_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
         if config.preemption_mode == "swap" and num_swap_blocks == 0:
             raise ConfigError(f"swap_space {config.swap_space} bytes holds no block of {bytes_per_block} bytes")
+        self._seq_ids = itertools.count()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks, block_size=config.block_size, max_model_len=max_model_len,
@@ -139,27 +202,136 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=num_swap_blocks,
             ),
             eos_token_ids=self._eos_ids(),
+            seq_ids=self._seq_ids,
         )
-        self.pool = KVPool(num_layers, num_blocks, config.block_size, num_kv_heads, head_dim, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.pool, num_swap_blocks=num_swap_blocks,
-                                  max_num_seqs=config.max_num_seqs,
+        # One block more than the allocator hands out: CUDA-graph padding rows write their K/V there.
+        self.pool = KVPool(num_layers, num_blocks + 1, config.block_size, num_kv_heads, head_dim, self.dtype,
+                           self.device)
+        max_blocks_per_seq = num_blocks_for(max_model_len, config.block_size)
+        num_table_rows = 2 * config.max_num_seqs + 1
+        self.input_builder = StepInputBuilder(self.scheduler.block_manager, config.block_size, num_table_rows)
+        self.runner = ModelRunner(self.model, self.pool, is_own_model=self.model_impl == "pagedkv",
+                                  num_swap_blocks=num_swap_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_blocks_per_seq=num_blocks_for(max_model_len, config.block_size),
-                                  seed=config.seed)
+                                  max_blocks_per_seq=max_blocks_per_seq, num_table_rows=num_table_rows,
+                                  max_model_len=max_model_len, vocab_size=self.vocab_size,
+                                  eos_token_ids=self._eos_ids(), scratch_slot=num_blocks * config.block_size,
+                                  enforce_eager=config.enforce_eager)
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
+        self._in_flight: _InFlight | None = None
+        self._num_sync_requests = 0  # live requests that need their tokens before the next step (n > 1, penalties)
         self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
         self._seq_to_request: dict[int, Request] = {}
         self._num_prompt_tokens = 0
         self._num_generated = 0
         self._busy = 0.0
+        # True: an output for every request that moved, every step, with its text so far (streaming).
+        # False: outputs only for finished requests (offline generation: no per-step detokenization or
+        # copies of growing token lists); stop strings are still checked every step.
+        self.stream_outputs = True
         # Called as on_step(scheduler_output, seconds) after every step that ran the model
         # (benchmarks record step times with it to calibrate the simulator's cost model).
         self.on_step = None
+        self.step_timings: list[StepTiming] | None = None  # a list turns per-phase step timing on
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
             num_blocks * bytes_per_block / 2**20, self.dtype, max_model_len, capacity_tokens / max_model_len)
+        if hasattr(self, "_run_torchrun_worker"):  # torchrun rank > 0: serve rank 0's steps, then leave
+            try:
+                self._run_torchrun_worker()
+            finally:
+                self.tp.shutdown()
+            raise SystemExit(0)
+
+    # ------------------------------------------------------------------ tensor parallel
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process schedules (rank 0, or no tensor parallelism)."""
+        return self.tp is None or self.tp.rank == 0
+
+    def _join_tensor_parallel(self, model, tp_rank: int | None, init_method: str | None) -> None:
+        """Start or join the tensor-parallel group (spawning workers, or as torchrun started us)."""
+        from pagedkv.distributed import ParallelConfig, TensorParallel, launched_by_torchrun
+        from pagedkv.distributed.worker import free_tcp_address, run_worker, worker_entry
+
+        size = self.config.tensor_parallel_size
+        if model is not None:
+            raise ConfigError("tensor_parallel_size > 1 loads the model by name in every rank: pass the model "
+                              "name or path, not a loaded model object")
+        if self.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, but torch sees "
+                              f"{torch.cuda.device_count()}")
+        torchrun = tp_rank is None and launched_by_torchrun()
+        if torchrun:
+            tp_rank, init_method = int(os.environ["RANK"]), "env://"
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} processes for tensor_parallel_size "
+                                  f"{size}")
+        elif tp_rank is None:
+            tp_rank, init_method = 0, free_tcp_address()
+            context = torch.multiprocessing.get_context("spawn")
+            for rank in range(1, size):
+                process = context.Process(target=worker_entry, args=(self.config, rank, init_method), daemon=True)
+                process.start()
+                self._workers.append(process)
+            atexit.register(self.shutdown)
+        self.tp = TensorParallel(ParallelConfig(size, tp_rank, init_method, self.device.type,
+                                                self.config.distributed_timeout_s))
+        self.device = self.tp.device
+        if torchrun and tp_rank != 0:
+            self._run_torchrun_worker = lambda: run_worker(self)
+
+    def _check_workers(self) -> None:
+        """Raise `EngineDeadError` (failing every request) if a spawned worker has died."""
+        if self._dead is None:
+            dead = [p for p in self._workers if not p.is_alive()]
+            if dead:
+                self._fail(f"tensor-parallel worker process {dead[0].pid} exited with code {dead[0].exitcode}")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _fail(self, reason: str) -> None:
+        self._dead = reason
+        logger.error("engine stopped: %s", reason)
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self._in_flight = None
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (rank 0 only; idempotent)."""
+        if self.tp is None or not self.is_driver or getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        if self._dead is None:
+            try:
+                self.tp.broadcast_object(None)
+            except Exception:  # a dead peer: nothing left to tell
+                pass
+        for process in self._workers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        self.tp.shutdown()
+
+    def _pick_model(self, hf_model: torch.nn.Module):
+        """(model, "pagedkv" | "hf"): the own decoder where it covers the family (per `model_impl`), else HF's modules."""
+        from pagedkv.models import LlamaFamilyModel, is_supported
+
+        wanted = self.config.model_impl
+        model_type = getattr(self.hf_config.get_text_config(), "model_type", None)
+        if self.tp is not None and (wanted == "hf" or not is_supported(self.hf_config)):
+            raise ConfigError(f"tensor parallelism runs on pagedkv's own decoder, which does not cover model_type "
+                              f"{model_type!r} (or model_impl='hf' was asked for)")
+        if wanted == "hf" or (wanted == "auto" and not is_supported(self.hf_config)):
+            logger.info("model path: HF modules with pagedkv attention (model_type %r)", model_type)
+            return hf_model, "hf"
+        max_positions = self.config.max_model_len or getattr(self.hf_config.get_text_config(),
+                                                               "max_position_embeddings", None)
+        own = LlamaFamilyModel.from_hf(hf_model, max_positions=max_positions, tp=self.tp)  # ConfigError if not covered
+        logger.info("model path: pagedkv's own decoder (model_type %r)", model_type)
+        return own, "pagedkv"
 
     # ------------------------------------------------------------------ startup sizing
     def _num_blocks(self, bytes_per_block: int) -> int:
@@ -180,7 +352,7 @@ class LLMEngine:
         return num_blocks
 
     def _max_model_len(self, capacity_tokens: int) -> int:
-        cfg = self.model.config
+        cfg = self.hf_config
         text = getattr(cfg, "text_config", None) or cfg
         model_limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         wanted = self.config.max_model_len
@@ -199,7 +371,7 @@ class LLMEngine:
 
     def _eos_ids(self) -> list[int]:
         ids = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config):
+        for source in (self.generation_config, self.hf_config):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             if isinstance(eos, int):
                 ids.add(eos)
@@ -221,7 +393,7 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in prompt):
             raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.model.config.get_text_config().vocab_size
+        vocab = self.vocab_size
         for token in prompt:
             if not 0 <= token < vocab:
                 raise InvalidArgumentError(f"token id {token} is outside the vocabulary [0, {vocab})")
@@ -236,10 +408,15 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
-        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority)
+        params.check_token_ids(self.vocab_size)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority,
+                       seed=seed)
         request = Request(request_id, text, token_ids, params, [seq], time.perf_counter())
         self.scheduler.add(seq)
         self.requests[request_id] = request
+        if params.n > 1 or params.needs_history:
+            self._num_sync_requests += 1
         self._seq_to_request[seq.seq_id] = request
 
     def abort(self, request_id: str) -> bool:
@@ -260,77 +437,144 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every request that progressed or finished."""
+        """Run one step; returns an output for every request that progressed or finished.
+
+        With async scheduling the step launched here finishes in the next call: this call
+        schedules and launches step k, then waits for step k-1's tokens (which the device
+        has long produced, or is about to) and reports them, while the device runs step k.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        previous = self._in_flight
+        if previous is not None and not self._can_overlap():
+            outputs += self._complete(previous)
+            self._in_flight = previous = None
         out = self.scheduler.schedule()
-        touched: dict[str, Request] = {}
-        num_scheduled = len(out.scheduled)
+        scheduled = time.perf_counter()
+        step_input = self.input_builder.build(out, self._seq_to_request, self._num_samples(out),
+                                              previous_rows=previous.rows if previous is not None else None)
+        built = time.perf_counter()
+        previous_tokens = previous.result.device_tokens if previous is not None and previous.result else None
+        if self.tp is not None:
+            self._check_workers()
+            self.tp.broadcast_object(step_input)
+        result = self.runner.execute(step_input, previous_tokens)  # block moves run even in an empty step
+        length_finished = self.scheduler.advance(out)
+        current = _InFlight(out, step_input, result, length_finished)
+        launched = time.perf_counter()
+        wait_s = 0.0
+        if previous is not None:
+            outputs += self._complete(previous)
+            wait_s = previous.wait_s
+        self._in_flight = None
+        if self._can_overlap() and not out.is_empty:
+            self._in_flight = current
+        else:
+            outputs += self._complete(current)
+            wait_s += current.wait_s
+        end = time.perf_counter()
+        self._busy += end - start
+        if self.step_timings is not None and not out.is_empty:
+            self.step_timings.append(StepTiming(out.shape, scheduled - start, built - scheduled, launched - built,
+                                                wait_s, end - launched - wait_s))
+        if self.on_step is not None and not out.is_empty:
+            self.on_step(out, end - start)
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        return self.config.async_scheduling and self._num_sync_requests == 0
+
+    def _complete(self, flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, resolve them in the scheduler and report what moved."""
+        waiting = time.perf_counter()
+        if self._workers and flight.result is not None:
+            while not flight.result.ready():  # a worker that died mid-step would leave its collective hanging
+                self._check_workers()
+                time.sleep(0.0001)
+        sampled = self._sampled(flight.step_input, flight.out, flight.result)
+        flight.wait_s = time.perf_counter() - waiting
+        finished = flight.length_finished + self.scheduler.resolve(flight.out, sampled)
+        return self._outputs(flight.out, sampled, finished)
+
+    def _num_samples(self, out) -> dict[int, int]:
+        """Sequences whose step samples all n first tokens of an n > 1 request from one row."""
+        wanted = {}
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.sampling_params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0 \
+                    and item.end == seq.num_tokens and len(self._seq_to_request[seq.seq_id].seqs) == 1:
+                wanted[seq.seq_id] = seq.sampling_params.n
+        return wanted
+
+    def _sampled(self, step_input, out, result) -> dict[int, int | list[int]]:
+        """seq id -> sampled token (a list of n for a forking first sample), from the runner's result."""
+        if result is None:
+            return {}
+        sampled = {}
+        scheduled = out.scheduled
+        for index, tokens in zip(step_input.sample_seqs, result.token_ids()):
+            sampled[scheduled[index].seq.seq_id] = tokens if len(tokens) > 1 else tokens[0]
+        if any(row.params.logprobs is not None for row in step_input.sampling):
+            for index, row, entries in zip(step_input.sample_seqs, step_input.sampling, result.logprobs()):
+                if row.params.logprobs is None:
+                    continue
+                request = self._seq_to_request[scheduled[index].seq.seq_id]
+                for sample_index, entry in zip(row.sample_indices, entries):
+                    request.logprobs.setdefault(sample_index, []).append(entry)
+        return sampled
+
+    def _outputs(self, out, sampled, finished) -> list[RequestOutput]:
+        """Register forked children, count tokens, and report every request that moved."""
         for item in out.scheduled:
             self._num_prompt_tokens += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
-        num_samples = {}
-        for item in out.scheduled:
-            request = self._seq_to_request[item.seq.seq_id]
-            if item.samples and request.params.n > 1 and not request.forked:
-                num_samples[item.seq.seq_id] = request.params.n
-        # Block moves run even in a step that schedules nothing (a swap-out must never be dropped).
-        samples = self.runner.execute(out, self.scheduler.block_manager.block_ids, num_samples)
-        if samples:
-            sampled = {}
-            for seq_id, tokens in samples.items():
-                sampled[seq_id] = tokens[0]
-                if len(tokens) > 1:
-                    sampled.update(self._fork(self._seq_to_request[seq_id], tokens, out))
-            self.scheduler.update(out, sampled)
-            self._num_generated += len(sampled)
-            now = time.perf_counter()
-            for seq_id in sampled:
-                request = self._seq_to_request[seq_id]
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                touched[request.request_id] = request
-        elif out.scheduled:
-            self.scheduler.update(out, {})
-        del out.scheduled[num_scheduled:]  # forked children are bookkeeping, not work this step ran
-        outputs = [self._output(request) for request in touched.values()]
-        for request, output in zip(list(touched.values()), outputs):
+        for child in out.forked:
+            request = self.requests[child.request_id]
+            request.seqs.append(child)
+            self._seq_to_request[child.seq_id] = request
+        for seq in finished:
+            self.input_builder.release(seq.seq_id)
+        touched: dict[str, Request] = {}
+        now = time.perf_counter()
+        for seq_id, tokens in sampled.items():
+            self._num_generated += len(tokens) if isinstance(tokens, list) else 1
+            request = self._seq_to_request.get(seq_id)
+            if request is None:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched[request.request_id] = request
+        outputs = []
+        ended = {seq.request_id for seq in finished}
+        for request in touched.values():
+            if not self.stream_outputs and request.request_id not in ended:
+                if not request.params.stop:
+                    continue  # offline: nothing to report until a sequence of it finishes
+                for seq in request.seqs:
+                    self._text(request, seq)  # may finish the sequence on a stop string
+            if not self.stream_outputs and not self._is_finished(request):
+                continue
+            output = self._output(request)
             if output.finished:
                 request.finish_time = time.perf_counter()
                 output.metrics["finish_time"] = request.finish_time
                 self.requests.pop(request.request_id, None)
                 self._forget(request)
-        elapsed = time.perf_counter() - start
-        self._busy += elapsed
-        if self.on_step is not None and not out.is_empty:
-            self.on_step(out, elapsed)
+            outputs.append(output)
         return outputs
-
-    def _fork(self, request: Request, tokens: list[int], out) -> dict[int, int]:
-        """Parallel sampling: the prompt's blocks are shared by n sequences, one per sample."""
-        parent = request.seqs[0]
-        item = next(i for i in out.scheduled if i.seq is parent)
-        extra = {}
-        for index, token in enumerate(tokens[1:], start=1):
-            child = Sequence(next(self._seq_ids), request.request_id, parent.prompt_token_ids, request.params,
-                             parent.arrival_index, priority=parent.priority, sample_index=index,
-                             token_ids=list(parent.token_ids), group_id=parent.group_id)
-            self.scheduler.fork(parent, child, out, item)
-            request.seqs.append(child)
-            self._seq_to_request[child.seq_id] = request
-            extra[child.seq_id] = token
-        request.forked = True
-        return extra
 
     def _text(self, request: Request, seq: Sequence) -> str:
         """Detokenized output so far, cut at the first stop string (which finishes the sequence)."""
         if self.tokenizer is None:
             return ""
         state = request.detok.setdefault(seq.sample_index, Detokenized())
-        ids = seq.output_token_ids
+        ids = seq.known_output_token_ids
         decode = self.tokenizer.decode
         searched_from = len(state.text)
         if state.final:
             return state.text
-        if seq.is_finished:
+        if seq.is_done:
             # One full decode at the end, which also flushes a held-back partial character.
             state.text = decode(ids, skip_special_tokens=True)
             state.prefix_offset = state.read_offset = len(ids)
@@ -343,7 +587,7 @@ class LLMEngine:
                 state.prefix_offset, state.read_offset = state.read_offset, len(ids)
         params = seq.sampling_params
         text = state.text
-        if params.stop:
+        if params.stop and seq.num_output_tokens >= params.min_tokens:
             start = max(0, searched_from - max(len(stop) for stop in params.stop))
             hits = [(text.find(stop, start), stop) for stop in params.stop]
             hits = [(at, stop) for at, stop in hits if at != -1]
@@ -354,8 +598,10 @@ class LLMEngine:
                 state.final = True
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.STOP)
-                elif seq.finish_reason is FinishReason.LENGTH:
-                    seq.finish_reason = FinishReason.STOP  # the last allowed token completed a stop string
+                else:
+                    Scheduler.drop_pending(seq)  # a token still on its way is past the stop string
+                    if seq.finish_reason is FinishReason.LENGTH:
+                        seq.finish_reason = FinishReason.STOP  # the last allowed token completed a stop string
         return text
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -370,12 +616,18 @@ class LLMEngine:
             encoded = encoded["input_ids"]
         return list(encoded)
 
+    @staticmethod
+    def _is_finished(request: Request) -> bool:
+        return len(request.seqs) == request.params.n and all(seq.is_done for seq in request.seqs)
+
     def _output(self, request: Request) -> RequestOutput:
         completions = []
         for seq in request.seqs:
             text = self._text(request, seq)
-            reason = seq.finish_reason.value if seq.finish_reason else None
-            completions.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason))
+            reason = seq.finish_reason.value if seq.is_done else None
+            logprobs = request.logprobs.get(seq.sample_index) if request.params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.sample_index, text, seq.known_output_token_ids, reason,
+                                                logprobs=list(logprobs) if logprobs is not None else None))
         finished = all(c.finish_reason is not None for c in completions) and request.params.n == len(completions)
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
@@ -384,9 +636,11 @@ class LLMEngine:
         )
 
     def _forget(self, request: Request) -> None:
+        if request.params.n > 1 or request.params.needs_history:
+            self._num_sync_requests -= 1
         for seq in request.seqs:
             self._seq_to_request.pop(seq.seq_id, None)
-            self.runner.sampler.release((seq.group_id, seq.sample_index))
+            self.input_builder.release(seq.seq_id)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> EngineStats:

@@ -4,11 +4,18 @@
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     outs = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+
+A prompt is a string, token ids (a list or tuple of ints, a 1-D numpy array or tensor), or a
+vLLM-style dict (`{"prompt_token_ids": [...]}` or `{"prompt": "..."}`); `generate` takes one
+prompt or a sequence of them (a 2-D array or tensor is a batch of rows). A tuple of ints is
+one prompt, never a batch of one-token prompts.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceT
 
 import torch
@@ -19,9 +26,59 @@ from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.sequence import FinishReason
-from pagedkv.errors import InvalidArgumentError, RequestRejectedError
+from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError
 
 Prompt = str | list[int]
+
+
+def _token_ids(value, where: str) -> list[int] | None:
+    """`value` as a list of token ids, or None if it is not a token-id sequence at all."""
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):  # numpy array or torch tensor
+        if value.ndim != 1:
+            raise InvalidArgumentError(f"{where}: token ids must be 1-D, got an array of shape {tuple(value.shape)}")
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+        raise InvalidArgumentError(f"{where}: token ids must be ints, got {value[:8]!r}")
+    return [int(t) for t in value]
+
+
+def _as_prompt(prompt, where: str) -> Prompt:
+    """One prompt as text or a list of token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']")
+            if ids is None:
+                raise InvalidArgumentError(f"{where}['prompt_token_ids'] must be a list of token ids")
+            return ids
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"]
+        raise InvalidArgumentError(f"{where}: a dict prompt needs 'prompt_token_ids' (token ids) or 'prompt' (text), "
+                                   f"got keys {sorted(prompt)}")
+    ids = _token_ids(prompt, where)
+    if ids is None:
+        raise InvalidArgumentError(f"{where}: a prompt is text, token ids or a dict with 'prompt_token_ids', got "
+                                   f"{type(prompt).__name__}")
+    return ids
+
+
+def as_prompts(prompts) -> list[Prompt]:
+    """The batch that `prompts` stands for: one prompt of any accepted form, or a sequence of them."""
+    is_array = hasattr(prompts, "tolist") and hasattr(prompts, "ndim")
+    if isinstance(prompts, (str, dict)) or (is_array and prompts.ndim == 1):
+        return [_as_prompt(prompts, "prompt")]
+    if is_array:
+        if prompts.ndim != 2:
+            raise InvalidArgumentError(f"prompts: an array of prompts must be 2-D, got shape {tuple(prompts.shape)}")
+        return [_as_prompt(row, f"prompts[{i}]") for i, row in enumerate(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Number):
+        return [_as_prompt(prompts, "prompt")]  # numbers are token ids of one prompt (ints checked there)
+    if not isinstance(prompts, Iterable):
+        raise InvalidArgumentError(f"prompts must be a prompt or a sequence of prompts, got {type(prompts).__name__}")
+    return [_as_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
 
 
 class LLM:
@@ -29,31 +86,38 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, block_size: int = 16, kv_cache_memory: int | float | None = None,
                  device: str | None = None, dtype: str | None = None, hf_model: torch.nn.Module | None = None,
-                 tokenizer=None, **engine_options):
+                 tokenizer=None, data_parallel_size: int = 1, **engine_options):
         """`model`: None (embedded SmolLM2), an HF id or path, a .gguf file, or `random:NAME`.
 
-        `hf_model`/`tokenizer` pass an already loaded model. Other keywords are `EngineConfig` fields.
+        `hf_model`/`tokenizer` pass an already loaded model. `data_parallel_size` > 1 runs that
+        many engine replicas (one process and device each) behind the prefix-aware router. Other
+        keywords are `EngineConfig` fields (`tensor_parallel_size` among them).
         """
         config = EngineConfig(model=model, block_size=block_size, kv_cache_memory=kv_cache_memory, device=device,
                               dtype=dtype, **engine_options)
-        self.engine = LLMEngine(config, model=hf_model, tokenizer=tokenizer)
+        if data_parallel_size > 1:
+            if hf_model is not None:
+                raise ConfigError("data_parallel_size > 1 loads the model by name in every replica: pass the model "
+                                  "name or path, not a loaded model object")
+            from pagedkv.engine.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(config, data_parallel_size, tokenizer=tokenizer)
+        else:
+            self.engine = LLMEngine(config, model=hf_model, tokenizer=tokenizer)
         self._counter = 0
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | SequenceT[Prompt],
-                 sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
                  use_tqdm: bool = False, priorities: SequenceT[int] | None = None) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids). Outputs come back in prompt order.
+        """Complete every prompt (see the module docstring for the forms). Outputs come back in prompt order.
 
         A prompt that can never fit (prompt + max_tokens over max_model_len or the pool) is
         not run: its output has `error` set and finish reason "rejected", and the rest finish.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -79,6 +143,7 @@ class LLM:
                 raise
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm, unit="req")
         bar.update(len(results))
+        streaming, self.engine.stream_outputs = self.engine.stream_outputs, False
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -90,6 +155,7 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         finally:
+            self.engine.stream_outputs = streaming
             bar.close()
         return [results[request_id] for request_id in ids]
 
@@ -98,6 +164,8 @@ class LLM:
         """Apply the tokenizer's chat template to each conversation and complete it."""
         if self.tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidArgumentError("this model's tokenizer has no chat template: pass plain prompts instead")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """One sampled token's log-probability and the `top` most likely tokens (most likely first).
+
+    Log-probabilities are the model's own distribution (log_softmax of the raw logits), before
+    penalties, logit_bias, temperature, top-k and top-p, as vLLM reports them by default.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class CompletionOutput:
     """One of a request's n continuations."""
 
@@ -13,6 +26,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "rejected"
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when SamplingParams.logprobs is set
 
     @property
     def finished(self) -> bool:

@@ -1,194 +1,295 @@
-"""The model runner: turns one `SchedulerOutput` into one model call and its sampled tokens.
+"""The model runner: one `StepInput` in, the step's sampled tokens out.
 
-All scheduled tokens of a step go into one flat batch (decode rows first, prefill chunks
-after), with the field's metadata:
+It owns the model, the KV pool's device tensors and CPU swap space, the attention backend and
+the sampler. A step is:
 
-    input_ids, positions      [num_tokens]
-    slot_mapping              [num_tokens]      where each token's K/V is written
-    block_tables, seq_lens    [num_seqs, ...]   what each sequence attends to
-    cu_seqlens_q              [num_prefill + 1] where each prefill chunk starts
+1. block moves (swap out, swap in, copy-on-write), before any K/V is written;
+2. one host-to-device copy: the step's small metadata is packed into a pinned int64 staging
+   buffer (two of them, used in turn) and copied as one transfer. Its fixed regions are
 
-The HF model runs once over `[1, num_tokens]`, its attention routed through
-`pagedkv.hf.attention` by a per-step paged cache. Device inputs live in buffers allocated
-once at their largest size and refilled each step, and nothing inside the model call reads
-a device value back to the host: the shape decode steps need to be captured in CUDA
-graphs later. Logits are computed only for the rows that sample.
+       | input_ids | positions | slot_mapping | rows | seq_lens | cu_seqlens_q | logits_indices | updates... |
+         max_tokens  max_tokens  max_tokens     max_seqs x 4 (+1)                               2 x changed ids
+
+   so the views a CUDA graph reads never move;
+3. the block-table rows that changed are scattered into the persistent tables;
+4. the forward: a decode-only step of at most the largest captured batch replays the CUDA
+   graph of the next padded batch size (padded rows read nothing and write a scratch slot);
+   every other step runs eagerly;
+5. the sampler, over the logits rows that sample, with one device-to-host copy of its results.
+
+Two model paths share all of this: pagedkv's own Llama-family decoder (`pagedkv.models`),
+which takes the attention backend as an argument and can be captured in graphs, and HF's own
+modules for every other architecture, reached through the `pagedkv` attention function and a
+per-step cache (eager only).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 
-from pagedkv.core.block_table import BlockCopy
 from pagedkv.engine.sampler import Sampler
-from pagedkv.engine.scheduler import SchedulerOutput
-from pagedkv.hf.attention import PagedAttentionMetadata
-from pagedkv.hf.cache import PagedKVCacheBase
+from pagedkv.engine.step_input import StepInput
 from pagedkv.kernels import KVPool
+from pagedkv.kernels.backend import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger("pagedkv")
 
 
-class StepCache(PagedKVCacheBase):
-    """The `past_key_values` the runner passes: it serves the metadata the runner prepared for this step."""
+def graph_batch_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
+    """Padded decode batch sizes to capture: 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond."""
+    top = min(max_num_seqs, limit)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top]
+    sizes += list(range(16, min(top, 64) + 1, 8)) + list(range(80, top + 1, 16))
+    if sizes[-1] < top:
+        sizes.append(top)
+    return sorted(set(sizes))
 
-    def __init__(self, pool: KVPool):
-        super().__init__(pool)
-        self.prepared: PagedAttentionMetadata | None = None
 
-    def _build_metadata(self, attention_mask, batch: int, q_len: int) -> PagedAttentionMetadata:
-        return self.prepared
+class HFModelAdapter:
+    """HF modules behind the same call as the own decoder: (input_ids, positions, attn, logits_indices) -> logits."""
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are passed explicitly
+    def __init__(self, model: torch.nn.Module, pool: KVPool):
+        from pagedkv.hf.attention import PagedAttentionMetadata
+        from pagedkv.hf.cache import PagedKVCacheBase
+
+        class StepCache(PagedKVCacheBase):
+            """Serves the runner's metadata for this step to the `pagedkv` attention function."""
+
+            prepared = None
+
+            def _build_metadata(self, attention_mask, batch, q_len):
+                return self.prepared
+
+            def get_seq_length(self, layer_idx: int = 0) -> int:
+                return 0  # positions are passed explicitly
+
+        self.model = model
+        self.cache = StepCache(pool)
+        self._metadata_cls = PagedAttentionMetadata
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, positions, attn, logits_indices):
+        m: AttentionMetadata = attn.meta
+        self.cache.prepared = self._metadata_cls(
+            slot_mapping=m.slot_mapping, num_decode_tokens=m.num_decode_tokens,
+            decode_block_tables=m.decode_block_tables, decode_seq_lens=m.decode_seq_lens,
+            max_decode_seq_len=m.max_decode_seq_len, prefill_block_tables=m.prefill_block_tables,
+            prefill_seq_lens=m.prefill_seq_lens, cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_seqlen_q,
+            max_prefill_seq_len=m.max_prefill_seq_len)
+        output = self.model(input_ids=input_ids.view(1, -1), position_ids=positions.view(1, -1),
+                            past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=logits_indices if logits_indices is not None else 0)
+        return output.logits[0]
 
 
 class ModelRunner:
-    """Owns the model, the KV pool tensors, the CPU swap space and the sampler."""
+    """Owns the model, the pool tensors, the attention backend, the CUDA graphs and the sampler."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, *, num_swap_blocks: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_blocks_per_seq: int, seed: int):
-        self.model = model
+    def __init__(self, model, pool: KVPool, *, is_own_model: bool, num_swap_blocks: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_blocks_per_seq: int, num_table_rows: int, max_model_len: int,
+                 vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False):
+        self.model = model if is_own_model else HFModelAdapter(model, pool)
+        self.is_own_model = is_own_model
         self.pool = pool
         self.device = pool.device
-        self.sampler = Sampler(seed, self.device)
-        self.step_cache = StepCache(pool)
+        self.scratch_slot = scratch_slot
+        self.sampler = Sampler(vocab_size, self.device, eos_token_ids)
+        self.backend = AttentionBackend(pool, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
+                                        num_table_rows=num_table_rows, max_model_len=max_model_len)
+        self.max_blocks_per_seq = max_blocks_per_seq
         pin = self.device.type == "cuda"
         self.swap_kv = None
         if num_swap_blocks:
             shape = (2, pool.num_layers, num_swap_blocks, pool.block_size, pool.num_kv_heads, pool.head_dim)
             self.swap_kv = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
-        max_rows = max(max_num_seqs, 1)
-        self.max_blocks_per_seq = max_blocks_per_seq
-        device = self.device
-        # Static device buffers (filled in place each step).
-        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
-        self.sample_rows = torch.zeros(max_rows, dtype=torch.long, device=device)
+        # Staging: fixed regions (see the module docstring), then the changed table entries.
+        max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        max_seqs = max_num_seqs
+        self._max_tokens, self._max_seqs = max_tokens, max_seqs
+        o = self._offsets = {}
+        cursor = 0
+        for name, size in (("ids", max_tokens), ("pos", max_tokens), ("slots", max_tokens), ("rows", max_seqs),
+                           ("lens", max_seqs), ("cu", max_seqs + 1), ("logits", max_seqs), ("fill_at", max_seqs),
+                           ("fill_from", max_seqs)):
+            o[name] = cursor
+            cursor += size
+        self._fixed = cursor
+        max_updates = (num_table_rows + 1) * max_blocks_per_seq
+        self._host = [torch.zeros(cursor + 2 * max_updates, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._turn = 0
+        self._dev = torch.zeros(cursor + 2 * max_updates, dtype=torch.int64, device=self.device)
+        d = self._dev
+        self.input_ids = d[o["ids"]:o["ids"] + max_tokens]
+        self.positions = d[o["pos"]:o["pos"] + max_tokens]
+        self.slot_mapping = d[o["slots"]:o["slots"] + max_tokens]
+        self.rows = d[o["rows"]:o["rows"] + max_seqs]
+        self.seq_lens = d[o["lens"]:o["lens"] + max_seqs]
+        self.cu_seqlens_q = d[o["cu"]:o["cu"] + max_seqs + 1]
+        self.logits_indices = d[o["logits"]:o["logits"] + max_seqs]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = []
+        if is_own_model and self.device.type == "cuda" and not enforce_eager:
+            self.capture_graphs(graph_batch_sizes(max_num_seqs))
 
     # ------------------------------------------------------------------ block movement
-    def swap_out(self, copies: list[BlockCopy]) -> None:
+    def swap_out(self, copies: list[tuple[int, int]]) -> None:
         """Copy GPU blocks to CPU swap blocks (before the GPU blocks are reused)."""
         if not copies:
             return
-        src = torch.tensor([c.src for c in copies], device=self.device)
-        dst = torch.tensor([c.dst for c in copies])
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies])
         k, v = self.pool.gather_blocks(src)
         self.swap_kv[0][:, dst] = k.to("cpu")
         self.swap_kv[1][:, dst] = v.to("cpu")
 
-    def swap_in(self, copies: list[BlockCopy]) -> None:
+    def swap_in(self, copies: list[tuple[int, int]]) -> None:
         """Copy CPU swap blocks back into GPU blocks."""
         if not copies:
             return
-        src = torch.tensor([c.src for c in copies])
-        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        src = torch.tensor([c[0] for c in copies])
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
         self.pool.scatter_blocks(dst, self.swap_kv[0][:, src], self.swap_kv[1][:, src])
 
-    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before one of their sharers writes."""
         if not copies:
             return
-        src = torch.tensor([c.src for c in copies], device=self.device)
-        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
         self.pool.copy_blocks(src, dst)
 
-    # ------------------------------------------------------------------ one step
-    def prepare(self, out: SchedulerOutput, block_ids_of) -> tuple[PagedAttentionMetadata, int, list[int]]:
-        """Fill the static buffers for this step; returns (metadata, num_tokens, flat index of each sampling row)."""
-        block_size = self.pool.block_size
-        scheduled = out.scheduled
-        num_tokens = out.num_batched_tokens
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
-        num_seqs = len(scheduled)
-        max_blocks = 1
-        tables = []
-        seq_lens = np.empty(num_seqs, dtype=np.int32)
-        cu = np.zeros(num_seqs + 1, dtype=np.int32)
-        sample_rows: list[int] = []
-        offset = 0
-        for i, item in enumerate(scheduled):
-            seq, start, end = item.seq, item.start, item.end
-            n = end - start
-            input_ids[offset:offset + n] = seq.token_ids[start:end]
-            positions[offset:offset + n] = np.arange(start, end)
-            block_ids = block_ids_of(seq.seq_id)
-            table = np.asarray(block_ids, dtype=np.int64)
-            pos = positions[offset:offset + n]
-            slots[offset:offset + n] = table[pos // block_size] * block_size + pos % block_size
-            tables.append(block_ids)
-            max_blocks = max(max_blocks, len(block_ids))
-            seq_lens[i] = end
-            offset += n
-            cu[i + 1] = offset
-            if item.samples:
-                sample_rows.append(offset - 1)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, block_ids in enumerate(tables):
-            block_tables[i, :len(block_ids)] = block_ids
+    # ------------------------------------------------------------------ staging
+    def _stage(self, step: StepInput, padded_batch: int = 0) -> int:
+        """Pack `step` into the next pinned buffer and copy it to the device; returns the number of table updates."""
+        host = self._host_np[self._turn]
+        o = self._offsets
+        n, s = step.num_tokens, step.num_seqs
+        host[o["ids"]:o["ids"] + n] = step.input_ids
+        host[o["pos"]:o["pos"] + n] = step.positions
+        host[o["slots"]:o["slots"] + n] = step.slot_mapping
+        host[o["rows"]:o["rows"] + s] = step.table_rows
+        host[o["lens"]:o["lens"] + s] = step.seq_lens
+        if padded_batch > n:  # graph padding rows: token 0 at position 0, a scratch slot, the zero table, length 0
+            host[o["ids"] + n:o["ids"] + padded_batch] = 0
+            host[o["pos"] + n:o["pos"] + padded_batch] = 0
+            host[o["slots"] + n:o["slots"] + padded_batch] = self.scratch_slot
+            host[o["rows"] + s:o["rows"] + padded_batch] = self.backend.padding_row
+            host[o["lens"] + s:o["lens"] + padded_batch] = 0
+        nd = step.num_decode_seqs
+        if s > nd:
+            cu = o["cu"]
+            host[cu] = 0
+            np.cumsum(step.query_lens[nd:], out=host[cu + 1:cu + 1 + s - nd])
+        num_sample = len(step.sample_seqs)
+        if num_sample:
+            # The flat index of each sampling row's last token.
+            ends = np.cumsum(step.query_lens)
+            host[o["logits"]:o["logits"] + num_sample] = ends[step.sample_seqs] - 1
+        num_fill = len(step.pending_inputs)
+        if num_fill:
+            host[o["fill_at"]:o["fill_at"] + num_fill] = [at for at, _ in step.pending_inputs]
+            host[o["fill_from"]:o["fill_from"] + num_fill] = [row for _, row in step.pending_inputs]
+        num_updates = 0
+        if step.table_updates:
+            width = self.max_blocks_per_seq
+            index, values = [], []
+            for row, first, ids in step.table_updates:
+                base = row * width + first
+                index.extend(range(base, base + len(ids)))
+                values.extend(ids)
+            num_updates = len(index)
+            start = self._fixed
+            host[start:start + num_updates] = index
+            host[start + num_updates:start + 2 * num_updates] = values
+        end = self._fixed + 2 * num_updates
+        self._dev[:end].copy_(self._host[self._turn][:end], non_blocking=True)
+        self._turn ^= 1
+        if num_updates:
+            start = self._fixed
+            self.backend.update_tables(self._dev[start:start + num_updates],
+                                       self._dev[start + num_updates:start + 2 * num_updates])
+        return num_fill
 
-        self.input_ids[:num_tokens].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:num_tokens].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.block_tables[:num_seqs, :max_blocks].copy_(torch.from_numpy(block_tables), non_blocking=True)
-        self.seq_lens[:num_seqs].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+    def _fill_pending(self, num_fill: int, previous_tokens: torch.Tensor) -> None:
+        """Input tokens sampled by the step still in flight: copied on the device, never through the host."""
+        o = self._offsets
+        at = self._dev[o["fill_at"]:o["fill_at"] + num_fill]
+        rows = self._dev[o["fill_from"]:o["fill_from"] + num_fill]
+        self.input_ids.index_copy_(0, at, previous_tokens.index_select(0, rows))
 
-        nd = out.num_decode_seqs  # decodes come first: rows [0, nd) have one token each
-        max_decode_len = int(seq_lens[:nd].max()) if nd else 0
-        num_prefill = num_seqs - nd
-        prefill_cu = cu[nd:] - cu[nd]
-        self.cu_seqlens_q[:num_prefill + 1].copy_(torch.from_numpy(prefill_cu), non_blocking=True)
-        chunk_lens = np.diff(prefill_cu)
-        meta = PagedAttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens],
-            num_decode_tokens=nd,
-            decode_block_tables=self.block_tables[:nd, :max_blocks] if nd else None,
-            decode_seq_lens=self.seq_lens[:nd] if nd else None,
-            max_decode_seq_len=max_decode_len,
-            prefill_block_tables=self.block_tables[nd:num_seqs, :max_blocks] if num_prefill else None,
-            prefill_seq_lens=self.seq_lens[nd:num_seqs] if num_prefill else None,
-            cu_seqlens_q=self.cu_seqlens_q[:num_prefill + 1] if num_prefill else None,
-            max_seqlen_q=int(chunk_lens.max()) if num_prefill else 0,
-            max_prefill_seq_len=int(seq_lens[nd:].max()) if num_prefill else 0,
-        )
-        return meta, num_tokens, sample_rows
-
+    # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids_of, num_samples: dict[int, int]) -> dict[int, list[int]]:
-        """Run one step: block moves, the model, sampling. Returns seq id -> sampled token(s)."""
-        self.swap_out(out.swap_out)
-        self.swap_in(out.swap_in)
-        self.copy_blocks(out.block_copies)
-        if not out.scheduled:
-            return {}
-        meta, num_tokens, sample_rows = self.prepare(out, block_ids_of)
-        self.step_cache.prepared = meta
-        samplers = [item.seq for item in out.scheduled if item.samples]
-        if not samplers:
-            self._forward(num_tokens, None)
-            return {}
-        rows = self.sample_rows[:len(sample_rows)]
-        rows.copy_(torch.tensor(sample_rows), non_blocking=True)
-        logits = self._forward(num_tokens, rows)[0]  # [num_samplers, vocab]
-        params = [seq.sampling_params for seq in samplers]
-        # Seeded streams are keyed by (request, sample): a forked child continues the stream
-        # its first token came from.
-        keys = [(seq.group_id, seq.sample_index) for seq in samplers]
-        counts = [num_samples.get(seq.seq_id, 1) for seq in samplers]
-        tokens = self.sampler.sample(logits, params, keys, counts)
-        return {seq.seq_id: toks for seq, toks in zip(samplers, tokens)}
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """Capture one decode graph per padded batch size (largest first, sharing one memory pool)."""
+        start = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        padding = StepInput()
+        for bs in sorted(sizes, reverse=True):
+            self._stage(padding, padded_batch=bs)
+            meta = self.backend.prepare_for_capture(bs, self.slot_mapping)
+            attn = self.backend.bind(meta)
 
-    def _forward(self, num_tokens: int, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        output = self.model(
-            input_ids=self.input_ids[:num_tokens].view(1, -1),
-            position_ids=self.positions[:num_tokens].view(1, -1),
-            past_key_values=self.step_cache,
-            use_cache=True,
-            logits_to_keep=logits_rows if logits_rows is not None else 1,
-        )
-        return output.logits
+            def run(bs=bs, attn=attn):
+                self.backend.prepare_for_replay(self.rows, self.seq_lens, bs)
+                return self.model(self.input_ids[:bs], self.positions[:bs], attn, None)
+
+            run()  # compiles the kernels and settles cuBLAS workspaces outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = run()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.graph_sizes = sorted(self.graphs)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB", len(sizes), max(sizes),
+                    time.perf_counter() - start, (free_before - free_after) / 2**20)
+
+    def _graph_for(self, num_seqs: int) -> int:
+        for size in self.graph_sizes:
+            if size >= num_seqs:
+                return size
+        return 0
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None):
+        """Run one step; returns the sampler's output (its `token_ids()` waits for the device) or None.
+
+        `previous_tokens` [rows] are the device-side first samples of the step before, which
+        `step.pending_inputs` refers to (async scheduling). Nothing here waits for the device.
+        """
+        self.swap_out(step.swap_out)
+        self.swap_in(step.swap_in)
+        self.copy_blocks(step.block_copies)
+        if not step.num_seqs:
+            return None
+        padded = self._graph_for(step.num_seqs) if step.is_decode_only and self.graphs else 0
+        num_fill = self._stage(step, padded_batch=padded)
+        if num_fill:
+            self._fill_pending(num_fill, previous_tokens)
+        num_sample = len(step.sample_seqs)
+        if padded:
+            graph, graph_logits = self.graphs[padded]
+            graph.replay()
+            logits = graph_logits[:step.num_seqs]
+            if num_sample != step.num_seqs:
+                logits = logits.index_select(0, self.logits_indices[:num_sample])
+        else:
+            nd = step.num_decode_seqs
+            meta = self.backend.prepare(
+                self.slot_mapping[:step.num_tokens], self.rows[:step.num_seqs], self.seq_lens[:step.num_seqs],
+                self.cu_seqlens_q[:step.num_seqs - nd + 1], num_decode=nd, host_seq_lens=step.seq_lens,
+                host_query_lens=step.query_lens)
+            indices = self.logits_indices[:num_sample] if num_sample else self.logits_indices[:1]
+            logits = self.model(self.input_ids[:step.num_tokens], self.positions[:step.num_tokens],
+                                self.backend.bind(meta), indices)
+        if not num_sample:
+            return None
+        return self.sampler.sample(logits, step.sampling)

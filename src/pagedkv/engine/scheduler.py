@@ -25,13 +25,14 @@ over the first rows and one prefill kernel over the rest.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence as SequenceT
 from dataclasses import dataclass, field
 
 from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.core.block_table import BlockCopy, num_blocks_for
-from pagedkv.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagedkv.engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from pagedkv.errors import ConfigError, RequestRejectedError, SchedulerStallError, require_positive_int
 
 
@@ -118,6 +119,17 @@ class ScheduledSequence:
         return self.num_new_tokens == 1
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs, in the three numbers its time depends on (the simulator's cost model and the
+    engine benchmark's calibration both read this one definition)."""
+
+    prefill_tokens: int  # tokens of chunks with more than one query token
+    decode_seqs: int  # sequences with exactly one query token
+    kv_tokens: int  # K/V tokens attention reads: every scheduled sequence's length after the step
+    swapped_blocks: int = 0  # blocks copied between the device and host swap space
+
+
 @dataclass
 class SchedulerOutput:
     """Everything the runner must do for one step, in order: swaps, copies, then the model."""
@@ -127,6 +139,18 @@ class SchedulerOutput:
     swap_in: list[BlockCopy] = field(default_factory=list)  # CPU block -> GPU block
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, GPU -> GPU
     preempted: list[Sequence] = field(default_factory=list)
+    forked: list[Sequence] = field(default_factory=list)  # children created by update() (n > 1)
+
+    @property
+    def shape(self) -> StepShape:
+        prefill = decode = kv = 0
+        for item in self.scheduled:
+            if item.num_new_tokens == 1:
+                decode += 1
+            else:
+                prefill += item.num_new_tokens
+            kv += item.start + item.num_new_tokens
+        return StepShape(prefill, decode, kv, len(self.swap_out) + len(self.swap_in))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -156,8 +180,9 @@ class SchedulerStats:
 class Scheduler:
     """Owns the waiting, running and swapped queues and the block manager."""
 
-    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (), seq_ids=None):
         self.config = config
+        self.seq_ids = seq_ids if seq_ids is not None else itertools.count()  # shared with whoever creates seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = KVBlockManager(
             config.num_blocks,
@@ -226,25 +251,24 @@ class Scheduler:
         return aborted
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a running sequence (the engine calls this for stop strings)."""
-        if seq in self.running:
-            self.running.remove(seq)
+        """End a sequence wherever it is queued (the engine calls this for stop strings).
+
+        Tokens still pending on the device belong to steps after the one that ended it, so they
+        are dropped.
+        """
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self.drop_pending(seq)
         self._finish(seq, reason)
 
-    def fork(self, parent: Sequence, child: Sequence, out: SchedulerOutput | None = None,
-             item: ScheduledSequence | None = None) -> None:
-        """Run `child` beside `parent`, sharing all its blocks (parallel sampling, n > 1).
-
-        Called between `schedule()` and `update()` of the step in which `parent` sampled
-        (`item` is the parent's share of `out`): the child is added to that step as if it
-        had run the same chunk, so `update()` advances it and appends its own sample.
-        """
-        self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SequenceStatus.RUNNING
-        self.running.append(child)
-        if out is not None and item is not None:
-            out.scheduled.append(ScheduledSequence(child, item.start, item.num_new_tokens))
+    @staticmethod
+    def drop_pending(seq: Sequence) -> None:
+        """Forget `seq`'s tokens still on the device (their steps' results will be ignored)."""
+        if seq.num_pending:
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -303,6 +327,8 @@ class Scheduler:
         if not out.preempted:
             while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 seq = self.swapped[0]
+                if seq.num_pending:
+                    break
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 # Blocks for what comes back plus this step's new tokens (not "+1": a forked
                 # sequence may have been swapped out holding the whole pool).
@@ -327,6 +353,8 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                if seq.num_pending:
+                    break  # its last token is still on the device: admit it once that comes back
                 # A request that will fork into n sequences needs room for all of them.
                 will_fork = seq.sample_index == 0 and seq.num_output_tokens == 0
                 if len(self.running) + (seq.sampling_params.n if will_fork else 1) > cfg.max_num_seqs:
@@ -348,11 +376,23 @@ class Scheduler:
             )
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a finished step: advance computed tokens, append sampled tokens, finish by length/EOS.
+    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+        """Record a finished step whose sampled tokens are known: `advance` then `resolve`.
 
         `sampled` maps seq id -> new token for every scheduled sequence whose chunk reached
-        its last token. Returns the sequences that finished in this step.
+        its last token. A list of n tokens is the first sample of an n > 1 request: the sequence
+        keeps the first and forks n - 1 children (listed in `out.forked`) that share its blocks
+        and take one token each. Returns the sequences that finished in this step.
+        """
+        return self.advance(out) + self.resolve(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """The step is launched: computed tokens move on, and each sampling sequence gets a pending token.
+
+        With async scheduling the engine schedules the next step before this one's tokens are
+        known, so only what does not depend on token values happens here: progress, block
+        commits up to the first unknown token, and finishing by length (max_tokens or
+        max_model_len). Returns the sequences that finished by length.
         """
         finished = []
         bm = self.block_manager
@@ -361,16 +401,72 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished while the step ran
             seq.num_computed_tokens = item.end
-            bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
+            bm.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index))
+            if item.end != seq.num_tokens:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending += 1
+            if seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                if seq in self.running:
+                    self.running.remove(seq)
+                self._finish(seq, FinishReason.LENGTH)  # its pending token is its last, and is kept
                 finished.append(seq)
         return finished
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+        """The step's tokens are known: fill the pending tokens, fork n > 1 requests, finish on EOS or stop ids.
+
+        A sequence may have moved on since `advance` (scheduled again, preempted, or finished by
+        length); its oldest pending token is this step's either way. Returns the sequences that
+        finished here (not those `advance` finished by length).
+        """
+        finished = []
+        bm = self.block_manager
+        for item in list(out.scheduled):
+            seq = item.seq
+            token = sampled.get(seq.seq_id)
+            if token is None or seq.num_pending == 0:
+                continue  # sampled nothing, or aborted/stopped since (its pending tokens were dropped)
+            index = seq.first_pending_index
+            if isinstance(token, list):
+                for extra in token[1:]:
+                    child = self._fork(seq, index, extra)
+                    out.forked.append(child)
+                    if (reason := self._stop_reason(child, extra)) is not None:
+                        self.finish(child, reason)
+                        finished.append(child)
+                token = token[0]
+            seq.token_ids[index] = token
+            seq.num_pending -= 1
+            if seq.status is SequenceStatus.RUNNING:
+                bm.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index))
+            stop = self._token_stop(seq, token, index)
+            if stop is None:
+                continue
+            if seq.is_finished:
+                seq.finish_reason = stop  # finished by length at advance; the last token also stops it
+            else:
+                del seq.token_ids[index + 1:]  # later pending tokens belong to steps past the stop
+                seq.num_pending = 0
+                self.finish(seq, stop)
+                finished.append(seq)
+        return finished
+
+    def _fork(self, parent: Sequence, index: int, token: int) -> Sequence:
+        """A child of `parent` for the next of its n samples: the parent's tokens before `index`, then `token`.
+
+        It shares all the parent's blocks (parallel sampling); a write into the shared partial
+        block copies it first.
+        """
+        sample_index = 1 + sum(1 for s in self.running if s.group_id == parent.group_id and s is not parent)
+        child = Sequence(next(self.seq_ids), parent.request_id, parent.prompt_token_ids, parent.sampling_params,
+                         parent.arrival_index, priority=parent.priority, sample_index=sample_index,
+                         token_ids=parent.token_ids[:index] + [token], group_id=parent.group_id, seed=parent.seed)
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return child
 
     # ------------------------------------------------------------------ internals
     def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSequence | None:
@@ -425,13 +521,21 @@ class Scheduler:
         self.stats.num_recomputes += 1
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why `seq`, whose last token is `token`, stops now (None: it goes on)."""
         params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
+        if self._token_stop(seq, token, len(seq.token_ids) - 1) is not None:
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
+        return None
+
+    def _token_stop(self, seq: Sequence, token: int, index: int) -> FinishReason | None:
+        """STOP if `token`, at position `index`, is EOS or a stop token id (and min_tokens are out), else None."""
+        params = seq.sampling_params
+        if index + 1 - seq.num_prompt_tokens <= params.min_tokens:
+            return None
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -460,5 +564,6 @@ __all__: SequenceT[str] = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StepShape",
     "VictimPolicy",
 ]

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from pagedkv.engine.sampling import SamplingParams
 
+#: A token sampled on the device whose value the host does not know yet (async scheduling).
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is: a queue of the scheduler, or done."""
@@ -53,6 +56,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    seed: int = 0  # the request's 64-bit sampling-stream seed (its own, or one the engine drew for it)
+    num_pending: int = 0  # trailing PENDING_TOKENs: sampled by steps whose results have not come back
 
     def __post_init__(self):
         if not self.token_ids:
@@ -73,8 +78,23 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def first_pending_index(self) -> int:
+        """Index of the first token whose value is not known yet (num_tokens when all are known)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """The outputs whose values are known (pending tokens excluded)."""
+        return self.token_ids[len(self.prompt_token_ids):len(self.token_ids) - self.num_pending]
+
+    @property
+    def is_done(self) -> bool:
+        """Finished, and its last token has come back from the device."""
+        return self.status is SequenceStatus.FINISHED and self.num_pending == 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

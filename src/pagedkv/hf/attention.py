@@ -14,7 +14,7 @@ function registered beside the attention function passes HF's 2-D mask through
 untouched), the function:
 
 1. asks the cache for the step's `PagedAttentionMetadata` (built once per forward);
-2. writes the new tokens' K/V into their slots (`write_kv`, pads skipped);
+2. writes the new tokens' K/V into their slots (`write_kv`'s unpadded scatter; pads were compacted away);
 3. runs paged decode attention over the rows with one query token and paged prefill
    attention over the rest, reading K/V through the block tables, never gathering them.
 """
@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from pagedkv.errors import ModelMismatchError, PagedKVError
-from pagedkv.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from pagedkv.kernels import paged_decode_attention, paged_prefill_attention
 
 ATTN_IMPLEMENTATION = "pagedkv"
 STEP_ATTR = "_pagedkv_cache"  # attribute on the key tensor that carries the paged cache to this function
@@ -64,7 +64,6 @@ def _model_sliding_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     return int(window) if window else None
 
 
-@torch.no_grad()  # inference only: nothing differentiates through K/V written into pages
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, None]:
@@ -73,6 +72,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     query [batch, num_heads, q_len, head_dim]; key/value [batch, num_kv_heads, q_len, head_dim]
     (this forward's new tokens only). Returns ([batch, q_len, num_heads, head_dim], None).
     """
+    if torch.is_grad_enabled():
+        # Inference only: nothing differentiates through K/V written into pages. generate already
+        # runs without grad, and a no_grad decorator would cost a context switch per layer.
+        with torch.no_grad():
+            return _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
+    return _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
+
+
+def _paged_attention(module, query, key, value, attention_mask, scaling, kwargs):
     cache = getattr(key, STEP_ATTR, None)
     if cache is None:
         raise PagedKVError(
@@ -93,31 +101,40 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta = cache.attention_metadata(attention_mask, batch, q_len)
 
     num_rows = batch * q_len
-    q = query.transpose(1, 2).reshape(num_rows, num_heads, head_dim)  # [rows, H, D]
-    k = key.transpose(1, 2).reshape(num_rows, num_kv_heads, head_dim)  # [rows, Hkv, D]
-    v = value.transpose(1, 2).reshape(num_rows, num_kv_heads, head_dim)
+    if q_len == 1:  # decode: dropping the length-1 axis is a view, where transpose + reshape costs more host time
+        q, k, v = query.squeeze(2), key.squeeze(2), value.squeeze(2)  # [rows, H, D], [rows, Hkv, D]
+    else:
+        q = query.transpose(1, 2).reshape(num_rows, num_heads, head_dim)  # [rows, H, D]
+        k = key.transpose(1, 2).reshape(num_rows, num_kv_heads, head_dim)  # [rows, Hkv, D]
+        v = value.transpose(1, 2).reshape(num_rows, num_kv_heads, head_dim)
     if meta.token_index is not None:
         q, k, v = q.index_select(0, meta.token_index), k.index_select(0, meta.token_index), \
             v.index_select(0, meta.token_index)
 
     k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
-    # Pads were compacted away above, so every slot is real: the cheap unpadded scatter applies.
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False, has_padding=False)
+    # Pads were compacted away above, so every slot is real: write_kv's unpadded scatter, into slot-row
+    # views the cache made once (a view per call costs as much host time as the copy's launch).
+    cache.k_rows[layer_idx].index_copy_(0, meta.slot_mapping, k)
+    cache.v_rows[layer_idx].index_copy_(0, meta.slot_mapping, v)
 
     scale = scaling if scaling is not None else head_dim ** -0.5
     window = _model_sliding_window(module, kwargs)
     soft_cap = kwargs.get("softcap") or None
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
+    if nd and nd == num_rows:  # a decode step: one launch over every row, nothing sliced or scattered back
+        out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                     scale=scale, max_seq_len=meta.max_decode_seq_len, sliding_window=window,
+                                     soft_cap=soft_cap, validate=False)
+        return out.view(batch, q_len, num_heads, head_dim), None
+    out = torch.empty_like(q)
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                scale=scale, max_seq_len=meta.max_decode_seq_len, sliding_window=window,
                                soft_cap=soft_cap, out=out[:nd], validate=False)
-    if nd < q.shape[0]:
-        paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
-                                meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
-                                max_seq_len=meta.max_prefill_seq_len, sliding_window=window, soft_cap=soft_cap,
-                                out=out[nd:], validate=False)
+    paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                            meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
+                            max_seq_len=meta.max_prefill_seq_len, sliding_window=window, soft_cap=soft_cap,
+                            out=out[nd:], validate=False)
     if meta.token_index is not None:
         full = out.new_zeros(num_rows, num_heads, head_dim)
         full.index_copy_(0, meta.token_index, out)

@@ -11,17 +11,30 @@ when its last one is full, and pad tokens of a left-padded batch claim no slots 
 (they are never written, and the kernels never read them). New K/V are written into pages
 in place: no `torch.cat`, no gathered copy. `free()` (or leaving the `with` block) gives
 every block back, so the next batch reuses the same physical pages.
+
+Rows share blocks instead of copying them. Every batch reshaping transformers asks of a
+cache is a block-table fork (each shared block gains a reference):
+
+    reorder_cache(beam_idx)        beam search: new row i continues old row beam_idx[i]
+    batch_select_indices(idx)      keep / duplicate rows
+    batch_repeat_interleave(n)     n samples of each prompt (parallel sampling)
+    copy.deepcopy(cache)           prompt reuse: a second cache over the same blocks
+
+so beams hold their common prefix once. A row about to write into a shared, partly filled
+last block first moves onto a private copy of it (copy-on-write; the device copy is batched
+into the step's metadata transfer).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 from transformers import Cache
 
 from pagedkv.core.allocator import BlockAllocator
-from pagedkv.core.block_table import BlockTable
+from pagedkv.core.block_table import BlockCopy, BlockTable
 from pagedkv.errors import InvalidArgumentError, PagedKVError, require_positive_int
 from pagedkv.hf.attention import ATTN_IMPLEMENTATION, STEP_ATTR, PagedAttentionMetadata, register
 from pagedkv.kernels import KVPool
@@ -49,6 +62,10 @@ class PagedKVCacheBase(Cache):
     def __init__(self, pool: KVPool):
         super().__init__(layers=[])
         self.pool = pool
+        # Per layer, the K and V pages as [num_blocks * block_size, Hkv, D]: a slot is a row index.
+        # Made once here, so the attention function's write is one index_copy_ each, with no view per call.
+        self.k_rows = [k.view(-1, pool.num_kv_heads, pool.head_dim) for k in pool.k_caches]
+        self.v_rows = [v.view(-1, pool.num_kv_heads, pool.head_dim) for v in pool.v_caches]
         self._metadata: PagedAttentionMetadata | None = None
         self._attention_ran = True
 
@@ -57,8 +74,11 @@ class PagedKVCacheBase(Cache):
         """Hand the new K/V back, tagged with this cache; the attention function writes them into pages."""
         if not self._attention_ran:
             raise PagedKVError(
-                f"a pagedkv cache needs attn_implementation={ATTN_IMPLEMENTATION!r}: call "
-                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) after `import pagedkv.hf`"
+                f"a pagedkv cache needs attn_implementation={ATTN_IMPLEMENTATION!r}, and the previous layer's "
+                f"attention did not go through it. If the model uses another attn_implementation, call "
+                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) after `import pagedkv.hf`. If it already "
+                f"asked for it, this architecture does not support custom attention functions (Falcon, for one, "
+                f"runs its own attention code), so it cannot use a pagedkv cache"
             )
         if layer_idx == 0:
             self._metadata = None  # a new forward begins
@@ -75,6 +95,10 @@ class PagedKVCacheBase(Cache):
 
     def _build_metadata(self, attention_mask, batch: int, q_len: int) -> PagedAttentionMetadata:
         raise NotImplementedError
+
+    def __len__(self) -> int:
+        """The number of layers, as transformers reads `len(cache)`."""
+        return self.pool.num_layers
 
     # transformers asks these of any cache
     @property
@@ -143,12 +167,86 @@ class PagePool:
 class CacheMemory:
     """A cache's KV footprint at one step, against the alternatives, in bytes."""
 
-    num_blocks: int
-    paged_bytes: int  # blocks held x bytes per block
+    num_blocks: int  # distinct physical blocks its rows hold (a block shared by rows counts once)
+    num_unshared_blocks: int  # blocks the rows would hold if none were shared (sum over rows)
+    paged_bytes: int  # num_blocks x bytes per block
     naive_bytes: int  # batch x max_cache_len reserved up front
-    dynamic_cache_bytes: int  # what DynamicCache holds for the same step, left padding included
-    num_tokens: int  # real (non-pad) tokens stored
-    utilization: float  # real tokens / slots in held blocks
+    dynamic_cache_bytes: int  # what DynamicCache holds for the same step: every row's copy, left padding included
+    num_tokens: int  # real (non-pad) tokens stored, summed over rows
+    utilization: float  # real tokens / slots of the rows' blocks, as if unshared
+
+    @property
+    def shared_fraction(self) -> float:
+        """The fraction of the rows' blocks that sharing saves: 1 - num_blocks / num_unshared_blocks."""
+        return 1.0 - self.num_blocks / self.num_unshared_blocks if self.num_unshared_blocks else 0.0
+
+
+def _host_int(name: str, value: object) -> int:
+    """An int from an int or a one-element integer tensor (one host read: generate passes device tensors)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def _row_indices(indices: object, num_rows: int) -> list[int]:
+    """Row numbers in [0, num_rows) from an int or bool tensor (or a sequence), read as tensor indexing would."""
+    indices = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
+    if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex():
+        raise InvalidArgumentError(f"row indices must be a 1-D integer or boolean tensor, got {tuple(indices.shape)} "
+                                   f"{indices.dtype}")
+    if indices.dtype == torch.bool:
+        if indices.numel() != num_rows:
+            raise InvalidArgumentError(f"a boolean row mask must have {num_rows} entries (one per row), "
+                                       f"got {indices.numel()} entries")
+        return indices.nonzero().squeeze(1).tolist()
+    rows = indices.tolist()
+    for i, row in enumerate(rows):
+        if not -num_rows <= row < num_rows:
+            raise InvalidArgumentError(f"row index {row} is outside the cache's {num_rows} rows")
+        if row < 0:
+            rows[i] = row + num_rows
+    return rows
+
+
+def _align(packed: list[int]) -> None:
+    """Pad `packed` to an even length: the next int64 segment starts on 16 bytes."""
+    if len(packed) & 1:
+        packed.append(0)
+
+
+class _HostStaging:
+    """The per-step metadata's way to the device: one host buffer, one copy.
+
+    On CUDA the buffer is pinned and reused, so the copy is truly asynchronous: a copy from
+    pageable memory makes the host wait for the stream, i.e. for every kernel queued before
+    it. An event guards the reuse (the previous step's copy is long done by then).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host: torch.Tensor | None = None  # pinned int64 buffer (CUDA only)
+        self._host_values = None  # a numpy view of it: filling it from a list is one C loop
+        self._copied: torch.cuda.Event | None = None
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """`values` as an int64 tensor on the device (without waiting for the device on CUDA)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+        n = len(values)
+        if self._host is None or self._host.numel() < n:
+            # A dropped buffer stays alive until its pending copy ends (the caching host allocator tracks it).
+            self._host = torch.empty(max(4096, 2 * n), dtype=torch.int64, pin_memory=True)
+            self._host_values = self._host.numpy()
+            self._copied = torch.cuda.Event()
+        else:
+            self._copied.synchronize()
+        self._host_values[:n] = values
+        on_device = self._host[:n].to(self.device, non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
+        return on_device
 
 
 class PagedCache(PagedKVCacheBase):
@@ -167,7 +265,10 @@ class PagedCache(PagedKVCacheBase):
         self._max_cache_len = max_cache_len
         self.tables: list[BlockTable] | None = None
         self._seq_length = 0  # columns seen, pads included (what generate calls the cache length)
-        self._device_tables: torch.Tensor | None = None
+        # True while every row's tokens are its last `num_tokens` columns (pads only on the left),
+        # which is what lets `crop` drop columns per row without a per-column record.
+        self._left_aligned = True
+        self._staging = _HostStaging(self.pool.device)
 
     @property
     def max_batch_size(self) -> int | None:
@@ -187,25 +288,85 @@ class PagedCache(PagedKVCacheBase):
     def batch_size(self) -> int:
         return len(self.tables) if self.tables is not None else -1
 
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can roll back exactly: pages keep every token (sliding windows included),
+        as long as pads were only ever on the left (see `crop`)."""
+        return self._left_aligned
+
     def reset(self) -> None:
         """Free every page and forget all tokens (the cache can be used again)."""
         self.free()
 
-    def crop(self, max_length: int) -> None:
-        """Drop the last tokens so `max_length` columns remain (negative: drop that many), as DynamicCache does."""
-        if max_length < 0:
-            max_length = self._seq_length + max_length
-        remove = self._seq_length - max_length
-        if remove <= 0 or self.tables is None:
+    def crop(self, tokens_to_remove: int | torch.Tensor) -> None:
+        """Remove tokens from the end, with transformers 5.17's meaning of the argument (as DynamicCache).
+
+        `crop(-n)` removes n tokens (all of them if there are fewer), `crop(0)` does nothing, and
+        a positive `crop(k)` is the legacy form: keep the first k tokens (nothing if k >= length).
+        A 0-d integer tensor is accepted, as assisted and prompt-lookup decoding pass one.
+        """
+        tokens_to_remove = _host_int("tokens_to_remove", tokens_to_remove)
+        length = self._seq_length
+        if tokens_to_remove > 0:  # legacy: the length to keep
+            if tokens_to_remove >= length:
+                return
+            tokens_to_remove = length - tokens_to_remove
+        else:
+            tokens_to_remove = min(-tokens_to_remove, length)
+        if tokens_to_remove == 0 or self.tables is None:
             return
+        if not self._left_aligned:
+            raise InvalidArgumentError(
+                "crop needs every row's pads on its left; an attention mask with pads after real tokens was used, "
+                "so the columns to drop are not known per row"
+            )
         for table in self.tables:
-            table.truncate(max(0, table.num_tokens - remove))
-        self._seq_length = max_length
+            table.truncate(max(0, table.num_tokens - tokens_to_remove))
+        self._seq_length = length - tokens_to_remove
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise PagedKVError("PagedCache does not support beam search reordering yet; use num_beams=1")
+        """Beam search: new row i continues old row `beam_idx[i]`, by forking its block table (no K/V copied)."""
+        if self._seq_length > 0:  # as DynamicCache: an empty cache has nothing to reorder
+            self._select_rows(_row_indices(beam_idx, len(self.tables)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` (int indices may repeat: repeated rows share blocks; or a boolean mask)."""
+        if self._seq_length > 0:
+            self._select_rows(_row_indices(indices, len(self.tables)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place (row r becomes rows r*repeats ...), sharing its blocks."""
+        repeats = require_positive_int("repeats", _host_int("repeats", repeats))
+        if self._seq_length > 0:
+            self._select_rows([row for row in range(len(self.tables)) for _ in range(repeats)])
+
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        """A second cache over the same pool whose rows fork this one's (copy-on-write; no K/V is copied)."""
+        twin = PagedCache(self.page_pool, self._max_batch_size, self._max_cache_len)
+        if self.tables is not None:
+            twin.tables = [table.fork() for table in self.tables]
+        twin._seq_length = self._seq_length
+        twin._left_aligned = self._left_aligned
+        memo[id(self)] = twin
+        return twin
 
     # ------------------------------------------------------------------ paging
+    def _select_rows(self, rows: list[int]) -> None:
+        """New row i continues old row `rows[i]`: its first use takes the table over, later uses fork it."""
+        old = self.tables
+        taken = [False] * len(old)
+        tables = []
+        for row in rows:
+            if taken[row]:
+                tables.append(old[row].fork())
+            else:
+                taken[row] = True
+                tables.append(old[row])
+        for row, table in enumerate(old):
+            if not taken[row]:
+                table.free()
+        self.tables = tables
+
     def _build_metadata(self, attention_mask, batch: int, q_len: int) -> PagedAttentionMetadata:
         if self.tables is None:
             if self._max_batch_size is not None and batch > self._max_batch_size:
@@ -215,64 +376,123 @@ class PagedCache(PagedKVCacheBase):
             self.tables = [BlockTable(self.page_pool.allocator, self.pool.block_size, self._max_cache_len)
                            for _ in range(batch)]
         elif batch != len(self.tables):
-            raise InvalidArgumentError(f"this cache holds {len(self.tables)} sequences; the forward has {batch}")
-        device = self.pool.device
+            raise InvalidArgumentError(
+                f"this cache holds {len(self.tables)} sequences; the forward has {batch} (to sample or beam-search "
+                f"from a filled cache, fork its rows first: cache.batch_repeat_interleave(n))"
+            )
 
+        num_new = None  # None: every row gains q_len tokens (decode steps, unpadded chunks)
         token_index = None
-        if q_len == 1 or attention_mask is None:
-            num_new = [q_len] * batch
-        else:
+        if q_len > 1 and attention_mask is not None:
             new_mask = attention_mask[:, -q_len:].to(torch.bool)  # [batch, q_len]; pads are False
-            num_new = new_mask.sum(dim=1).tolist()
-            if sum(num_new) != batch * q_len:
+            # One host read for both: real tokens per row, and pads that follow a real token.
+            pads_after_real = (new_mask[:, :-1] & ~new_mask[:, 1:]).sum(dim=1)
+            counts, num_late_pads = torch.stack([new_mask.sum(dim=1), pads_after_real]).tolist()
+            if sum(counts) != batch * q_len:
+                num_new = counts
                 token_index = new_mask.reshape(-1).nonzero().squeeze(1)
+                if any(num_late_pads) or any(n < q_len and table.num_tokens
+                                             for n, table in zip(counts, self.tables)):
+                    self._left_aligned = False
 
         try:
-            self._append(num_new)
+            copies = self._append(num_new, q_len)
         except PagedKVError:
             if self._seq_length == 0:
                 self.tables = None  # a failed first forward leaves the cache as it was: unsized
             raise
-        slots: list[int] = []
-        for table, n in zip(self.tables, num_new):
-            slots.extend(table.slot_mapping(table.num_tokens - n, table.num_tokens))
         self._seq_length += q_len
+        return self._pack(num_new, q_len, copies, token_index)
 
-        seq_lens = [table.num_tokens for table in self.tables]
-        max_blocks = max(1, max(table.num_blocks for table in self.tables))
-        cu = [0]
-        for n in num_new:
-            cu.append(cu[-1] + n)
-        # One host buffer, one host-to-device copy: [slots | seq_lens | cu_seqlens_q | block tables].
-        packed = list(slots) + seq_lens + cu
-        for table in self.tables:
-            packed += table.block_ids
-            packed += [0] * (max_blocks - table.num_blocks)
-        on_device = torch.tensor(packed, dtype=torch.int64).to(device, non_blocking=True)
-        n_slots = len(slots)
-        slot_mapping = on_device[:n_slots]
-        seq_lens_t = on_device[n_slots:n_slots + batch]
-        cu_seqlens_q = on_device[n_slots + batch:n_slots + 2 * batch + 1]
-        block_tables = on_device[n_slots + 2 * batch + 1:].view(batch, max_blocks)
-        max_len = max(seq_lens)
-        if q_len == 1:
-            return PagedAttentionMetadata(slot_mapping, batch, block_tables, seq_lens_t, max_len,
-                                          None, None, None, 0, 0, token_index)
-        return PagedAttentionMetadata(slot_mapping, 0, None, None, 0, block_tables, seq_lens_t, cu_seqlens_q,
-                                      max(num_new), max_len, token_index)
-
-    def _append(self, num_new: list[int]) -> None:
-        """Grow every row, all rows or none (a shortfall raises with nothing claimed)."""
+    def _append(self, num_new: list[int] | None, q_len: int) -> list[BlockCopy]:
+        """Grow every row, all rows or none (a shortfall raises with nothing claimed); returns the CoW copies."""
+        copies: list[BlockCopy] = []
         done = []
         try:
-            for table, n in zip(self.tables, num_new):
-                if table.append_tokens(n):
-                    raise AssertionError("a PagedCache row never shares blocks, so never copies on write")
+            for row, table in enumerate(self.tables):
+                n = q_len if num_new is None else num_new[row]
+                row_copies = table.append_tokens(n)
+                if row_copies:
+                    copies += row_copies
                 done.append((table, n))
         except PagedKVError:
+            # A rolled-back row keeps its private copy of a shared block: fill it before anyone reads it.
+            self._copy_blocks(copies)
             for table, n in done:
                 table.truncate(table.num_tokens - n)
             raise
+        return copies
+
+    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
+        if copies:
+            src = torch.tensor([c.src for c in copies], device=self.pool.device)
+            dst = torch.tensor([c.dst for c in copies], device=self.pool.device)
+            self.pool.kv.index_copy_(2, dst, self.pool.kv.index_select(2, src))
+
+    def _pack(self, num_new: list[int] | None, q_len: int, copies: list[BlockCopy],
+              token_index: torch.Tensor | None) -> PagedAttentionMetadata:
+        """The step's metadata in one host-to-device copy; performs the copy-on-write copies first."""
+        tables = self.tables
+        batch = len(tables)
+        block_size = self.pool.block_size
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        if q_len == 1:
+            for table in tables:
+                position = table.num_tokens - 1
+                slots.append(table.block_ids[position // block_size] * block_size + position % block_size)
+                seq_lens.append(position + 1)
+        else:
+            for row, table in enumerate(tables):
+                n = q_len if num_new is None else num_new[row]
+                slots += table.slot_mapping(table.num_tokens - n, table.num_tokens)
+                seq_lens.append(table.num_tokens)
+        max_blocks = max(1, max((table.num_blocks for table in tables), default=0))
+        # [slots | seq_lens | cu_seqlens_q (prefill) | cow src | cow dst | block tables], every kernel input
+        # starting on 16 bytes: Triton specializes pointers on that alignment, so a shifting offset would
+        # compile (and cache) another variant of the kernel mid-generation.
+        num_slots = len(slots)
+        packed = slots  # grown in place from here on
+        _align(packed)
+        seq_lens_at = len(packed)
+        packed += seq_lens
+        _align(packed)
+        cu_at = len(packed)
+        if q_len > 1:
+            cu = 0
+            packed.append(0)
+            for row in range(batch):
+                cu += q_len if num_new is None else num_new[row]
+                packed.append(cu)
+            _align(packed)
+        copies_at = len(packed)
+        num_copies = len(copies)
+        packed += [c.src for c in copies]
+        packed += [c.dst for c in copies]
+        _align(packed)
+        tables_at = len(packed)
+        for table in tables:
+            packed += table.block_ids
+            if table.num_blocks < max_blocks:
+                packed += [0] * (max_blocks - table.num_blocks)
+        on_device = self._staging.to_device(packed)
+
+        if copies:
+            kv = self.pool.kv  # [2, L, N, B, Hkv, D]: one block id addresses every layer's K and V
+            src = on_device[copies_at:copies_at + num_copies]
+            dst = on_device[copies_at + num_copies:copies_at + 2 * num_copies]
+            kv.index_copy_(2, dst, kv.index_select(2, src))
+        slot_mapping = on_device[:num_slots]
+        seq_lens_t = on_device[seq_lens_at:seq_lens_at + batch]
+        block_tables = on_device[tables_at:tables_at + batch * max_blocks].view(batch, max_blocks)
+        max_len = max(seq_lens, default=0)
+        if q_len == 1:
+            return PagedAttentionMetadata(slot_mapping, batch, block_tables, seq_lens_t, max_len,
+                                          None, None, None, 0, 0, token_index)
+        cu_seqlens_q = on_device[cu_at:cu_at + batch + 1]
+        max_seqlen_q = q_len if num_new is None else max(num_new)
+        return PagedAttentionMetadata(slot_mapping, 0, None, None, 0, block_tables, seq_lens_t, cu_seqlens_q,
+                                      max_seqlen_q, max_len, token_index)
 
     def free(self) -> None:
         """Give every block back to the pool; the cache is empty and reusable."""
@@ -281,6 +501,7 @@ class PagedCache(PagedKVCacheBase):
                 table.free()
         self.tables = None
         self._seq_length = 0
+        self._left_aligned = True
         self._metadata = None
         self._attention_ran = True
 
@@ -292,15 +513,17 @@ class PagedCache(PagedKVCacheBase):
 
     # ------------------------------------------------------------------ accounting
     def memory(self) -> CacheMemory:
-        """Blocks and bytes held now, against naive pre-allocation and DynamicCache."""
+        """Blocks and bytes held now (shared blocks once), against naive pre-allocation and DynamicCache."""
         tables = self.tables or []
         bytes_per_token = self.page_pool.bytes_per_token
-        num_blocks = sum(t.num_blocks for t in tables)
-        num_tokens = sum(t.num_tokens for t in tables)
-        slots = num_blocks * self.pool.block_size
+        num_blocks = len({block_id for table in tables for block_id in table.block_ids})
+        num_unshared = sum(table.num_blocks for table in tables)
+        num_tokens = sum(table.num_tokens for table in tables)
+        slots = num_unshared * self.pool.block_size
         naive_len = self._max_cache_len if self._max_cache_len is not None else self._seq_length
         return CacheMemory(
             num_blocks=num_blocks,
+            num_unshared_blocks=num_unshared,
             paged_bytes=num_blocks * self.pool.bytes_per_block,
             naive_bytes=len(tables) * naive_len * bytes_per_token,
             dynamic_cache_bytes=len(tables) * self._seq_length * bytes_per_token,

@@ -37,6 +37,9 @@ RANDOM_CONFIGS: dict[str, dict] = {
                        hidden_size=1024, intermediate_size=3072, head_dim=128, vocab_size=151936,
                        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
                        rms_norm_eps=1e-6),
+    "llama3.2-1b": dict(model_type="llama", num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        hidden_size=2048, intermediate_size=8192, head_dim=64, vocab_size=128256,
+                        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
     "llama3-8b": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       hidden_size=4096, intermediate_size=14336, head_dim=128, vocab_size=128256,
                       max_position_embeddings=8192, rope_theta=500000.0),
@@ -113,11 +116,17 @@ def _resolve(model: str | None) -> tuple[str, dict]:
     """(path or id for from_pretrained, extra kwargs) for a model argument."""
     if model is None or model in ("embedded", EMBEDDED_NAME, EMBEDDED_NAME.lower()):
         return str(embedded_model_dir()), {}
-    path = Path(model)
+    path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.exists():
             raise ConfigError(f"GGUF file {model} does not exist")
         return str(path.parent), {"gguf_file": path.name}
+    # NOTE: a hub id is "name" or "org/name"; anything else that looks like a path must exist,
+    # or the hub client answers "Repo id must be in the form ..." about a typo in a path.
+    if model.startswith(("/", "./", "../", "~", ".\\")) or model.count("/") > 1:
+        if not path.exists():
+            raise ConfigError(f"model path {model} does not exist")
+        return str(path), {}
     return model, {}
 
 

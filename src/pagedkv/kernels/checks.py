@@ -9,7 +9,9 @@ Two tiers, so that the engine's hot path stays free of device->host reads:
   when the caller passes `validate=True`.
 
 Every message names the bad value and the limit it broke, and every check runs before any
-kernel launch, so a caught error leaves the caches unchanged.
+kernel launch, so a caught error leaves the caches unchanged. Strides are not checked,
+except the caches' (contiguous, as KVPool hands them out): every kernel takes the other
+tensors' strides, so views such as `block_tables[:, ::2]` are read where they lie.
 """
 
 from __future__ import annotations
@@ -82,8 +84,6 @@ def check_query(query: object, k_cache: torch.Tensor, device: torch.device) -> i
     num_heads = query.shape[1]
     if num_heads == 0 or num_heads % num_kv_heads:
         _fail(f"num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
-    if query.stride(-1) != 1:
-        _fail("query must be contiguous along head_dim (stride 1)")
     return num_heads // num_kv_heads
 
 

@@ -1,4 +1,9 @@
-"""The three kernel entry points the rest of pagedkv calls: check the input, pick a backend, run.
+"""The kernel entry points the rest of pagedkv calls: check the input, pick a backend, run.
+
+    write_kv                  scatter new tokens' K/V into their slots
+    paged_decode_attention    one query token per sequence
+    paged_prefill_attention   causal chunks over a cached prefix, one program per query head
+    paged_attention           a mixed step (decode rows and prefill chunks) in one launch
 
 Backends (the `backend` keyword):
 
@@ -14,6 +19,7 @@ letting it steer "auto" would push every engine test on CPU through the interpre
 tests ask for `backend="triton"` explicitly instead.
 
 Triton modules are imported on first use, so the torch path works where Triton is absent.
+Every tensor but the caches may be a strided view: the kernels take each tensor's strides.
 """
 
 from __future__ import annotations
@@ -24,8 +30,14 @@ import torch
 
 from pagedkv.errors import KernelInputError
 from pagedkv.kernels import checks
-from pagedkv.kernels.torch_ops import torch_decode_attention, torch_prefill_attention, torch_write_kv
-from pagedkv.kernels.tuning import DecodeTuning, PrefillTuning, choose_num_splits, num_sms
+from pagedkv.kernels.torch_ops import (
+    torch_decode_attention,
+    torch_paged_attention,
+    torch_prefill_attention,
+    torch_write_kv,
+)
+from pagedkv.kernels.tuning import DecodeTuning, PrefillTuning, UnifiedTuning, choose_num_splits, num_sms
+from pagedkv.kernels.workspace import KernelWorkspace
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -84,8 +96,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         if tuple(tensor.shape[1:]) != (num_kv_heads, head_dim):
             raise KernelInputError(f"{name} is {tuple(tensor.shape)}; expected [num_tokens, {num_kv_heads}, "
                                    f"{head_dim}] to match the KV cache")
-        if tensor.stride(-1) != 1:
-            raise KernelInputError(f"{name} must be contiguous along head_dim (stride 1)")
     checks.check_tensor("slot_mapping", slot_mapping, 1, checks.INDEX_DTYPES, device)
     if not key.shape[0] == value.shape[0] == slot_mapping.shape[0]:
         raise KernelInputError(f"key, value and slot_mapping disagree on num_tokens: {key.shape[0]}, "
@@ -103,7 +113,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, soft_cap,
                      backend, num_seqs: int | None) -> tuple[torch.device, str]:
-    """Metadata checks shared by decode and prefill; returns the device and the resolved backend."""
+    """Metadata checks shared by every attention entry point; returns the device and the resolved backend."""
     device = checks.check_cache_pair(k_cache, v_cache)
     checks.check_query(query, k_cache, device)
     checks.check_tables(block_tables, seq_lens, num_seqs, device)
@@ -115,51 +125,100 @@ def _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale
     return device, resolved
 
 
+def _check_host_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise KernelInputError(f"{name} must be a host int >= {minimum}, got {value!r}")
+
+
+def _varlen_backend(validate: bool, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                    max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend) -> str:
+    """The backend for a ragged batch (prefill or mixed), after every check, values included, when `validate`."""
+    if not validate:
+        return resolve_backend(backend, query.device)
+    device, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
+                                        sliding_window, soft_cap, backend, num_seqs=None)
+    num_seqs = seq_lens.shape[0]
+    checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, checks.INDEX_DTYPES, device)
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise KernelInputError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected num_seqs + 1 = "
+                               f"{num_seqs + 1}")
+    _check_host_int("max_seqlen_q", max_seqlen_q, 0)
+    if max_seqlen_q > query.shape[0]:
+        raise KernelInputError(f"max_seqlen_q = {max_seqlen_q} exceeds the {query.shape[0]} query tokens")
+    if max_seq_len is not None:
+        _check_host_int("max_seq_len", max_seq_len, 0)
+    num_blocks, block_size, _, _ = k_cache.shape
+    checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+    checks.check_cu_seqlens_values(cu_seqlens_q, seq_lens, query.shape[0], max_seqlen_q)
+    return resolved
+
+
+def _counters(workspace: KernelWorkspace | None, num_items: int) -> torch.Tensor | None:
+    return None if workspace is None else workspace.counters(num_items)
+
+
+def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len, sliding_window,
+                   soft_cap, num_splits, tuning: DecodeTuning, workspace: KernelWorkspace | None) -> torch.Tensor:
+    """The Triton decode schedule `tuning` names, from host ints only (see `tuning`)."""
+    num_seqs, _, _ = query.shape
+    num_kv_heads = k_cache.shape[2]
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    span = min(max_seq_len if max_seq_len is not None else capacity, capacity, sliding_window or capacity)
+    out = torch.empty_like(query) if out is None else out
+    if tuning.schedule == "stream_k":
+        from pagedkv.kernels.triton_stream_k import MAX_STREAM_K_SEQS, triton_stream_k_decode
+
+        if num_seqs <= MAX_STREAM_K_SEQS:
+            return triton_stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
+                                          max_seq_len=span, sliding_window=sliding_window, soft_cap=soft_cap,
+                                          tuning=tuning, sm_count=num_sms(query.device),
+                                          counters=_counters(workspace, num_seqs * num_kv_heads))
+    from pagedkv.kernels.triton_decode import triton_decode_attention
+
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, span, num_sms(query.device), tuning)
+    counters = _counters(workspace, num_seqs * num_kv_heads) if tuning.merge == "in_kernel" else None
+    return triton_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
+                                   num_splits=num_splits, sliding_window=sliding_window, soft_cap=soft_cap,
+                                   tuning=tuning, counters=counters)
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                            max_seq_len: int | None = None, sliding_window: int | None = None,
                            soft_cap: float | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None, validate: bool = True, backend: str = "auto",
-                           tuning: DecodeTuning | None = None) -> torch.Tensor:
+                           tuning: DecodeTuning | None = None,
+                           workspace: KernelWorkspace | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged K/V. Returns `[num_seqs, num_heads, head_dim]`.
 
     query `[num_seqs, num_heads, head_dim]`; block_tables `[num_seqs, max_blocks]` int32; seq_lens
     `[num_seqs]` int32, the kv length including the current token (whose K/V is already written).
     A row with seq_len 0 returns zeros. `max_seq_len` is a host-side upper bound of seq_lens used
     to choose the split-KV count without a device sync (default: the block tables' capacity);
-    `num_splits` overrides the choice. `tuning` overrides the Triton launch parameters.
-    `validate=False` trusts the caller and skips every check.
+    `num_splits` overrides the choice (split schedule only). `tuning` overrides the Triton launch
+    parameters and picks the schedule. `workspace` holds the self-resetting counters of the
+    in-kernel merge (allocated per call when None). `validate=False` trusts the caller and skips
+    every check.
     """
-    if not validate:
-        return _decode_unchecked(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-                                 sliding_window, soft_cap, num_splits, out, backend, tuning)
-    device, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
-                                        sliding_window, soft_cap, backend,
-                                        num_seqs=query.shape[0] if isinstance(query, torch.Tensor) else None)
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    capacity = block_tables.shape[1] * block_size
-    if max_seq_len is None:
-        max_seq_len = capacity
-    elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
-        raise KernelInputError(f"max_seq_len must be a host int >= 0, got {max_seq_len!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        raise KernelInputError(f"num_splits must be an int >= 1, got {num_splits!r}")
     if validate:
+        _, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
+                                       sliding_window, soft_cap, backend,
+                                       num_seqs=query.shape[0] if isinstance(query, torch.Tensor) else None)
+        num_blocks, block_size, _, _ = k_cache.shape
+        if max_seq_len is None:
+            max_seq_len = block_tables.shape[1] * block_size
+        _check_host_int("max_seq_len", max_seq_len, 0)
+        if num_splits is not None:
+            _check_host_int("num_splits", num_splits, 1)
         checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+    else:
+        resolved = resolve_backend(backend, query.device)
     if resolved == "torch":
         return torch_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                       sliding_window=sliding_window, soft_cap=soft_cap, out=out)
-    from pagedkv.kernels.triton_decode import triton_decode_attention
-
-    tuning = tuning or DecodeTuning()
-    if num_splits is None:
-        span = min(max_seq_len, capacity, sliding_window or capacity)
-        num_splits = choose_num_splits(query.shape[0], num_kv_heads, span, num_sms(device), tuning)
-    out = torch.empty_like(query) if out is None else out
-    return triton_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
-                                   num_splits=num_splits, sliding_window=sliding_window, soft_cap=soft_cap,
-                                   tuning=tuning)
+    return _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len, sliding_window,
+                          soft_cap, num_splits, tuning or _DEFAULT_DECODE, workspace)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -176,56 +235,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     head_dim]`. `max_seqlen_q` is the host-side longest chunk, which sizes the launch grid.
     `validate=False` trusts the caller and skips every check.
     """
-    if not validate:
-        return _prefill_unchecked(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                                  max_seqlen_q, sliding_window, soft_cap, out, backend, tuning)
-    device, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
-                                        sliding_window, soft_cap, backend, num_seqs=None)
-    num_seqs = seq_lens.shape[0]
-    checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, checks.INDEX_DTYPES, device)
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise KernelInputError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected num_seqs + 1 = "
-                               f"{num_seqs + 1}")
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-        raise KernelInputError(f"max_seqlen_q must be a host int >= 0, got {max_seqlen_q!r}")
-    if max_seqlen_q > query.shape[0]:
-        raise KernelInputError(f"max_seqlen_q = {max_seqlen_q} exceeds the {query.shape[0]} query tokens")
-    num_blocks, block_size, _, _ = k_cache.shape
-    if validate:
-        checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
-        checks.check_cu_seqlens_values(cu_seqlens_q, seq_lens, query.shape[0], max_seqlen_q)
+    resolved = _varlen_backend(validate, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                               max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend)
     if resolved == "torch":
-        return torch_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
-                                       sliding_window=sliding_window, soft_cap=soft_cap, out=out)
-    from pagedkv.kernels.triton_prefill import triton_prefill_attention
-
-    out = torch.empty_like(query) if out is None else out
-    return triton_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-                                    scale=scale, max_seqlen_q=max_seqlen_q, sliding_window=sliding_window,
-                                    soft_cap=soft_cap, tuning=tuning or PrefillTuning())
-
-
-def _decode_unchecked(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, sliding_window,
-                      soft_cap, num_splits, out, backend, tuning):
-    if resolve_backend(backend, query.device) == "torch":
-        return torch_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap, out=out)
-    from pagedkv.kernels.triton_decode import triton_decode_attention
-
-    tuning = tuning or _DEFAULT_DECODE
-    if num_splits is None:
-        capacity = block_tables.shape[1] * k_cache.shape[1]
-        span = min(max_seq_len if max_seq_len is not None else capacity, capacity, sliding_window or capacity)
-        num_splits = choose_num_splits(query.shape[0], k_cache.shape[2], span, num_sms(query.device), tuning)
-    out = torch.empty_like(query) if out is None else out
-    return triton_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
-                                   num_splits=num_splits, sliding_window=sliding_window, soft_cap=soft_cap,
-                                   tuning=tuning)
-
-
-def _prefill_unchecked(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q,
-                       sliding_window, soft_cap, out, backend, tuning):
-    if resolve_backend(backend, query.device) == "torch":
         return torch_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
                                        sliding_window=sliding_window, soft_cap=soft_cap, out=out)
     from pagedkv.kernels.triton_prefill import triton_prefill_attention
@@ -236,5 +248,43 @@ def _prefill_unchecked(query, k_cache, v_cache, block_tables, seq_lens, cu_seqle
                                     soft_cap=soft_cap, tuning=tuning or _DEFAULT_PREFILL)
 
 
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *, scale: float, max_seqlen_q: int,
+                    max_seq_len: int | None = None, sliding_window: int | None = None,
+                    soft_cap: float | None = None, out: torch.Tensor | None = None, validate: bool = True,
+                    backend: str = "auto", tuning: UnifiedTuning | None = None,
+                    workspace: KernelWorkspace | None = None) -> torch.Tensor:
+    """A mixed step in one launch: decode rows (1 query token) and prefill chunks (many) of any sequences.
+
+    The contract of `paged_prefill_attention` (a decode row is a chunk of one token): query
+    `[num_tokens, num_heads, head_dim]`, cu_seqlens_q `[num_seqs + 1]`, sequence b's q_len_b
+    queries at kv positions seq_lens[b] - q_len_b .. seq_lens[b] - 1, their K/V already written.
+    Returns `[num_tokens, num_heads, head_dim]`.
+
+    Everything that shapes the launch is a host int (`num_tokens`, `num_seqs`, `max_seqlen_q`,
+    `max_seq_len`), so a step of fixed shape captures in a CUDA graph. A batch of one-token rows
+    only (`max_seqlen_q == 1` and `num_tokens == num_seqs`, so cu_seqlens_q is 0, 1, .., num_seqs)
+    runs the decode kernel of `tuning.decode` unless `tuning.decode_route` is off; `max_seq_len`
+    (default: the tables' capacity) sizes its split, and `workspace` holds its counters.
+    `validate=False` trusts the caller and skips every check.
+    """
+    resolved = _varlen_backend(validate, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                               max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend)
+    if resolved == "torch":
+        return torch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
+                                     sliding_window=sliding_window, soft_cap=soft_cap, out=out)
+    tuning = tuning or _DEFAULT_UNIFIED
+    if tuning.decode_route and max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
+        return _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len,
+                              sliding_window, soft_cap, None, tuning.decode, workspace)
+    from pagedkv.kernels.triton_unified import triton_unified_attention
+
+    out = torch.empty_like(query) if out is None else out
+    return triton_unified_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
+                                    max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
+                                    tuning=tuning)
+
+
 _DEFAULT_DECODE = DecodeTuning()
 _DEFAULT_PREFILL = PrefillTuning()
+_DEFAULT_UNIFIED = UnifiedTuning()

@@ -12,7 +12,8 @@ Semantics, shared by every backend:
     visible(p, j)  = j <= p  and  (no window  or  p - window < j)             (HF sliding window)
 
 Decode: the one query of sequence b sits at position seq_lens[b] - 1. Prefill: sequence b's
-q_len new queries sit at positions seq_lens[b] - q_len .. seq_lens[b] - 1.
+q_len new queries sit at positions seq_lens[b] - q_len .. seq_lens[b] - 1. A mixed step
+(`paged_attention`) is prefill where some chunks are one token long.
 """
 
 from __future__ import annotations
@@ -103,3 +104,12 @@ def reference_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_ca
         positions = list(range(seq_len - (end - start), seq_len))
         out[start:end] = _attend(query[start:end].to(dtype), k, v, positions, scale, sliding_window, soft_cap)
     return out if float64 else out.to(query.dtype)
+
+
+def reference_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
+                              scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                              float64: bool = False) -> torch.Tensor:
+    """A mixed step of decode rows and prefill chunks: prefill's semantics, a decode row being a one-token chunk."""
+    return reference_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
+                                       sliding_window=sliding_window, soft_cap=soft_cap, float64=float64)

@@ -3,7 +3,8 @@
 The engine on CPU runs this path, so it is batched where the reference loops: decode gathers
 each sequence's pages into a contiguous `[n, num_kv_heads, max_len, head_dim]` block (a few
 sequences at a time, to bound the copy) and calls `scaled_dot_product_attention` with a
-length mask; prefill gathers one sequence at a time, since its chunks are ragged.
+length mask; prefill gathers one sequence at a time, since its chunks are ragged; a mixed
+step sends its one-token rows through decode and its chunks through prefill.
 
 Slots past a sequence's length may hold anything, NaN included (a fresh block's tail, or a
 padding entry of the block table that points at someone else's block). A masked score
@@ -110,18 +111,15 @@ def torch_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def torch_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
-                            scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal varlen attention over cached prefix + new tokens, one sequence at a time, via SDPA."""
+def _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu, seqs, scale, sliding_window, soft_cap,
+                       out) -> None:
+    """Causal attention of sequences `seqs`' chunks (rows cu[b] .. cu[b+1]-1) into `out`, one at a time, via SDPA."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.zeros_like(query) if out is None else out
-    cu = cu_seqlens_q.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        start, end = cu[b], cu[b + 1]
+    lens = seq_lens.tolist()
+    for b in seqs:
+        seq_len, start, end = lens[b], cu[b], cu[b + 1]
         q_len = end - start
         if q_len == 0:
             continue
@@ -146,4 +144,35 @@ def torch_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             o = _explicit_attention(q[None, :, :, rows], k[None], v[None], visible[None, None, None, rows],
                                     scale, soft_cap)[0]  # [Hkv, G, m, D]
             out[start + rows.start : start + rows.stop] = o.reshape(num_heads, -1, head_dim).transpose(0, 1)
+
+
+def torch_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
+                            scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal varlen attention over cached prefix + new tokens, one sequence at a time, via SDPA."""
+    out = torch.zeros_like(query) if out is None else out
+    _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.tolist(),
+                       range(seq_lens.shape[0]), scale, sliding_window, soft_cap, out)
+    return out
+
+
+def torch_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
+                          scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """A mixed step: one-token rows batched through the decode path, longer chunks one by one."""
+    out = torch.zeros_like(query) if out is None else out
+    cu = cu_seqlens_q.tolist()
+    decode = [b for b in range(len(cu) - 1) if cu[b + 1] - cu[b] == 1]
+    if decode:
+        seqs = torch.tensor(decode, device=query.device)
+        rows = torch.tensor([cu[b] for b in decode], device=query.device)
+        o = torch_decode_attention(query.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, seqs),
+                                   seq_lens.index_select(0, seqs), scale=scale, sliding_window=sliding_window,
+                                   soft_cap=soft_cap)
+        out.index_copy_(0, rows, o)
+    chunks = [b for b in range(len(cu) - 1) if cu[b + 1] - cu[b] > 1]
+    _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu, chunks, scale, sliding_window, soft_cap,
+                       out)
     return out

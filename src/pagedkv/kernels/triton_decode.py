@@ -9,17 +9,17 @@ loaded from memory once for the whole group:
     s      [GROUP_PAD, BLOCK_N]   tl.dot(q, k^T) when the group is large (M padded to 16),
                                   else a broadcast multiply-sum
 
-A tile may span several small pages: each token's row is found on its own,
-
-    row(j) = block_tables[seq, j // BLOCK_SIZE] * stride_block + (j % BLOCK_SIZE) * stride_offset
-
-in int64, and each row's head_dim elements are contiguous, so loads are 16-byte vectors.
-The softmax is online, in fp32 and base 2 (the scale is folded with log2(e)).
+(`triton_common` has the tile gather, the scores and the online softmax.)
 
 Split-KV: the sequence's visible kv range is cut into `num_splits` pieces of whole tiles;
-split `s` writes its normalised partial output and log2-sum-exp, and `_merge_kernel`
-combines them. An empty split (a short sequence in a batch split for a long one) writes
-lse = -inf and weighs nothing in the merge; a sequence of length 0 comes out as zeros.
+split `s` writes its normalised partial output and log2-sum-exp. The partials are merged
+either by `_merge_kernel`, a second launch, or (`merge="in_kernel"`) by the last split
+program of each (sequence, kv head) to arrive, counted with an atomic counter that it
+resets. An empty split (a short sequence in a batch split for a long one) writes lse =
+-inf and weighs nothing in the merge; a sequence of length 0 comes out as zeros.
+
+Every tensor but the caches is addressed through its strides, so views (a query sliced
+from a fused QKV projection, `block_tables[:, ::2]`, `seq_lens[::2]`) read the right memory.
 """
 
 from __future__ import annotations
@@ -28,35 +28,37 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.kernels.triton_common import (
+    LOG2E,
+    arrive,
+    load_kv_tile,
+    merge_chunk,
+    merge_group_rows,
+    merge_partials,
+    online_softmax_step,
+    tile_scores,
+)
 from pagedkv.kernels.tuning import DecodeTuning
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _tanh(x):
-    # tanh from exp2 (portable across Triton versions and the interpreter); saturates cleanly
-    # to +-1 when exp2 overflows to inf or underflows to 0.
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
     qk_scale, soft_cap, sliding_window, num_splits,
-    stride_q_s, stride_q_h, stride_out_s, stride_out_h,
-    stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
+    stride_q_s, stride_q_h, stride_q_d, stride_out_s, stride_out_h, stride_out_d,
+    stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     # The visible range [kv_start, seq_len), then this split's piece [lo, hi) of it.
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(seq_len - sliding_window, 0)
@@ -68,9 +70,10 @@ def _decode_kernel(
     dims = tl.arange(0, DIM_PAD)
     row_mask = rows < GROUP
     dim_mask = dims < HEAD_DIM
+    out_mask = row_mask[:, None] & dim_mask[None, :]
     heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this kv head
-    q_offsets = seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [GROUP_PAD, DIM_PAD]
+    q_offsets = seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d
+    q = tl.load(q_ptr + q_offsets, mask=out_mask, other=0.0)  # [GROUP_PAD, DIM_PAD]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(s - m_i)
@@ -81,54 +84,44 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         token_mask = tokens < hi
-        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-        token_rows = block_ids * stride_cache_b + (tokens % BLOCK_SIZE) * stride_cache_o + head_offset  # [BLOCK_N]
-        kv_offsets = token_rows[:, None] + dims[None, :]  # [BLOCK_N, DIM_PAD] int64
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        # Masked lanes are never read, so slots past seq_len (NaN, garbage) cannot leak in.
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, BLOCK_N] fp32
-        else:
-            s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
-        if USE_SOFT_CAP:
-            s = soft_cap * _tanh(s * qk_scale / soft_cap) * 1.4426950408889634
-        else:
-            s = s * qk_scale
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
+                            dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :], s, float("-inf"))
-
-        # Every iterated tile has at least one visible token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
 
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
-    out_mask = row_mask[:, None] & dim_mask[None, :]
+    out_rows = seq.to(tl.int64) * stride_out_s + heads * stride_out_h  # [GROUP_PAD]
     if IS_SPLIT:
         # partial_out [num_seqs, num_heads, num_splits, DIM_PAD] and partial_lse [num_seqs, num_heads, num_splits]
-        slot = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [GROUP_PAD]
+        num_heads = GROUP * tl.num_programs(1)
+        slot = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [GROUP_PAD]
         tl.store(partial_out_ptr + slot[:, None] * DIM_PAD + dims[None, :], o, mask=out_mask)
         lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + slot, lse, mask=row_mask)
+        if MERGE_IN_KERNEL:
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            if arrive(counter) == num_splits - 1:
+                tl.debug_barrier()
+                merged = merge_partials(partial_out_ptr, partial_lse_ptr, num_splits,
+                                        (seq.to(tl.int64) * num_heads + kv_head * GROUP) * num_splits, 1, 0,
+                                        num_splits, GROUP, GROUP_P2, DIM_PAD, MERGE_CHUNK)  # [GROUP_P2, DIM_PAD]
+                group_rows = tl.arange(0, GROUP_P2)
+                offsets = seq.to(tl.int64) * stride_out_s + (kv_head * GROUP + group_rows)[:, None] * stride_out_h \
+                    + dims[None, :] * stride_out_d
+                tl.store(out_ptr + offsets, merged.to(out_ptr.dtype.element_ty),
+                         mask=(group_rows < GROUP)[:, None] & dim_mask[None, :])
+                tl.store(counter, 0)
     else:
-        out_offsets = seq.to(tl.int64) * stride_out_s + heads[:, None] * stride_out_h + dims[None, :]
-        tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + out_rows[:, None] + dims[None, :] * stride_out_d, o.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 @triton.jit
 def _merge_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
-    stride_out_s, stride_out_h,
+    stride_out_s, stride_out_h, stride_out_d,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -153,44 +146,57 @@ def _merge_kernel(
                           mask=chunk_mask[:, None], other=0.0)  # [SPLIT_CHUNK, DIM_PAD]
         acc += tl.sum(partial * weights[:, None], axis=0)
     o = acc / tl.where(total > 0, total, 1.0)
-    out_offsets = seq.to(tl.int64) * stride_out_s + head * stride_out_h + dims
+    out_offsets = seq.to(tl.int64) * stride_out_s + head * stride_out_h + dims * stride_out_d
     tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def group_padding(group: int, use_dot: bool) -> int:
+    """Rows of the query tile: tl.dot needs M >= 16; the multiply-sum only a power of 2."""
+    return max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
 
 
 def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
                             scale: float, num_splits: int, sliding_window: int | None, soft_cap: float | None,
-                            tuning: DecodeTuning) -> torch.Tensor:
-    """Launch the decode kernel (and the merge kernel when `num_splits > 1`) into `out`."""
+                            tuning: DecodeTuning, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the decode kernel (and the merge kernel when `num_splits > 1`) into `out`.
+
+    `counters` (`merge="in_kernel"` only): at least `num_seqs * num_kv_heads` int32 zeros,
+    left zero by the kernel; allocated per call when None.
+    """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     use_dot = group >= tuning.dot_min_group
-    group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
-    dim_pad = triton.next_power_of_2(head_dim)
-    if num_splits > 1:
+    group_p2, dim_pad = merge_group_rows(group), triton.next_power_of_2(head_dim)
+    is_split = num_splits > 1
+    merge_in_kernel = is_split and tuning.merge == "in_kernel"
+    if is_split:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         partial_out = partial_lse = out  # unused by the kernel when IS_SPLIT is False
+    if merge_in_kernel and counters is None:
+        counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_lse,
+        out, partial_out, partial_lse, counters if merge_in_kernel else seq_lens,
         scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
         num_splits,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim), USE_DOT=use_dot,
+        *query.stride(), *out.stride(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
+        GROUP=group, GROUP_PAD=group_padding(group, use_dot), GROUP_P2=group_p2, HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim), USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=num_splits > 1,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
+        MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
-    if num_splits > 1:
+    if is_split and not merge_in_kernel:
         _merge_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, out, num_splits, out.stride(0), out.stride(1),
+            partial_out, partial_lse, out, num_splits, *out.stride(),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), SPLIT_CHUNK=16,
             num_warps=4,
         )

@@ -15,7 +15,8 @@ skipping: tile t reads kv only up to ctx + (t+1)*BLOCK_M. Tiles wholly below the
 (every query row sees every key) run without a mask; the diagonal tiles run masked. With a
 sliding window every tile is masked and the loop starts at the window's first visible key.
 GQA: the kv head of query head h is h // group; the group's programs read the same K/V tiles,
-which mostly hit L2.
+which mostly hit L2. (`triton_unified` packs the group into the rows instead.) Every tensor
+but the caches is addressed through its strides.
 """
 
 from __future__ import annotations
@@ -24,48 +25,65 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.triton_decode import LOG2E, _tanh
+from pagedkv.kernels.triton_common import LOG2E, load_kv_tile, online_softmax_step, tile_scores
 from pagedkv.kernels.tuning import PrefillTuning
 
 
 @triton.jit
-def _prefill_tiles(
+def prefill_tiles(
     acc, l_i, m_i, q, pos_q, lo, hi,
-    k_cache_ptr, v_cache_ptr, table_row, head_offset,
+    k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset,
     qk_scale, soft_cap, sliding_window,
     stride_cache_b, stride_cache_o,
     DIM_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):
+    """Fold kv positions [lo, hi) into the rows of `q` at kv positions `pos_q`, causal (and windowed) when MASKED."""
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         token_mask = tokens < hi
-        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-        token_rows = block_ids * stride_cache_b + (tokens % BLOCK_SIZE) * stride_cache_o + head_offset
-        kv_offsets = token_rows[:, None] + dims[None, :]  # [BLOCK_N, DIM_PAD] int64
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        if USE_SOFT_CAP:
-            s = soft_cap * _tanh(s * qk_scale / soft_cap) * 1.4426950408889634
-        else:
-            s = s * qk_scale
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
+                            dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+        s = tile_scores(q, k, qk_scale, soft_cap, True, USE_SOFT_CAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if MASKED:
             visible = token_mask[None, :] & (tokens[None, :] <= pos_q[:, None])
             if USE_WINDOW:
                 visible = visible & (tokens[None, :] > pos_q[:, None] - sliding_window)
             s = tl.where(visible, s, float("-inf"))
-        # A row may see nothing in a masked tile (past its window, or a padding row): keep it NaN-free.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def causal_attend(acc, l_i, m_i, q, pos_q, first_pos, last_pos, sliding_window,
+                  k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset, qk_scale, soft_cap,
+                  stride_cache_b, stride_cache_o,
+                  DIM_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr):
+    """All the kv tiles a query tile with rows at kv positions first_pos .. last_pos sees.
+
+    Keys before first_pos are visible to every row: those tiles run unmasked; the diagonal
+    tiles run masked. With a window every tile is masked, from the window's first key.
+    """
+    hi = last_pos + 1
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - sliding_window + 1, 0)
+        acc, l_i, m_i = prefill_tiles(
+            acc, l_i, m_i, q, pos_q, lo, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset,
+            qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
+            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, True, USE_SOFT_CAP)
+    else:
+        mid = first_pos // BLOCK_N * BLOCK_N  # unmasked tiles [0, mid), then masked tiles [mid, hi)
+        acc, l_i, m_i = prefill_tiles(
+            acc, l_i, m_i, q, pos_q, 0, mid, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset,
+            qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
+            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, False, USE_SOFT_CAP)
+        acc, l_i, m_i = prefill_tiles(
+            acc, l_i, m_i, q, pos_q, mid, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset,
+            qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
+            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, False, USE_SOFT_CAP)
     return acc, l_i, m_i
 
 
@@ -73,8 +91,8 @@ def _prefill_tiles(
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
     qk_scale, soft_cap, sliding_window,
-    stride_q_t, stride_q_h, stride_out_t, stride_out_h,
-    stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s,
+    stride_q_t, stride_q_h, stride_q_d, stride_out_t, stride_out_h, stride_out_d,
+    stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens, stride_cu,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
@@ -83,11 +101,11 @@ def _prefill_kernel(
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
+    q_start = tl.load(cu_seqlens_q_ptr + seq * stride_cu).to(tl.int32)
+    q_len = tl.load(cu_seqlens_q_ptr + (seq + 1) * stride_cu).to(tl.int32) - q_start
     if tile * BLOCK_M >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
     ctx = seq_len - q_len
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,35 +113,22 @@ def _prefill_kernel(
     row_mask = rows < q_len
     dim_mask = dims < HEAD_DIM
     pos_q = ctx + rows  # [BLOCK_M] kv position of each query row
-    q_offsets = (q_start + rows).to(tl.int64)[:, None] * stride_q_t + head * stride_q_h + dims[None, :]
+    token_rows = (q_start + rows).to(tl.int64)
+    q_offsets = token_rows[:, None] * stride_q_t + head * stride_q_h + dims[None, :] * stride_q_d
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_M, DIM_PAD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    head_offset = (head // GROUP).to(tl.int64) * stride_cache_h
-    diag = ctx + tile * BLOCK_M  # keys before this are visible to every row of the tile
-    hi = tl.minimum(diag + BLOCK_M, seq_len)
-    if USE_WINDOW:
-        lo = tl.maximum(diag - sliding_window + 1, 0)
-        acc, l_i, m_i = _prefill_tiles(
-            acc, l_i, m_i, q, pos_q, lo, hi, k_cache_ptr, v_cache_ptr, table_row, head_offset,
-            qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
-            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, True, USE_SOFT_CAP)
-    else:
-        mid = diag // BLOCK_N * BLOCK_N  # unmasked tiles [0, mid), then masked tiles [mid, hi)
-        acc, l_i, m_i = _prefill_tiles(
-            acc, l_i, m_i, q, pos_q, 0, mid, k_cache_ptr, v_cache_ptr, table_row, head_offset,
-            qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
-            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, False, USE_SOFT_CAP)
-        acc, l_i, m_i = _prefill_tiles(
-            acc, l_i, m_i, q, pos_q, mid, hi, k_cache_ptr, v_cache_ptr, table_row, head_offset,
-            qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
-            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, False, USE_SOFT_CAP)
+    first_pos = ctx + tile * BLOCK_M
+    acc, l_i, m_i = causal_attend(
+        acc, l_i, m_i, q, pos_q, first_pos, tl.minimum(first_pos + BLOCK_M, seq_len) - 1, sliding_window,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_s, stride_bt_b,
+        (head // GROUP).to(tl.int64) * stride_cache_h, qk_scale, soft_cap, stride_cache_b, stride_cache_o,
+        DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_offsets = (q_start + rows).to(tl.int64)[:, None] * stride_out_t + head * stride_out_h + dims[None, :]
+    out_offsets = token_rows[:, None] * stride_out_t + head * stride_out_h + dims[None, :] * stride_out_d
     tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
@@ -144,8 +149,9 @@ def triton_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
         scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *query.stride(), *out.stride(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
+        cu_seqlens_q.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

@@ -13,6 +13,17 @@ merges by log-sum-exp:
 
 The count comes from host-side ints only (batch, kv heads, the caller's `max_seq_len`, the
 SM count), never from a device read, so a decode step can be captured in a CUDA graph.
+
+Round 2 added two schedules for small work (few sequences, or short ones), where per-program
+start-up and the merge launch, not bandwidth, set the time (`DecodeTuning.schedule`/`merge`):
+
+    split + merge="launch"      the grid above, then a merge kernel (the round-1 default)
+    split + merge="in_kernel"   the same grid; the last split program of each (sequence, kv
+                                head) to finish merges, counted by an atomic counter
+    stream_k                    programs_per_sm * num_sms persistent programs share one flat
+                                stream of (sequence, kv head, tile) work evenly, whatever the
+                                lengths; an item cut between programs is merged by the last
+                                of them to finish (see `triton_stream_k`)
 """
 
 from __future__ import annotations
@@ -23,6 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.errors import InvalidArgumentError, require_positive_int
+
+
+DECODE_SCHEDULES = ("split", "stream_k")
+DECODE_MERGES = ("launch", "in_kernel")
 
 
 @dataclass(frozen=True)
@@ -38,20 +53,54 @@ class DecodeTuning:
     max_splits: int = 128
     dot_min_group: int = 1  # from this group size on, tl.dot (M padded to 16); below it a multiply-sum
     # (the multiply-sum ran at 0.4 TB/s on the H200 against 3.8-4.2 for tl.dot, so MHA uses tl.dot too)
+    schedule: str = "split"  # "split" (grid seq x kv head x split) or "stream_k" (persistent, see above)
+    merge: str = "launch"  # split partials merged by a second "launch" or "in_kernel" by the last arrival
+    programs_per_sm: int | None = None  # stream_k programs per SM; None: what fits (`stream_k_programs_per_sm`)
 
     def __post_init__(self):
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
             raise InvalidArgumentError(f"block_n must be a power of 2 >= 16, got {self.block_n}")
         for name in ("num_warps", "num_stages", "min_split_tokens", "max_splits", "dot_min_group"):
             require_positive_int(name, getattr(self, name))
+        if self.programs_per_sm is not None:
+            require_positive_int("programs_per_sm", self.programs_per_sm)
         if not self.target_waves > 0:
             raise InvalidArgumentError(f"target_waves must be > 0, got {self.target_waves}")
+        if self.schedule not in DECODE_SCHEDULES:
+            raise InvalidArgumentError(f"schedule must be one of {DECODE_SCHEDULES}, got {self.schedule!r}")
+        if self.merge not in DECODE_MERGES:
+            raise InvalidArgumentError(f"merge must be one of {DECODE_MERGES}, got {self.merge!r}")
 
     def block_n_for(self, head_dim: int) -> int:
         """Tokens per iteration: 64 keeps a bf16 K tile at 16 KiB for head_dim 128; halve it for 256."""
         if self.block_n is not None:
             return self.block_n
         return 64 if head_dim <= 128 else 32
+
+    def stream_k_programs_per_sm(self, head_dim: int, masked: bool) -> int:
+        """Stream-K programs resident per SM: the grid must fit in one wave, or half of it waits a whole program.
+
+        From the kernel's registers on sm_90 (Triton 3.6, 4 warps, `python -m
+        pagedkv.kernels.offline_compile`): 111-126 at head_dim 64 (4 fit in 64 K registers),
+        147-158 at 80-128 (3 fit), up to 188 with a window or soft cap at 80-128 (2 fit at
+        worst) and 231 at 256 (2 fit). Shared memory (23-57 KiB) never binds first.
+        """
+        if self.programs_per_sm is not None:
+            return self.programs_per_sm
+        if head_dim <= 64:
+            return 4
+        return 3 if head_dim <= 128 and not masked else 2
+
+
+def _check_tiles(tuning) -> None:
+    """block_m / block_n are powers of 2 >= 16 (or None), num_warps / num_stages positive."""
+    for name in ("block_m", "block_n"):
+        value = getattr(tuning, name)
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise InvalidArgumentError(f"{name} must be a power of 2 >= 16, got {value}")
+    if tuning.num_warps is not None:
+        require_positive_int("num_warps", tuning.num_warps)
+    require_positive_int("num_stages", tuning.num_stages)
 
 
 @dataclass(frozen=True)
@@ -64,19 +113,47 @@ class PrefillTuning:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value is not None and (value < 16 or value & (value - 1)):
-                raise InvalidArgumentError(f"{name} must be a power of 2 >= 16, got {value}")
-        if self.num_warps is not None:
-            require_positive_int("num_warps", self.num_warps)
-        require_positive_int("num_stages", self.num_stages)
+        _check_tiles(self)
 
     def tiles_for(self, head_dim: int) -> tuple[int, int, int]:
         """(block_m, block_n, num_warps); smaller kv tiles for head_dim 256 to fit shared memory."""
         # H200, 8 x 2048 causal, head_dim 128: 64 x 64 tiles with 4 warps ran at 311 TFLOP/s,
         # against 260-293 for 128-row tiles.
         block_m = self.block_m or 64
+        block_n = self.block_n or (64 if head_dim <= 128 else 32)
+        num_warps = self.num_warps or (8 if block_m >= 128 else 4)
+        return block_m, block_n, num_warps
+
+
+@dataclass(frozen=True)
+class UnifiedTuning:
+    """Launch parameters of the unified varlen kernel (decode rows and prefill chunks in one launch).
+
+    A program holds `block_m` rows = `block_m // group` query tokens x the GQA group of one
+    kv head, so each K/V tile is loaded once for the whole group, as in decode.
+    """
+
+    block_m: int | None = None  # rows per program (a power of 2 >= 16); default 64
+    block_n: int | None = None  # kv tokens per loop iteration; default 64 (32 for head_dim 256)
+    num_warps: int | None = None  # default 4 (8 for block_m >= 128)
+    num_stages: int = 2
+    decode_route: bool = True  # a batch of one-token rows (max_seqlen_q 1) runs the decode kernel instead
+    decode: DecodeTuning = DecodeTuning()  # ... with these parameters
+
+    def __post_init__(self):
+        _check_tiles(self)
+        if not isinstance(self.decode, DecodeTuning):
+            raise InvalidArgumentError(f"decode must be a DecodeTuning, got {type(self.decode).__name__}")
+
+    def tiles_for(self, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int]:
+        """(block_m, block_n, num_warps) for a batch whose longest chunk is `max_seqlen_q` tokens.
+
+        The row tile never drops below the group (one token's heads) nor grows past what the
+        longest chunk fills, so a batch of short chunks keeps 16-row tiles.
+        """
+        group_rows = max(16, 1 << (group - 1).bit_length())
+        needed = max(16, 1 << (max(1, max_seqlen_q * group) - 1).bit_length())
+        block_m = max(group_rows, min(self.block_m or 64, needed))
         block_n = self.block_n or (64 if head_dim <= 128 else 32)
         num_warps = self.num_warps or (8 if block_m >= 128 else 4)
         return block_m, block_n, num_warps

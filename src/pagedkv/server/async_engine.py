@@ -2,7 +2,7 @@
 
     HTTP handlers (event loop thread)                  engine thread
     ─────────────────────────────────                  ─────────────
-    validate: tokenize, SamplingParams, check_fits
+    validate (in the tokenizer thread)
     add_request / abort / call ── queue.Queue ───────► engine.add_request / abort / fn(engine)
                                                        engine.step() ─► RequestOutputs
     await stream.get()  ◄── loop.call_soon_threadsafe ─┘  (and metrics, by deltas)
@@ -13,8 +13,20 @@ lock. The handlers only read: `tokenize` reads the tokenizer and the model confi
 
 The thread blocks on the command queue whenever the engine has no unfinished request, so an
 idle server sleeps instead of spinning. Between steps it drains every queued command, so an
-abort frees its blocks before the next step. If `step()` raises, the thread records the
-error, fails every open stream with `EngineDeadError` and exits; `is_alive` turns False.
+abort frees its blocks before the next step.
+
+Failures are contained to the requests they touch:
+
+- an exception while adding one request, or while delivering its output, fails that request
+  alone (`RequestFailedError`; a 400 if the engine refused it, else a 500);
+- an exception from `step()` that names its request (an attribute `request_id`) fails that
+  request alone; one that does not fails the requests in flight, since they shared the step
+  and the engine cannot say which one broke it. Their blocks are freed, the engine's
+  integrity is checked, and the loop goes on with new requests;
+- `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row (a broken device fails every step), a
+  failed integrity check, or any error in the loop itself end the loop: it logs why, fails
+  every open stream with `EngineDeadError`, and calls `on_dead`, which `pagedkv serve` uses to
+  exit non-zero so that a supervisor restarts it. A process answering 503 forever helps nobody.
 """
 
 from __future__ import annotations
@@ -37,9 +49,29 @@ from pagedkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedkv.server")
 
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
 
 class EngineDeadError(PagedKVError):
-    """The engine thread has stopped (a step raised, or the server is shutting down)."""
+    """The engine thread has stopped (its loop died, or the server is shutting down)."""
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down: it takes no new request, and open ones end with this error."""
+
+
+class RequestFailedError(PagedKVError):
+    """One request failed on the engine thread; the loop and the other requests go on.
+
+    `status_code` 400 when the engine refused the request as invalid, 500 for anything else.
+    """
+
+    def __init__(self, message: str, status_code: int = 500, code: str = "request_failed",
+                 request_id: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code
+        self.request_id = request_id
 
 
 class RequestStream:
@@ -83,6 +115,7 @@ class _Tracked:
     stream: RequestStream
     arrival_s: float
     first_token_s: float | None = None
+    is_waiting: bool = True  # no token generated yet: it counts against max_queue
 
 
 @dataclass
@@ -109,15 +142,23 @@ _STOP = object()
 
 
 class AsyncEngine:
-    """Runs an `LLMEngine` on its own thread and streams its outputs to asyncio handlers."""
+    """Runs an `LLMEngine` on its own thread and streams its outputs to asyncio handlers.
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+    `on_dead(error)` is called on the engine thread once, if the loop dies (not on shutdown).
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.metrics = metrics
+        self._on_dead = on_dead
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}
-        self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
+        self._lock = threading.Lock()  # orders "is it dead / draining?" against "put a command"; guards counts
         self._dead: BaseException | None = None
+        self._draining = False
+        self._num_waiting = 0
+        self._num_failed_steps = 0  # in a row
         self._thread: threading.Thread | None = None
         self.num_iterations = 0  # loop turns; an idle server adds none (it sleeps on the queue)
 
@@ -128,9 +169,19 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
+    def is_draining(self) -> bool:
+        """Whether shutdown has begun: no new requests, open ones may finish."""
+        return self._draining
+
+    @property
     def error(self) -> BaseException | None:
         """Why the engine thread stopped, or None while it runs."""
         return self._dead
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not generating yet (queued to the thread, waiting, or in prefill)."""
+        return self._num_waiting
 
     def start(self) -> None:
         """Start the engine thread (once)."""
@@ -141,15 +192,31 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
 
+    def drain(self, timeout_s: float) -> None:
+        """Begin shutdown: refuse new requests, give open ones `timeout_s` to finish, then stop.
+
+        Requests still open at the deadline end with `ShuttingDownError` (streams get an error
+        event, then [DONE]). Blocks the calling thread; call it off the event loop.
+        """
+        with self._lock:
+            self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.is_alive and (self._tracked or self._num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.stop()
+
     def stop(self, timeout_s: float | None = 30.0) -> None:
         """Abort what is in flight, fail open streams and join the thread."""
         self._put(_STOP, raise_if_dead=False)
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: RequestStream,
                     arrival_s: float | None = None) -> None:
-        """Queue a validated request; its outputs go to `stream`. Raises `EngineDeadError` if the loop died."""
+        """Queue a validated request; its outputs go to `stream`.
+
+        Raises `ShuttingDownError` while draining, `EngineDeadError` if the loop died.
+        """
         self._put(_Add(request_id, token_ids, params, stream, arrival_s or time.perf_counter()))
 
     def abort(self, request_id: str) -> None:
@@ -166,8 +233,14 @@ class AsyncEngine:
         with self._lock:
             if self._dead is not None:
                 if raise_if_dead:
+                    if isinstance(self._dead, ShuttingDownError):
+                        raise ShuttingDownError(str(self._dead))
                     raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
                 return
+            if isinstance(command, _Add):
+                if self._draining:
+                    raise ShuttingDownError("the server is shutting down")
+                self._num_waiting += 1
             self._commands.put(command)
 
     # ------------------------------------------------------------------ engine thread
@@ -177,19 +250,24 @@ class AsyncEngine:
             while True:
                 self.num_iterations += 1
                 # NOTE: block only when idle; with work in flight, take what is queued and step.
-                if not self._drain(block=not engine.has_unfinished_requests()):
-                    self._die(EngineDeadError("the server is shutting down"))
+                if not self._drain_commands(block=not engine.has_unfinished_requests()):
+                    self._die(ShuttingDownError("the server is shutting down"))
                     return
-                outputs = engine.step() if engine.has_unfinished_requests() else []
+                outputs = self._step() if engine.has_unfinished_requests() else []
                 # NOTE: metrics first, so a client that has its answer also sees it counted.
                 if self.metrics is not None:
                     self.metrics.update_from_engine(engine)
                 self._dispatch(outputs)
         except BaseException as error:  # the loop must report whatever killed it
-            logger.exception("the engine loop died")
+            logger.critical("the engine loop died: %s: %s", type(error).__name__, error, exc_info=error)
             self._die(error)
+            if self._on_dead is not None:
+                try:
+                    self._on_dead(error)
+                except Exception:  # noqa: BLE001 - the loop is already dead; say so, do not raise again
+                    logger.exception("on_dead failed")
 
-    def _drain(self, block: bool) -> bool:
+    def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`). False once asked to stop."""
         try:
             command = self._commands.get(block=block)
@@ -206,14 +284,11 @@ class AsyncEngine:
 
     def _apply(self, command) -> None:
         if isinstance(command, _Add):
-            try:
-                self.engine.add_request(command.request_id, command.token_ids, command.params)
-            except PagedKVError as error:  # validated by the handler already; report, do not die
-                command.stream.put_threadsafe(error)
-                return
-            self._tracked[command.request_id] = _Tracked(command.stream, command.arrival_s)
+            self._add(command)
         elif isinstance(command, _Abort):
-            if self._tracked.pop(command.request_id, None) is not None:
+            tracked = self._tracked.pop(command.request_id, None)
+            if tracked is not None:
+                self._stop_waiting(tracked)
                 self.engine.abort(command.request_id)
         elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
             try:
@@ -221,22 +296,100 @@ class AsyncEngine:
             except Exception as error:  # noqa: BLE001 - handed to the caller
                 command.future.set_exception(error)
 
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.token_ids, command.params)
+        except PagedKVError as error:  # the handler validated it; the engine still refused it
+            failure = RequestFailedError(str(error), 400, code="invalid_request", request_id=command.request_id)
+        except Exception as error:  # noqa: BLE001 - this request fails, the loop goes on
+            logger.error("request %s failed when added: %s: %s", command.request_id, type(error).__name__, error,
+                         exc_info=error)
+            self.engine.abort(command.request_id)  # in case it got half in; unknown ids are a no-op
+            failure = RequestFailedError(f"the engine failed to add this request: {type(error).__name__}: {error}",
+                                         request_id=command.request_id)
+        else:
+            self._tracked[command.request_id] = _Tracked(command.stream, command.arrival_s)
+            return
+        with self._lock:
+            self._num_waiting -= 1
+        if self.metrics is not None and failure.status_code >= 500:
+            self.metrics.observe_abort("error")
+        command.stream.put_threadsafe(failure)
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - contained to the requests it touched, or fatal below
+            self._step_failed(error)
+            return []
+        self._num_failed_steps = 0
+        return outputs
+
+    def _step_failed(self, error: Exception) -> None:
+        """Fail the request the error names, else every request in flight; re-raise if the engine looks broken."""
+        request_id = getattr(error, "request_id", None)
+        if request_id in self._tracked:
+            logger.error("request %s failed in a step: %s: %s", request_id, type(error).__name__, error,
+                         exc_info=error)
+            self._fail(request_id, RequestFailedError(f"this request failed in the engine: {error}"))
+            return
+        self._num_failed_steps += 1
+        if self._num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise error  # every step fails: the engine is broken, not one request
+        logger.error("an engine step failed (%d in a row); failing the %d requests in it: %s: %s",
+                     self._num_failed_steps, len(self._tracked), type(error).__name__, error, exc_info=error)
+        failure = f"the engine step serving this request failed: {type(error).__name__}: {error}"
+        for request_id in list(self._tracked):
+            self._fail(request_id, RequestFailedError(failure))
+        # A failed step must leave no block behind; if it did, the engine is not safe to keep using.
+        self.engine.check_integrity()
+        if not self.engine.has_unfinished_requests() and self.engine.stats().num_used_blocks:
+            raise EngineDeadError(f"a failed step left {self.engine.stats().num_used_blocks} KV blocks in use")
+
+    def _fail(self, request_id: str, error: RequestFailedError) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self._stop_waiting(tracked)
+        self.engine.abort(request_id)
+        if self.metrics is not None:
+            self.metrics.observe_abort("error")
+        error.request_id = request_id
+        tracked.stream.put_threadsafe(error)
+
+    def _stop_waiting(self, tracked: _Tracked) -> None:
+        if tracked.is_waiting:
+            tracked.is_waiting = False
+            with self._lock:
+                self._num_waiting -= 1
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for output in outputs:
-            tracked = self._tracked.get(output.request_id)
-            if tracked is None:
-                continue
-            num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
-            if tracked.first_token_s is None and num_tokens:
-                tracked.first_token_s = now
-            if output.finished:
-                del self._tracked[output.request_id]
-                if self.metrics is not None:
-                    reason = output.outputs[0].finish_reason if output.outputs else "abort"
-                    self.metrics.observe_request(tracked.arrival_s, tracked.first_token_s, now, num_tokens,
-                                                 reason or "abort")
-            tracked.stream.put_threadsafe(output)
+            try:
+                self._deliver(output, now)
+            except Exception as error:  # noqa: BLE001 - this request fails, the others are delivered
+                logger.error("delivering request %s failed: %s: %s", output.request_id, type(error).__name__,
+                             error, exc_info=error)
+                self._fail(output.request_id, RequestFailedError(f"delivering this request's output failed: "
+                                                                 f"{type(error).__name__}: {error}"))
+
+    def _deliver(self, output: RequestOutput, now: float) -> None:
+        tracked = self._tracked.get(output.request_id)
+        if tracked is None:
+            return
+        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        if tracked.first_token_s is None and num_tokens:
+            tracked.first_token_s = now
+        if num_tokens or output.finished:
+            self._stop_waiting(tracked)
+        if output.finished:
+            del self._tracked[output.request_id]
+            if self.metrics is not None:
+                reason = output.outputs[0].finish_reason if output.outputs else "abort"
+                self.metrics.observe_request(tracked.arrival_s, tracked.first_token_s, now, num_tokens,
+                                             reason or "abort")
+        tracked.stream.put_threadsafe(output)
 
     def _die(self, error: BaseException) -> None:
         """Stop taking commands, abort what is in flight and fail every stream and pending call."""
@@ -255,10 +408,13 @@ class AsyncEngine:
                 command.stream.put_threadsafe(dead)
             elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(dead)
+        reason = "shutdown" if isinstance(error, ShuttingDownError) else "error"
         for request_id, tracked in list(self._tracked.items()):
             try:
                 self.engine.abort(request_id)
-            except Exception:  # the engine may be broken; the streams must still end
+            except Exception:  # noqa: BLE001 - the engine may be broken; the streams must still end
                 logger.debug("abort of %s failed in a dead engine", request_id, exc_info=True)
+            if self.metrics is not None:
+                self.metrics.observe_abort(reason)
             tracked.stream.put_threadsafe(dead)
         self._tracked.clear()

@@ -1,56 +1,90 @@
 """`pagedkv serve [MODEL]`: build an engine from the command line and serve it with uvicorn.
 
     pagedkv serve                                  # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
-    pagedkv serve HuggingFaceTB/SmolLM2-360M-Instruct --port 8080 --api-key sk-local
+    pagedkv serve HuggingFaceTB/SmolLM2-360M-Instruct --port 8080 --api-key sk-local --max-queue 64
+
+Every flag is checked, and the port bound, before the model loads, so a typo or a busy port
+costs one line on stderr (exit 2), not a model load and a traceback.
+
+Exit status: 0 after a clean shutdown, 2 for bad arguments, 1 if the engine loop died, so
+that a supervisor restarts the process instead of keeping a server that can only say 503.
+On SIGTERM or Ctrl-C the server stops taking requests and gives open ones
+`--shutdown-timeout` seconds; streams still open then get an error event and `[DONE]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import math
 import os
-import re
+import socket
 
+from pagedkv.cli import ArgumentParser, add_engine_arguments, parse_memory, parse_size
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError
+from pagedkv.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-          "g": 2**30, "gb": 10**9, "gib": 2**30}
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+logger = logging.getLogger("pagedkv.server")
 
 
-def parse_memory(text: str) -> int | float:
-    """`--kv-cache-memory`: a fraction of free memory ('0.5') or a size ('512MiB', '2GiB', '1000000')."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a fraction like 0.5 or a size like 512MiB, got {text!r}")
-    number, unit = match.group(1), match.group(2).lower()
-    if "." in number and not unit:
-        return float(number)
-    return int(float(number) * _UNITS[unit])
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in 0..65535, got {text!r}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return seconds
 
 
 def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server: /v1/completions, "
-                                     "/v1/chat/completions, /v1/models, /health, /metrics.")
+    parser = ArgumentParser(prog=prog, description="OpenAI-compatible server: /v1/completions, "
+                            "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health, /metrics.")
     parser.add_argument("model", nargs="?", default=None,
                         help="HF id, local path, .gguf file or random:NAME (default: embedded SmolLM2-135M-Instruct)")
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s: this machine only)")
-    http.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    http.add_argument("--port", type=_port, default=8000, help="port (default %(default)s)")
     http.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
-                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY, else none)")
+                      help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+                           "(default: $PAGEDKV_API_KEY, else none; an empty key is an error)")
+    http.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     http.add_argument("--served-model-name", default=None,
                       help="the model name clients send (default: MODEL, or SmolLM2-135M-Instruct)")
-    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                      help="log level of pagedkv and uvicorn (default %(default)s)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-request-body", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="largest request body; larger ones get 413 before parsing (default 8MiB)")
+    limits.add_argument("--max-prompt-chars", type=int, default=None,
+                        help="longest text prompt in characters, refused before tokenizing (default: what "
+                             "max_model_len tokens can hold, from the tokenizer's longest token)")
+    limits.add_argument("--max-queue", type=int, default=None,
+                        help="requests waiting for the engine beyond which new ones get 429 with Retry-After "
+                             "(default: no limit)")
+    limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="abort a request unfinished this long after it arrived: 504, or an error event "
+                             "when streaming (default: no limit)")
+    limits.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                        help="on SIGTERM/Ctrl-C, how long open requests may finish before they get an error "
+                             "event (default %(default)s)")
+    limits.add_argument("--ignore-unknown-fields", action="store_true",
+                        help="ignore request fields this API does not know (default: 400 naming the field)")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    engine.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                        help="KV pool budget: a fraction of free memory (0.5) or a size (512MiB) "
-                             "(default: 0.5 on CUDA, 256MiB on CPU)")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output (default: the model's limit, capped by the pool)")
+    add_engine_arguments(engine)
     engine.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default %(default)s)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens per step (default %(default)s)")
@@ -70,25 +104,96 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        preemption_mode=args.preemption_mode, swap_space=args.swap_space, watermark=args.watermark)
+                        preemption_mode=args.preemption_mode, swap_space=args.swap_space, watermark=args.watermark,
+                        tensor_parallel_size=args.tensor_parallel_size)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The `ServerConfig` that the parsed arguments describe."""
+    return ServerConfig(api_key=args.api_key, protect_metrics=args.protect_metrics,
+                        max_request_body_bytes=args.max_request_body, max_prompt_chars=args.max_prompt_chars,
+                        max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                        ignore_unknown_fields=args.ignore_unknown_fields)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not yet listening); `ConfigError` naming the address if that fails."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def serve(app, sock: socket.socket, *, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+          log_level: str = "info") -> int:
+    """Serve `app` (from `create_app`) on `sock` until a signal or the engine loop's death.
+
+    Returns 0 after a clean shutdown, 1 if the engine loop died (it has logged why).
+    """
+    import uvicorn
+
+    from pagedkv.server.async_engine import ShuttingDownError
+
+    async_engine = app.state.async_engine
+
+    class Server(uvicorn.Server):
+        """uvicorn that exits when the engine loop dies, and drains open requests on shutdown."""
+
+        async def on_tick(self, counter: int) -> bool:
+            if async_engine.error is not None and not isinstance(async_engine.error, ShuttingDownError):
+                return True
+            return await super().on_tick(counter)
+
+        async def shutdown(self, sockets=None) -> None:
+            # NOTE: uvicorn waits for open connections while the drain gives them shutdown_timeout_s;
+            # then the engine ends what is left with an error event, and the connections close.
+            drain = asyncio.ensure_future(asyncio.to_thread(async_engine.drain, shutdown_timeout_s))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await drain
+
+    # uvicorn's own deadline is a backstop only: the drain ends every stream before it.
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s + 5)
+    Server(config).run(sockets=[sock])
+    error = async_engine.error
+    if error is not None and not isinstance(error, ShuttingDownError):
+        logger.critical("exiting with status 1: the engine loop died (%s: %s)", type(error).__name__, error)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
-    """Load the model, then serve until interrupted."""
+    """Check the flags, bind the port, load the model, then serve until a signal (or the engine dies)."""
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config(args)  # validate the flags before loading anything
+    options = server_config(args)
+    sock = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
+    try:
+        from pagedkv.engine.engine import LLMEngine
+        from pagedkv.server.app import DEFAULT_SERVED_MODEL_NAME, create_app
 
-    import uvicorn
+        if args.data_parallel_size > 1:
+            from pagedkv.engine.data_parallel import DataParallelEngine
 
-    from pagedkv.engine.engine import LLMEngine
-    from pagedkv.server.app import DEFAULT_SERVED_MODEL_NAME, create_app
+            engine = DataParallelEngine(config, args.data_parallel_size)
+        else:
+            engine = LLMEngine(config)
+        name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
+        app = create_app(engine, name, config=options)
+        logger.info("serving %r on http://%s:%d/v1%s", name, args.host, sock.getsockname()[1],
+                    " (API key required)" if options.api_key else "")
+        return serve(app, sock, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    finally:
+        sock.close()
 
-    engine = LLMEngine(config)
-    name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
-    app = create_app(engine, name, args.api_key)
-    logging.getLogger("pagedkv.server").info("serving %r on http://%s:%d/v1%s", name, args.host, args.port,
-                                             " (API key required)" if args.api_key else "")
-    # NOTE: open streams get a few seconds to finish on shutdown; then the engine thread ends them.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0

@@ -6,6 +6,8 @@ written only by the engine thread, after each step, from the engine's own number
 move by the delta since the last step, so they always agree with `LLMEngine.stats()`.
 Latency histograms are observed when a request finishes, from the server's clock (arrival
 is when the HTTP handler received the request, so queueing to the engine thread counts).
+The HTTP counters (responses, rejections, aborts) are written by whichever thread sees the
+event; prometheus_client's counters are thread-safe.
 
     pagedkv_num_requests_running / _waiting / _swapped   gauges (requests, not sequences)
     pagedkv_kv_cache_usage                              gauge, fraction of KV blocks in use
@@ -20,6 +22,9 @@ is when the HTTP handler received the request, so queueing to the engine thread 
     pagedkv_time_to_first_token_seconds                 histogram
     pagedkv_time_per_output_token_seconds               histogram
     pagedkv_e2e_request_latency_seconds                 histogram
+    pagedkv_request_aborted_total{reason}               counter: client_disconnected, timeout, error, shutdown
+    pagedkv_request_rejected_total{reason}              counter: the error code of a 4xx/503 refusal
+    pagedkv_http_responses_total{status}                counter
 """
 
 from __future__ import annotations
@@ -68,7 +73,24 @@ class ServerMetrics:
                                                buckets=TPOT_BUCKETS_S, registry=self.registry)
         self.e2e_request_latency = Histogram("pagedkv_e2e_request_latency_seconds", "End-to-end request latency.",
                                              buckets=E2E_BUCKETS_S, registry=self.registry)
+        self.request_aborted = Counter("pagedkv_request_aborted", "Engine requests ended before they finished, "
+                                       "by reason.", ["reason"], registry=self.registry)
+        self.request_rejected = Counter("pagedkv_request_rejected", "HTTP requests refused before reaching the "
+                                        "engine, by error code.", ["reason"], registry=self.registry)
+        self.http_responses = Counter("pagedkv_http_responses", "HTTP responses, by status code.", ["status"],
+                                      registry=self.registry)
+        self._replica_gauges()
         self._last: dict[str, int] | None = None
+
+    def _replica_gauges(self) -> None:
+        self.replica_alive = Gauge("pagedkv_replica_alive", "1 while a data-parallel replica runs.", ["replica"],
+                                   registry=self.registry)
+        self.replica_waiting = Gauge("pagedkv_replica_num_requests_waiting", "Requests waiting, per replica.",
+                                     ["replica"], registry=self.registry)
+        self.replica_running = Gauge("pagedkv_replica_num_requests_running", "Requests running, per replica.",
+                                     ["replica"], registry=self.registry)
+        self.replica_free_blocks = Gauge("pagedkv_replica_kv_cache_free_blocks", "Free KV blocks, per replica.",
+                                         ["replica"], registry=self.registry)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         return Gauge(name, documentation, registry=self.registry)
@@ -80,6 +102,12 @@ class ServerMetrics:
         """
         stats = engine.stats()
         scheduler = engine.scheduler
+        for replica in engine.health() if hasattr(engine, "health") else ():  # data-parallel replicas, labelled
+            label = str(replica["replica"])
+            self.replica_alive.labels(replica=label).set(1 if replica["alive"] else 0)
+            self.replica_waiting.labels(replica=label).set(replica["waiting"])
+            self.replica_running.labels(replica=label).set(replica["running"])
+            self.replica_free_blocks.labels(replica=label).set(replica["free_blocks"])
         self.num_requests_running.set(len({seq.request_id for seq in scheduler.running}))
         self.num_requests_waiting.set(len({seq.request_id for seq in scheduler.waiting}))
         self.num_requests_swapped.set(len({seq.request_id for seq in scheduler.swapped}))
@@ -103,6 +131,18 @@ class ServerMetrics:
             self.time_to_first_token.observe(first_token_s - arrival_s)
             if num_output_tokens > 1:
                 self.time_per_output_token.observe((finish_s - first_token_s) / (num_output_tokens - 1))
+
+    def observe_abort(self, reason: str, count: int = 1) -> None:
+        """`count` engine requests ended early: client_disconnected, timeout, error or shutdown."""
+        if count:
+            self.request_aborted.labels(reason=reason).inc(count)
+
+    def observe_rejection(self, reason: str) -> None:
+        """An HTTP request refused before reaching the engine (`reason`: its error code)."""
+        self.request_rejected.labels(reason=reason).inc()
+
+    def observe_response(self, status: int) -> None:
+        self.http_responses.labels(status=str(status)).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -4,10 +4,16 @@ A `Job` is the engine requests behind one HTTP request (one per prompt of a batc
 one `RequestStream`. Whoever stops reading a job aborts what is left of it: `collect` and
 `stream_events` both do so in a `finally`, which also runs when Starlette cancels a streaming
 response because its client went away. Both also poll `request.is_disconnected()` every
-`DISCONNECT_POLL_S`, so a server that does not cancel on disconnect is covered too.
+`DISCONNECT_POLL_S`, so a server that does not cancel on disconnect is covered too, and both
+end a request that outlives its deadline (`ServerConfig.request_timeout_s`).
 
 Streamed text is the engine's detokenized text, released only where later tokens cannot
-change it (`stable_text`): a stop string split over tokens never reaches the client.
+change it (`stable_text`): a stop string split over tokens never reaches the client. Nothing
+is sent before the first token: the chat role rides on each choice's first chunk, so a
+client's time to first token measures generation, not the HTTP round trip.
+
+Once a stream has started, an error cannot change its status code: it arrives as an error
+event (OpenAI's error body), followed by `[DONE]`.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -24,7 +30,8 @@ from fastapi import Request
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.server import protocol
-from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream, ShuttingDownError
+from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, error_body
 
 DISCONNECT_POLL_S = 0.5
@@ -33,6 +40,9 @@ DISCONNECT_POLL_S = 0.5
 class ClientDisconnectedError(Exception):
     """The HTTP client went away before its request finished."""
 
+
+class RequestTimeoutError(Exception):
+    """The request outlived the server's per-request timeout."""
 
 
 @dataclass
@@ -46,27 +56,53 @@ class Job:
     params: SamplingParams
     stream: RequestStream
     async_engine: AsyncEngine
+    metrics: ServerMetrics | None = None
+    deadline_s: float | None = None  # perf_counter seconds
+    timeout_s: float | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, or None when the request asked for no logprobs."""
+        return getattr(self.params, "logprobs", None)
 
     def prompt_index(self, request_id: str) -> int:
         """Which prompt of the batch an engine request id belongs to (ids end in -INDEX)."""
         return int(request_id.rsplit("-", 1)[1])
 
-    def abort_unfinished(self, finished: set[str]) -> None:
-        """Abort every engine request not in `finished` (aborting a finished one is harmless anyway)."""
-        for request_id in self.request_ids:
-            if request_id not in finished:
-                self.async_engine.abort(request_id)
+    def abort_unfinished(self, finished: set[str], reason: str) -> None:
+        """Abort every engine request not in `finished`, counting them as aborted for `reason`."""
+        unfinished = [request_id for request_id in self.request_ids if request_id not in finished]
+        # NOTE: counted before the aborts, so whoever sees the blocks come back also sees the count.
+        if self.metrics is not None:
+            self.metrics.observe_abort(reason, len(unfinished))
+        for request_id in unfinished:
+            self.async_engine.abort(request_id)
 
 
 def submit(async_engine: AsyncEngine, prefix: str, prompts: list[list[int]], params: SamplingParams,
-           arrival_s: float) -> Job:
-    """Queue one engine request per prompt; a 503 if the engine loop has died."""
+           arrival_s: float, *, max_queue: int | None = None, retry_after_s: int = 1,
+           timeout_s: float | None = None, metrics: ServerMetrics | None = None) -> Job:
+    """Queue one engine request per prompt: a 429 if the queue is full, a 503 if shutting down or dead."""
+    retry = {"Retry-After": str(retry_after_s)}
+    num_waiting = async_engine.num_waiting
+    # NOTE: an empty queue takes any batch, so a batch larger than max_queue is not refused forever.
+    if max_queue is not None and num_waiting and num_waiting + len(prompts) > max_queue:
+        raise APIError(429, f"The server is busy: {num_waiting} requests are waiting (max_queue {max_queue}); "
+                            f"retry after {retry_after_s} s.", type_="server_error", code="queue_full",
+                       headers=retry)
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     job = Job(response_id, protocol.now(), [f"{response_id}-{i}" for i in range(len(prompts))], prompts, params,
-              RequestStream(asyncio.get_running_loop()), async_engine)
+              RequestStream(asyncio.get_running_loop()), async_engine, metrics,
+              arrival_s + timeout_s if timeout_s is not None else None, timeout_s)
+    added: list[str] = []
     try:
         for request_id, token_ids in zip(job.request_ids, prompts):
             async_engine.add_request(request_id, token_ids, params, job.stream, arrival_s)
+            added.append(request_id)
+    except ShuttingDownError as error:
+        for request_id in added:
+            async_engine.abort(request_id)
+        raise APIError(503, str(error), type_="server_error", code="shutting_down", headers=retry) from None
     except EngineDeadError as error:
         raise APIError(503, str(error), type_="server_error", code="engine_dead") from None
     return job
@@ -81,39 +117,74 @@ class OutputReader:
         self._last_check_s = time.monotonic()
 
     async def next(self) -> RequestOutput:
-        """The next output; raises `ClientDisconnectedError`, or `EngineDeadError` from the stream."""
+        """The next output; raises `ClientDisconnectedError`, `RequestTimeoutError`, or the stream's error."""
+        deadline = self._job.deadline_s
         while True:
             now = time.monotonic()
             if now - self._last_check_s >= DISCONNECT_POLL_S:
                 self._last_check_s = now
                 if await self._request.is_disconnected():
                     raise ClientDisconnectedError
+            wait_s = DISCONNECT_POLL_S
+            if deadline is not None:
+                wait_s = min(wait_s, deadline - time.perf_counter())
+                if wait_s <= 0:
+                    raise RequestTimeoutError
             try:
-                return await self._job.stream.get(DISCONNECT_POLL_S)
+                return await self._job.stream.get(wait_s)
             except TimeoutError:
                 continue
 
 
-def _finish_reason(output: RequestOutput, reason: str | None) -> str | None:
-    if output.error is not None:
-        raise APIError(400, f"This request can never be served: {output.error}", code="context_length_exceeded")
-    return reason
+def _as_api_error(error: Exception, job: Job) -> APIError:
+    """The HTTP error a failed job answers with."""
+    if isinstance(error, RequestFailedError):
+        kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
+        return APIError(error.status_code, str(error), type_=kind, code=error.code)
+    if isinstance(error, ShuttingDownError):
+        return APIError(503, str(error), type_="server_error", code="shutting_down")
+    if isinstance(error, EngineDeadError):
+        return APIError(500, str(error), type_="server_error", code="engine_dead")
+    assert isinstance(error, RequestTimeoutError), error
+    return APIError(504, f"The request did not finish within the server's timeout of {job.timeout_s:g} s.",
+                    type_="server_error", code="timeout")
+
+
+def _end_reason(error: Exception, finished: set[str], job: Job) -> str:
+    """Why the job's unfinished requests are aborted; requests the engine thread already failed count as finished."""
+    if isinstance(error, RequestTimeoutError):
+        return "timeout"
+    if isinstance(error, EngineDeadError):
+        finished.update(job.request_ids)  # the engine thread failed (and counted) them all
+        return "shutdown" if isinstance(error, ShuttingDownError) else "error"
+    if isinstance(error, RequestFailedError):
+        if error.request_id is not None:
+            finished.add(error.request_id)
+        return "error"
+    return "client_disconnected"
+
+
+def _rejected_error(output: RequestOutput) -> APIError:
+    return APIError(400, f"This request can never be served: {output.error}", code="context_length_exceeded")
 
 
 async def collect(job: Job, request: Request) -> list[RequestOutput]:
     """Every prompt's final output, in prompt order. Aborts what is left if the client goes away."""
     final: dict[str, RequestOutput] = {}
+    failed: set[str] = set()  # ended by the engine thread, which aborted them itself
     reader = OutputReader(job, request)
+    reason = "client_disconnected"  # also when Starlette cancels the handler
     try:
         while len(final) < len(job.request_ids):
             try:
                 output = await reader.next()
-            except EngineDeadError as error:
-                raise APIError(500, str(error), type_="server_error", code="engine_dead") from None
+            except (RequestFailedError, EngineDeadError, RequestTimeoutError) as error:
+                reason = _end_reason(error, failed, job)
+                raise _as_api_error(error, job) from None
             if output.finished:
                 final[output.request_id] = output
     finally:
-        job.abort_unfinished(set(final))
+        job.abort_unfinished(set(final) | failed, reason)
     return [final[request_id] for request_id in job.request_ids]
 
 
@@ -139,17 +210,35 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def token_text_fn(tokenizer) -> Callable[[int], str]:
+    """How a token shows in logprobs: its text, or `token_id:N` for a model without a tokenizer (as vLLM does)."""
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def _logprobs(completion, start: int, end: int, chat: bool, token_text: Callable[[int], str],
+              text_offset: int) -> dict | None:
+    records = (getattr(completion, "logprobs", None) or [])[start:end]
+    if chat:
+        return protocol.chat_logprobs(records, token_text)
+    return protocol.completion_logprobs(records, token_text, text_offset)
+
+
 async def stream_events(job: Job, request: Request, model: str, chat: bool, include_usage: bool,
-                        return_token_ids: bool) -> AsyncIterator[str]:
+                        return_token_ids: bool, token_text: Callable[[int], str]) -> AsyncIterator[str]:
     """Server-sent events: one chunk per choice that moved, the usage chunk if asked, then [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     n = job.params.n
+    wants_logprobs = job.num_logprobs is not None
     sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    started: set[int] = set()  # choices whose first chunk (which carries the chat role) went out
     finished_choices: set[int] = set()
     finished: set[str] = set()
     num_completion_tokens = 0
-    engine_error: EngineDeadError | None = None
+    failure: APIError | None = None
+    reason = "client_disconnected"  # also when Starlette cancels the response
     reader = OutputReader(job, request)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -157,18 +246,17 @@ async def stream_events(job: Job, request: Request, model: str, chat: bool, incl
                                       with_usage_key=include_usage))
 
     try:
-        if chat:
-            for index in range(len(job.prompts) * n):
-                yield chunk([protocol.chat_delta_choice(index, {"role": "assistant", "content": ""}, None)])
         while len(finished) < len(job.request_ids):
             try:
                 output = await reader.next()
-            except EngineDeadError as error:
-                engine_error = error
+            except (RequestFailedError, EngineDeadError, RequestTimeoutError) as error:
+                reason = _end_reason(error, finished, job)
+                failure = _as_api_error(error, job)
                 break
+            except ClientDisconnectedError:
+                return
             if output.error is not None:
-                yield _sse(error_body(f"This request can never be served: {output.error}",
-                                      code="context_length_exceeded"))
+                yield _sse(_rejected_error(output).body)
                 finished.add(output.request_id)
                 continue
             base = job.prompt_index(output.request_id) * n
@@ -178,49 +266,59 @@ async def stream_events(job: Job, request: Request, model: str, chat: bool, incl
                     continue
                 is_done = completion.finish_reason is not None
                 text = completion.text if is_done else stable_text(completion.text, job.params.stop)
-                delta = text[sent_chars.get(index, 0):]
-                sent_chars[index] = max(len(text), sent_chars.get(index, 0))
-                new_tokens = completion.token_ids[sent_tokens.get(index, 0):]
+                offset = sent_chars.get(index, 0)
+                delta = text[offset:]
+                sent_chars[index] = max(len(text), offset)
+                first_new = sent_tokens.get(index, 0)
+                new_tokens = completion.token_ids[first_new:]
                 sent_tokens[index] = len(completion.token_ids)
-                if not (delta or is_done or (return_token_ids and new_tokens)):
+                if not (delta or is_done or ((return_token_ids or wants_logprobs) and new_tokens)):
                     continue
                 token_ids = new_tokens if return_token_ids else None
-                reason = completion.finish_reason if is_done else None
+                logprobs = _logprobs(completion, first_new, len(completion.token_ids), chat, token_text,
+                                     offset) if wants_logprobs else None
+                finish_reason = completion.finish_reason if is_done else None
                 if is_done:
                     finished_choices.add(index)
                     num_completion_tokens += len(completion.token_ids)
                 if chat:
-                    yield chunk([protocol.chat_delta_choice(index, {"content": delta} if delta else {}, reason,
-                                                            token_ids)])
+                    message = {"content": delta} if delta or index not in started else {}
+                    if index not in started:
+                        message = {"role": "assistant", **message}
+                    yield chunk([protocol.chat_delta_choice(index, message, finish_reason, token_ids, logprobs)])
                 else:
-                    yield chunk([protocol.completion_choice(index, delta, reason, token_ids)])
+                    yield chunk([protocol.completion_choice(index, delta, finish_reason, token_ids,
+                                                            logprobs=logprobs)])
+                started.add(index)
             if output.finished:
                 finished.add(output.request_id)
-        if engine_error is not None:
-            yield _sse(error_body(str(engine_error), "server_error", code="engine_dead"))
+        if failure is not None:
+            yield _sse(failure.body)
         elif include_usage:
             yield chunk([], protocol.usage(sum(map(len, job.prompts)), num_completion_tokens))
         yield _sse("[DONE]")
-    except ClientDisconnectedError:
-        return
     finally:
         # NOTE: runs on normal end, on a disconnect seen by polling, and when Starlette cancels the
         # response because the client went away (CancelledError / GeneratorExit): blocks free at once.
-        job.abort_unfinished(finished)
+        job.abort_unfinished(finished, reason)
 
 
-def full_response(job: Job, outputs: list[RequestOutput], model: str, chat: bool, return_token_ids: bool) -> dict:
+def full_response(job: Job, outputs: list[RequestOutput], model: str, chat: bool, return_token_ids: bool,
+                  token_text: Callable[[int], str]) -> dict:
     """The non-streamed body: n choices per prompt, indexed prompt * n + sample, and usage."""
     choices = []
     num_completion_tokens = 0
     make = protocol.chat_choice if chat else protocol.completion_choice
     for prompt_index, output in enumerate(outputs):
+        if output.error is not None:
+            raise _rejected_error(output)
         for completion in sorted(output.outputs, key=lambda c: c.index):
-            reason = _finish_reason(output, completion.finish_reason)
             num_completion_tokens += len(completion.token_ids)
-            choices.append(make(prompt_index * job.params.n + completion.index, completion.text, reason,
-                                completion.token_ids if return_token_ids else None,
-                                job.prompts[prompt_index] if return_token_ids else None))
+            logprobs = (_logprobs(completion, 0, len(completion.token_ids), chat, token_text, 0)
+                        if job.num_logprobs is not None else None)
+            choices.append(make(prompt_index * job.params.n + completion.index, completion.text,
+                                completion.finish_reason, completion.token_ids if return_token_ids else None,
+                                job.prompts[prompt_index] if return_token_ids else None, logprobs))
     kind = "chat.completion" if chat else "text_completion"
     return protocol.response(kind, job.response_id, job.created, model, choices,
                              protocol.usage(sum(map(len, job.prompts)), num_completion_tokens))

@@ -18,9 +18,9 @@ import argparse
 import json
 import time
 
-from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.cli import ArgumentParser
-from pagedkv.errors import InvalidArgumentError, require_positive_int
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.errors import InvalidArgumentError, RequestRejectedError, require_positive_int
 from pagedkv.sim.cluster_cli import add_cluster_arguments, run_cluster
 from pagedkv.sim.cost_model import CostModel, resolve_cost_model
 from pagedkv.sim.fidelity import TARGET_RELATIVE_ERROR, load_engine_run, predict
@@ -104,6 +104,22 @@ def _check_args(args: argparse.Namespace) -> None:
                                                                            ALL_PREEMPTIONS)):
         if value is not None and value not in choices:
             raise InvalidArgumentError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def check_runs_serve_jobs(runs: list[Run], jobs) -> None:
+    """Refuse a pool in which some run can serve none of the jobs: it would measure nothing and print zeros."""
+    for run in runs:
+        scheduler = Scheduler(run.config)
+        errors = []
+        for job in sorted(jobs, key=lambda job: job.num_tokens):
+            try:
+                scheduler.check_fits(job.num_prompt_tokens, job.num_output_tokens)
+                break
+            except RequestRejectedError as error:
+                errors.append(error)
+        else:
+            raise InvalidArgumentError(f"the {run.mode} run would reject all {len(jobs)} jobs (even the smallest: "
+                                       f"{errors[0]}); raise --blocks or --block-size")
 
 
 def _base_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -212,6 +228,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
                 Run("paged", paged_config(base, args.watermark, args.preemption or "recompute",
                                           args.victim or "newest", args.swap_blocks))]
     jobs = make_jobs(args.jobs, seed=args.seed, prompt_fraction=args.prompt_fraction)
+    check_runs_serve_jobs(runs, jobs)
     workers = args.workers or default_workers()
     started = time.perf_counter()
     rows = run_all(runs, jobs, cost_model, args.clients, workers=workers if args.sweep else 1)

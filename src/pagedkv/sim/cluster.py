@@ -171,7 +171,7 @@ class ClusterSimulation:
             num_prefill_tokens += shape.prefill_tokens
             num_steps += 1
             heapq.heappush(events, (now + cost.step_time_s(shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens,
-                                                           shape.swapped_tokens), replica))
+                                                           shape.swapped_blocks * block_size), replica))
 
         next_arrival = 0
         while next_arrival < num_requests or events:

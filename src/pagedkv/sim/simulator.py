@@ -28,7 +28,7 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import asdict, dataclass
 
 from pagedkv.engine.sampling import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepShape
 from pagedkv.engine.sequence import FinishReason, Sequence
 from pagedkv.errors import RequestRejectedError, require_positive_int
 from pagedkv.sim.cost_model import CostModel
@@ -62,36 +62,19 @@ class SimResult:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """The step's shape, as `CostModel.step_time_s` prices it."""
-
-    prefill_tokens: int
-    decode_seqs: int
-    kv_tokens: int
-    swapped_tokens: int
-
-
 def fake_step(out: SchedulerOutput, block_size: int,
               vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[StepShape, dict[int, int]]:
-    """Run a scheduled step without a model: its shape, and a deterministic token per sampling sequence."""
-    prefill_tokens = decode_seqs = kv_tokens = 0
+    """Run a scheduled step without a model: its shape (the scheduler's one definition) and a
+    deterministic token per sampling sequence."""
     sampled: dict[int, int] = {}
     vocab = vocab_size - 1
     for item in out.scheduled:
         seq = item.seq
-        num_new = item.num_new_tokens
-        end = item.start + num_new
-        kv_tokens += end
-        if num_new == 1:
-            decode_seqs += 1
-        else:
-            prefill_tokens += num_new
+        end = item.start + item.num_new_tokens
         if end == len(seq.token_ids):
             # Any deterministic token will do: ignore_eos and max_tokens decide the length.
             sampled[seq.seq_id] = 1 + (seq.seq_id * 7919 + end) % vocab
-    swapped_tokens = (len(out.swap_out) + len(out.swap_in)) * block_size
-    return StepShape(prefill_tokens, decode_seqs, kv_tokens, swapped_tokens), sampled
+    return out.shape, sampled
 
 
 def job_sequence(job: Job, seq_id: int) -> Sequence:
@@ -160,13 +143,13 @@ class Simulation:
             for item in scheduled:
                 if first_scheduled[item.seq.seq_id] is None:
                     first_scheduled[item.seq.seq_id] = clock
-            dt = cost.step_time_s(shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens, shape.swapped_tokens)
+            dt = cost.step_time_s(shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens, shape.swapped_blocks * block_size)
             num_running = len(scheduler.running)
             peak_running = max(peak_running, num_running)
             decoding_time += shape.decode_seqs * dt
             running_time += num_running * dt
             num_prefill_total += shape.prefill_tokens
-            num_swapped_total += shape.swapped_tokens
+            num_swapped_total += shape.swapped_blocks * block_size
             num_steps += 1
             clock += dt
             for seq in scheduler.update(out, sampled):

@@ -1,0 +1,160 @@
+"""`pagedkv bench parallel`: tensor parallel against one GPU, data-parallel replicas, and routing policies.
+
+Sections (each appends to `<out>/parallel.json`, so a run cut short keeps what it measured):
+
+- `tp1`, `tp2`: Llama-3-8B shape, bf16, at tensor_parallel_size 1 and 2: decode ms per step at
+  batch 1 and 64 (128-token prompts, 64 new tokens) and nano-vllm's workload (256 requests).
+- `dp1`, `dp2`: Qwen3-0.6B shape, nano-vllm's workload with 512 requests, on one engine and on
+  two replicas behind the router.
+- `routing`: two replicas, a shared-prefix chat workload (32 system prompts of 1,000 tokens),
+  prefix-aware routing against round-robin: prefix-cache hit rate and throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedkv.bench.common import provenance
+from pagedkv.bench.engine import nano_vllm_workload
+from pagedkv.cli import ArgumentParser
+
+DTYPE = "bfloat16"
+MAX_MODEL_LEN = 4096
+SYSTEM_PROMPT_TOKENS = 1000
+
+
+def _record(out: Path, key: str, value: dict) -> None:
+    path = out / "parallel.json"
+    data = json.loads(path.read_text()) if path.exists() else {"benchmark": "parallel",
+                                                               "provenance": provenance(torch.cuda.get_device_name())}
+    data[key] = value
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(key, json.dumps(value)[:400], flush=True)
+
+
+def _decode_ms(llm, batch: int, vocab: int) -> float:
+    from pagedkv.engine.sampling import SamplingParams
+
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(3, min(vocab, 10000)) for _ in range(128)] for _ in range(batch)]
+    engine = llm.engine
+    engine.step_timings = []
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    steps = [t.total_s for t in engine.step_timings if t.shape.prefill_tokens == 0 and t.shape.decode_seqs == batch]
+    engine.step_timings = None
+    return statistics.median(steps) * 1e3
+
+
+def _throughput(llm, prompts, output_lens) -> dict:
+    from pagedkv.engine.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"elapsed_s": elapsed, "num_output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+
+
+def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None:
+    from pagedkv.engine.llm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model, dtype=DTYPE, tensor_parallel_size=tp, kv_cache_memory=0.6,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=256, max_num_batched_tokens=8192)
+    startup = time.perf_counter() - start
+    vocab = llm.engine.vocab_size
+    warm, warm_lens = nano_vllm_workload(8, 32, 64, seed=1, vocab=vocab)
+    _throughput(llm, warm, warm_lens)
+    result = {"tensor_parallel_size": tp, "startup_s": startup,
+              "decode_ms": {str(b): _decode_ms(llm, b, vocab) for b in (1, 64)}}
+    prompts, output_lens = nano_vllm_workload(256, 100, 1024, 0, vocab)
+    result["nano"] = _throughput(llm, prompts, output_lens)
+    llm.engine.shutdown()
+    _record(out, f"tp{tp}", result)
+
+
+def data_parallel(dp: int, out: Path, model: str = "random:qwen3-0.6b") -> None:
+    from pagedkv.engine.llm import LLM
+
+    start = time.perf_counter()
+    options = dict(dtype=DTYPE, kv_cache_memory=0.5, max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
+                   max_num_batched_tokens=8192)
+    llm = LLM(model, data_parallel_size=dp, **options)
+    startup = time.perf_counter() - start
+    vocab = 500 if "tiny" in model else 151936
+    warm, warm_lens = nano_vllm_workload(16, 32, 64, seed=1, vocab=vocab)
+    _throughput(llm, warm, warm_lens)
+    prompts, output_lens = nano_vllm_workload(512, 100, 1024, 0, vocab)
+    result = {"data_parallel_size": dp, "startup_s": startup, "nano_512": _throughput(llm, prompts, output_lens)}
+    if dp > 1:
+        result["requests_per_replica"] = list(llm.engine.router.stats.num_per_replica)
+        llm.engine.shutdown()
+    _record(out, f"dp{dp}", result)
+
+
+def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = "random:qwen3-0.6b") -> None:
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.router import RouterConfig
+    from pagedkv.engine.sampling import SamplingParams
+
+    rng = random.Random(0)
+    systems = [[rng.randrange(3, 10000 if DTYPE != 'float32' else 400) for _ in range(SYSTEM_PROMPT_TOKENS)] for _ in range(num_system_prompts)]
+    prompts = [systems[rng.randrange(num_system_prompts)] + [rng.randrange(3, 400) for _ in range(rng.randint(20, 100))]
+               for _ in range(num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    results = {}
+    for policy in ("prefix", "round_robin"):
+        from pagedkv.engine.data_parallel import DataParallelEngine
+        from pagedkv.engine.config import EngineConfig
+
+        config = EngineConfig(model=model, dtype=DTYPE, kv_cache_memory=0.5, max_model_len=MAX_MODEL_LEN,
+                              max_num_seqs=256, max_num_batched_tokens=8192)
+        engine = DataParallelEngine(config, 2, router_config=RouterConfig(policy=policy))
+        llm = LLM.__new__(LLM)
+        llm.engine, llm._counter = engine, 0
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        stats = engine.stats().as_dict()
+        results[policy] = {"elapsed_s": elapsed, "output_tokens_per_s": num_requests * 32 / elapsed,
+                           "prefix_hit_rate": stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]),
+                           "prefix_hit_tokens": stats["prefix_cache_hit_tokens"],
+                           "requests_per_replica": list(engine.router.stats.num_per_replica)}
+        engine.shutdown()
+    _record(out, "routing", {"num_requests": num_requests, "num_system_prompts": num_system_prompts, **results})
+
+
+def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") -> int:
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="+", choices=("tp1", "tp2", "dp1", "dp2", "routing"))
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--routing-requests", type=int, default=2048)
+    parser.add_argument("--system-prompts", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (checks the script, not the speed)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.smoke:
+        print("pagedkv bench parallel needs CUDA GPUs")
+        return 2
+    global DTYPE, MAX_MODEL_LEN, SYSTEM_PROMPT_TOKENS, nano_vllm_workload
+    if args.smoke:
+        DTYPE, MAX_MODEL_LEN, SYSTEM_PROMPT_TOKENS = "float32", 512, 100
+        full = nano_vllm_workload
+        nano_vllm_workload = lambda n, lo, hi, seed, vocab: full(min(n, 12), min(lo, 8), min(hi, 40), seed, vocab)
+        torch.cuda.get_device_name = lambda *a: "cpu (smoke)"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for section in args.sections:
+        if section.startswith("tp"):
+            tensor_parallel(int(section[2:]), out, *(["random:tiny-llama"] if args.smoke else []))
+        elif section.startswith("dp"):
+            data_parallel(int(section[2:]), out, *(["random:tiny-qwen3"] if args.smoke else []))
+        else:
+            routing(out, args.routing_requests, args.system_prompts, *(["random:tiny-qwen3"] if args.smoke else []))
+    return 0

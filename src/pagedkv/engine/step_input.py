@@ -1,0 +1,184 @@
+"""The step input: everything the model runner needs for one step, as plain data.
+
+The scheduler decides *what* runs (`SchedulerOutput`, which points at live `Sequence`
+objects and the block manager). `StepInputBuilder` turns that into a `StepInput` of ints,
+lists and frozen `SamplingParams`: no callbacks, no references into scheduler state. It can
+be pickled and sent to another process, which is how tensor-parallel workers receive the
+same step as rank 0.
+
+Token layout (decode rows first, then prefill chunks, as the scheduler orders them):
+
+    | decode tokens (1 per seq) | chunk of seq d | chunk of seq d+1 | ... |
+    0                   num_decode_seqs                            num_tokens
+
+Block tables stay on the device between steps, one persistent row per running sequence
+(`TableRows`). A step carries only the rows that changed: a sequence new to the device gets
+its whole table, a sequence that grew gets its new blocks, and a copy-on-write replaces the
+last entry. A decode step of 256 sequences typically uploads ~16 block ids, not 256 tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.engine.sampler import SamplingRow
+from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.engine.sequence import PENDING_TOKEN
+
+
+@dataclass
+class StepInput:
+    """One step for the runner. Lists are per token, per scheduled sequence or per sampling row."""
+
+    input_ids: list[int] = field(default_factory=list)  # [num_tokens]
+    positions: list[int] = field(default_factory=list)  # [num_tokens]
+    slot_mapping: list[int] = field(default_factory=list)  # [num_tokens] pool slot of each token's K/V
+    table_rows: list[int] = field(default_factory=list)  # [num_seqs] persistent block-table row of each seq
+    seq_lens: list[int] = field(default_factory=list)  # [num_seqs] kv length after this step
+    query_lens: list[int] = field(default_factory=list)  # [num_seqs] tokens of each seq in this step
+    num_decode_seqs: int = 0
+    # (row, first column, block ids): the persistent table rows this step changes
+    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # (token index, sampling row of the previous step): input tokens still on the device (async
+    # scheduling); the runner copies them from the previous step's sampled tokens
+    pending_inputs: list[tuple[int, int]] = field(default_factory=list)
+    sample_seqs: list[int] = field(default_factory=list)  # [num_sampling_rows] index into the scheduled seqs
+    sampling: list[SamplingRow] = field(default_factory=list)  # [num_sampling_rows]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_seqs > 0 and self.num_decode_seqs == self.num_seqs
+
+
+class TableRows:
+    """Which persistent device row holds which sequence's block table, and what the device has of it.
+
+    Pure bookkeeping. A sequence's table is the `BlockTable` object the block manager holds;
+    its list of ids only ever grows at the end or has its last entry replaced (copy-on-write),
+    and a preempted sequence gets a new `BlockTable` object when it comes back. So comparing
+    (object, length, last id) with what was uploaded finds every change in O(1).
+    """
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._rows: dict[int, list] = {}  # seq id -> [row, table object, uploaded length, last uploaded id]
+
+    def sync(self, seq_id: int, table, live_seq_ids) -> tuple[int, tuple[int, int, list[int]] | None]:
+        """(row of `seq_id`, the update to apply or None); claims a row for a sequence new to the device."""
+        ids = table.block_ids
+        entry = self._rows.get(seq_id)
+        if entry is None or entry[1] is not table:
+            row = entry[0] if entry is not None else self._claim(live_seq_ids)
+            self._rows[seq_id] = [row, table, len(ids), ids[-1] if ids else None]
+            return row, ((row, 0, list(ids)) if ids else None)
+        row, _, uploaded, last = entry
+        num = len(ids)
+        if num == uploaded and (not num or ids[-1] == last):
+            return row, None
+        first = uploaded - 1 if uploaded and ids[uploaded - 1] != last else uploaded
+        first = min(first, num)
+        entry[2], entry[3] = num, ids[-1] if ids else None
+        return row, (row, first, ids[first:]) if first < num else None
+
+    def release(self, seq_id: int) -> None:
+        entry = self._rows.pop(seq_id, None)
+        if entry is not None:
+            self._free.append(entry[0])
+
+    def _claim(self, live_seq_ids) -> int:
+        if not self._free:
+            # Reclaim rows of sequences that left without an explicit release (finished, aborted).
+            for seq_id in [s for s in self._rows if s not in live_seq_ids]:
+                self.release(seq_id)
+        if not self._free:
+            raise RuntimeError(f"all {self.num_rows} block-table rows are held by live sequences")
+        return self._free.pop()
+
+
+class StepInputBuilder:
+    """Builds `StepInput`s from scheduler outputs; owns the persistent-row bookkeeping."""
+
+    def __init__(self, block_manager, block_size: int, num_table_rows: int):
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.rows = TableRows(num_table_rows)
+
+    def release(self, seq_id: int) -> None:
+        """A sequence left the device (finished, aborted or preempted): its row can be reused."""
+        self.rows.release(seq_id)
+
+    def build(self, out: SchedulerOutput, live_seq_ids, num_samples: dict[int, int] | None = None,
+              previous_rows: dict[int, int] | None = None) -> StepInput:
+        """The runner's input for `out`. `num_samples[seq_id] = n` asks for n samples from one row.
+
+        `previous_rows` maps seq id -> sampling row of the step still in flight, for decode
+        inputs that are that step's (still unknown) tokens.
+        """
+        for seq in out.preempted:
+            self.rows.release(seq.seq_id)
+        step = StepInput(
+            swap_out=[(c.src, c.dst) for c in out.swap_out],
+            swap_in=[(c.src, c.dst) for c in out.swap_in],
+            block_copies=[(c.src, c.dst) for c in out.block_copies],
+        )
+        bm = self.block_manager
+        block_size = self.block_size
+        input_ids, positions, slots = step.input_ids, step.positions, step.slot_mapping
+        table_rows, seq_lens, query_lens, updates = step.table_rows, step.seq_lens, step.query_lens, step.table_updates
+        num_decode = 0
+        for index, item in enumerate(out.scheduled):
+            seq = item.seq
+            start, end = item.start, item.start + item.num_new_tokens
+            table = bm.table(seq.seq_id)
+            row, update = self.rows.sync(seq.seq_id, table, live_seq_ids)
+            if update is not None:
+                updates.append(update)
+            block_ids = table.block_ids
+            if end - start == 1:
+                num_decode += 1
+                token = seq.token_ids[start]
+                if token == PENDING_TOKEN:
+                    step.pending_inputs.append((len(input_ids), previous_rows[seq.seq_id]))
+                    token = 0
+                input_ids.append(token)
+                positions.append(start)
+                slots.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                assert seq.first_pending_index >= end, f"a prefill chunk of {seq} reads a pending token"
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:  # one run of slots per block the chunk touches
+                    block_end = min(end, (pos // block_size + 1) * block_size)
+                    base = block_ids[pos // block_size] * block_size - (pos // block_size) * block_size
+                    slots.extend(range(base + pos, base + block_end))
+                    pos = block_end
+            table_rows.append(row)
+            seq_lens.append(end)
+            query_lens.append(end - start)
+            if end == seq.num_tokens:  # this chunk reaches the last token: the step samples
+                step.sample_seqs.append(index)
+                params = seq.sampling_params
+                count = (num_samples or {}).get(seq.seq_id, 1)
+                history = params.needs_history
+                step.sampling.append(SamplingRow(
+                    params=params, seed=seq.seed,
+                    sample_indices=tuple(range(count)) if count > 1 else (seq.sample_index,),
+                    num_output_tokens=seq.num_output_tokens,
+                    prompt_token_ids=seq.prompt_token_ids if history else (),
+                    output_token_ids=seq.output_token_ids if history else (),
+                ))
+        step.num_decode_seqs = num_decode
+        return step

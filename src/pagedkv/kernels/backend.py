@@ -1,0 +1,191 @@
+"""The engine's attention backend: persistent step metadata on the device, and paged attention per layer.
+
+One `AttentionBackend` lives as long as the engine. It owns every device buffer a step's
+attention reads, allocated once at its largest size:
+
+    table_rows     [num_table_rows + 1, max_blocks]  int32  persistent block tables, one row per running
+                                                             sequence (the last row stays zero: padding)
+    block_tables   [max_num_seqs, max_blocks]        int32  this step's rows, gathered from table_rows
+    seq_lens       [max_num_seqs]                    int32  kv length of each sequence after this step
+    cu_seqlens_q   [max_num_seqs + 1]                int32  where each prefill chunk's queries start
+
+and the slot mapping, which is a view of the runner's staging buffer. Three ways to fill them:
+
+- `prepare(...)`: an eager step (any mix of decodes and prefill chunks); returns the step's
+  `AttentionMetadata`, with the host ints the kernels' grids need.
+- `prepare_for_capture(batch_size)`: the metadata of a decode-only step padded to
+  `batch_size`, over fixed slices of the buffers, for capturing a CUDA graph once.
+- `prepare_for_replay(batch_size)`: the device half of a decode step, the part captured
+  inside the graph (int64 staging -> int32 lengths, the block-table gather).
+
+`forward(layer, q, k, v)` writes the new K/V into the pool (slot mapping) and runs paged decode
+attention over the decode rows and paged prefill attention over the rest. The model gets the
+backend bound to a step's metadata (`bind`) as an explicit argument: no globals, no tags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.kernels.ops import paged_decode_attention, paged_prefill_attention
+from pagedkv.kernels.pool import KVPool
+from pagedkv.kernels.tuning import choose_num_splits, num_sms
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention inputs (device views) and the host ints that size kernel grids.
+
+    token layout:  | decode tokens (1 per seq) | prefill tokens (ragged; cu_seqlens_q) |
+                   0                   num_decode_tokens                     num_tokens
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64, every slot >= 0 (padding rows write a scratch slot)
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [num_decode] int32 (0 for a padding row: reads nothing)
+    decode_num_splits: int
+    max_decode_seq_len: int
+    prefill_block_tables: torch.Tensor | None  # [num_prefill, max_blocks] int32
+    prefill_seq_lens: torch.Tensor | None  # [num_prefill] int32
+    cu_seqlens_q: torch.Tensor | None  # [num_prefill + 1] int32
+    max_seqlen_q: int
+    max_prefill_seq_len: int
+
+
+class BoundAttention:
+    """The backend bound to one step's metadata: what the model's layers call."""
+
+    __slots__ = ("backend", "meta")
+
+    def __init__(self, backend: AttentionBackend, meta: AttentionMetadata):
+        self.backend = backend
+        self.meta = meta
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        return self.backend.forward(self.meta, layer_idx, q, k, v, scale=scale, sliding_window=sliding_window)
+
+    def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (k_cache, v_cache), for a fused kernel that writes K/V itself."""
+        return self.backend.pool.k_caches[layer_idx], self.backend.pool.v_caches[layer_idx]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.meta.slot_mapping
+
+
+class AttentionBackend:
+    """Persistent attention metadata buffers plus the per-layer paged attention call."""
+
+    def __init__(self, pool: KVPool, *, max_num_seqs: int, max_blocks_per_seq: int, num_table_rows: int,
+                 max_model_len: int):
+        device = pool.device
+        self.pool = pool
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.num_table_rows = num_table_rows
+        self.padding_row = num_table_rows  # all zeros, never written: padded graph rows point here
+        self.table_rows = torch.zeros(num_table_rows + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self._sms = num_sms(device)
+
+    # ------------------------------------------------------------------ persistent tables
+    def update_tables(self, flat_index: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """table_rows.view(-1)[flat_index] = block_ids (both int64 device tensors: the rows that changed)."""
+        self.table_rows.view(-1).index_copy_(0, flat_index, block_ids.to(torch.int32))
+
+    # ------------------------------------------------------------------ filling a step
+    def _gather(self, rows: torch.Tensor, seq_lens: torch.Tensor, num_seqs: int) -> None:
+        torch.index_select(self.table_rows, 0, rows, out=self.block_tables[:num_seqs])
+        self.seq_lens[:num_seqs].copy_(seq_lens)
+
+    def decode_splits(self, num_seqs: int, max_seq_len: int) -> int:
+        return choose_num_splits(num_seqs, self.pool.num_kv_heads, max_seq_len, self._sms)
+
+    def prepare(self, slot_mapping: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, *, num_decode: int, host_seq_lens: list[int],
+                host_query_lens: list[int]) -> AttentionMetadata:
+        """An eager step. Device inputs are int64 views of the runner's staging buffer; host lists size the grids.
+
+        `cu_seqlens_q` holds the prefill chunks' offsets, starting at 0 with the first chunk.
+        """
+        num_seqs = len(host_seq_lens)
+        self._gather(rows, seq_lens, num_seqs)
+        num_prefill = num_seqs - num_decode
+        if num_prefill:
+            self.cu_seqlens_q[:num_prefill + 1].copy_(cu_seqlens_q)
+        max_decode = max(host_seq_lens[:num_decode]) if num_decode else 0
+        return AttentionMetadata(
+            num_tokens=slot_mapping.shape[0],
+            slot_mapping=slot_mapping,
+            num_decode_tokens=num_decode,
+            decode_block_tables=self.block_tables[:num_decode] if num_decode else None,
+            decode_seq_lens=self.seq_lens[:num_decode] if num_decode else None,
+            decode_num_splits=self.decode_splits(num_decode, max_decode) if num_decode else 1,
+            max_decode_seq_len=max_decode,
+            prefill_block_tables=self.block_tables[num_decode:num_seqs] if num_prefill else None,
+            prefill_seq_lens=self.seq_lens[num_decode:num_seqs] if num_prefill else None,
+            cu_seqlens_q=self.cu_seqlens_q[:num_prefill + 1] if num_prefill else None,
+            max_seqlen_q=max(host_query_lens[num_decode:]) if num_prefill else 0,
+            max_prefill_seq_len=max(host_seq_lens[num_decode:]) if num_prefill else 0,
+        )
+
+    def prepare_for_capture(self, batch_size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """Metadata of a decode step padded to `batch_size`, over fixed buffer slices (captured once).
+
+        The split count is fixed per graph from `max_model_len`: the kernel divides each
+        sequence's actual length among the splits on the device, so a short sequence's
+        surplus splits exit at once.
+        """
+        return AttentionMetadata(
+            num_tokens=batch_size,
+            slot_mapping=slot_mapping[:batch_size],
+            num_decode_tokens=batch_size,
+            decode_block_tables=self.block_tables[:batch_size],
+            decode_seq_lens=self.seq_lens[:batch_size],
+            decode_num_splits=self.decode_splits(batch_size, self.max_model_len),
+            max_decode_seq_len=self.max_model_len,
+            prefill_block_tables=None, prefill_seq_lens=None, cu_seqlens_q=None, max_seqlen_q=0,
+            max_prefill_seq_len=0,
+        )
+
+    def prepare_for_replay(self, rows: torch.Tensor, seq_lens: torch.Tensor, batch_size: int) -> None:
+        """The device half of a decode step (captured in the graph): gather its table rows and lengths."""
+        self._gather(rows[:batch_size], seq_lens[:batch_size], batch_size)
+
+    def bind(self, meta: AttentionMetadata) -> BoundAttention:
+        return BoundAttention(self, meta)
+
+    # ------------------------------------------------------------------ per layer
+    def forward(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """Write this step's K/V (unless k is None: a fused kernel already did), then attend.
+
+        q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+        """
+        pool = self.pool
+        k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
+        if k is not None:
+            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                   scale=scale, max_seq_len=meta.max_decode_seq_len, sliding_window=sliding_window,
+                                   num_splits=meta.decode_num_splits if q.is_cuda else None, out=out[:nd],
+                                   validate=False)
+        if nd < meta.num_tokens:
+            paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                                    meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
+                                    max_seq_len=meta.max_prefill_seq_len, sliding_window=sliding_window,
+                                    out=out[nd:], validate=False)
+        return out

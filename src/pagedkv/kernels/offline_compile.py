@@ -1,0 +1,198 @@
+"""Compile the Triton kernels for a GPU on a machine without one: compile errors and resource use, before the GPU run.
+
+The interpreter (TRITON_INTERPRET=1) checks what a kernel computes but never compiles it,
+so a kernel can pass every CPU test and still fail on the GPU: round 2's stream-K loop did,
+crashing Triton 3.6's software pipeliner. Triton compiles through ptxas without a device,
+so this module swaps in a stand-in driver that names an sm_90 target, runs each launcher
+with CPU tensors (launches become compile-only `warmup`s), and reads every cubin's resource
+use with the bundled `cuobjdump`:
+
+    case, kernel, shared bytes, registers, stack bytes, async copies (cp.async pipelining),
+    wgmma ops, and residency: programs per SM that fit (registers, shared memory, warps)
+
+`python -m pagedkv.kernels.offline_compile` prints the table (TRITON_INTERPRET must be unset).
+The stand-in driver leans on Triton internals (`driver.set_active`, `JITFunction.run`), so a
+Triton upgrade may need this file touched; the kernels themselves do not depend on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+
+#: sm_90 (H100 / H200) per-SM limits used for residency.
+REGISTERS_PER_SM, SHARED_BYTES_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 233472, 64, 32
+#: Shared memory the driver reserves per program, and the register allocation unit per warp.
+RESERVED_SHARED_BYTES, REGISTER_UNIT = 1024, 256
+
+
+def residency(registers: int, shared_bytes: int, num_warps: int) -> int:
+    """Programs of this size that fit on one sm_90 SM at once."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    return min(REGISTERS_PER_SM // (per_warp * num_warps),
+               SHARED_BYTES_PER_SM // (shared_bytes + RESERVED_SHARED_BYTES), MAX_WARPS_PER_SM // num_warps,
+               MAX_PROGRAMS_PER_SM)
+
+
+@contextlib.contextmanager
+def compile_only(capability: int = 90):
+    """Inside: Triton targets sm_`capability` with no device, and every launch compiles without running.
+
+    Yields the list that collects (kernel name, CompiledKernel, num_warps) per launch.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("offline compilation needs TRITON_INTERPRET unset (the interpreter never compiles)")
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime import jit
+
+    class StandInDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    launched: list = []
+    original_run = jit.JITFunction.run
+
+    def compile_run(self, *args, grid, warmup, **kwargs):
+        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        launched.append((self.fn.__name__, kernel, kwargs.get("num_warps", 4)))
+        return kernel
+
+    previous = driver._active
+    driver.set_active(StandInDriver())
+    jit.JITFunction.run = compile_run
+    try:
+        yield launched
+    finally:
+        jit.JITFunction.run = original_run
+        driver._active = previous
+
+
+def resource_usage(kernel) -> dict:
+    """Registers and stack bytes of a compiled kernel, from `cuobjdump --dump-resource-usage` of its cubin."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(item.split(":", 1) for line in text.splitlines() if "REG:" in line for item in line.split())
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"])}
+
+
+def _cases():
+    """(case name, launcher call, facts for the tests): the kernels at the engine's and the benchmark's shapes."""
+    import torch
+
+    from pagedkv.kernels import (
+        DecodeTuning,
+        UnifiedTuning,
+        paged_attention,
+        paged_decode_attention,
+        paged_prefill_attention,
+        write_kv,
+    )
+
+    def paged(batch, seq_len, heads, page=16, dtype=torch.bfloat16):
+        num_heads, num_kv_heads, head_dim = heads
+        num_blocks = batch * -(-seq_len // page)
+        k_cache = torch.zeros(num_blocks, page, num_kv_heads, head_dim, dtype=dtype)
+        table = torch.arange(num_blocks, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), seq_len, dtype=torch.int32)
+        return torch.zeros(batch, num_heads, head_dim, dtype=dtype), k_cache, k_cache.clone(), table, lens
+
+    def decode(heads, tuning, **options):
+        query, k_cache, v_cache, table, lens = paged(8, 4096, heads)
+        return lambda: paged_decode_attention(query, k_cache, v_cache, table, lens, scale=0.1, max_seq_len=4096,
+                                              num_splits=4, validate=False, backend="triton", tuning=tuning,
+                                              **options)
+
+    def varlen(call, heads, tuning, **options):
+        _, k_cache, v_cache, table, lens = paged(2, 2048, heads)
+        query = torch.zeros(4096, heads[0], heads[2], dtype=torch.bfloat16)
+        cu = torch.tensor([0, 2048, 4096], dtype=torch.int32)
+        return lambda: call(query, k_cache, v_cache, table, lens, cu, scale=0.1, max_seqlen_q=2048, validate=False,
+                            backend="triton", tuning=tuning, **options)
+
+    def write():
+        key = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+        k_cache = torch.zeros(10, 16, 8, 128, dtype=torch.bfloat16)
+        return lambda: write_kv(key, key, k_cache, k_cache.clone(), torch.arange(4), validate=False, backend="triton")
+
+    llama, masked = (32, 8, 128), {"sliding_window": 100, "soft_cap": 30.0}
+    stream_k = DecodeTuning(schedule="stream_k")
+    return [
+        ("decode split llama3", decode(llama, DecodeTuning()), {"head_dim": 128, "masked": False}),
+        ("decode in-kernel merge llama3", decode(llama, DecodeTuning(merge="in_kernel")),
+         {"head_dim": 128, "masked": False}),
+        ("decode stream-K llama3", decode(llama, stream_k), {"head_dim": 128, "masked": False}),
+        ("decode stream-K llama3 window+cap", decode(llama, stream_k, **masked), {"head_dim": 128, "masked": True}),
+        ("decode stream-K smollm2", decode((9, 3, 64), stream_k), {"head_dim": 64, "masked": False}),
+        ("decode stream-K gpt2", decode((12, 12, 64), stream_k), {"head_dim": 64, "masked": False}),
+        ("decode stream-K d96 window+cap", decode((8, 2, 96), stream_k, **masked), {"head_dim": 96, "masked": True}),
+        ("decode stream-K d256", decode((8, 2, 256), stream_k), {"head_dim": 256, "masked": False}),
+        ("prefill llama3", varlen(paged_prefill_attention, llama, None), {}),
+        ("unified m64 llama3", varlen(paged_attention, llama, UnifiedTuning()), {}),
+        ("unified m16 llama3", varlen(paged_attention, llama, UnifiedTuning(block_m=16)), {}),
+        ("unified smollm2 window+cap", varlen(paged_attention, (9, 3, 64), None, **masked), {}),
+        ("write_kv llama3", write(), {}),
+    ]
+
+
+def compile_all(capability: int = 90) -> list[dict]:
+    """One row per kernel each case launches; a case that fails to compile gets an `error` row instead."""
+    rows = []
+    with compile_only(capability) as launched:
+        for case, call, facts in _cases():
+            launched.clear()
+            try:
+                call()
+            except Exception as error:  # noqa: BLE001 - reported per case; the caller decides
+                rows.append({"case": case, "kernel": None, "error": f"{type(error).__name__}: {error}"[:500], **facts})
+                continue
+            for name, kernel, num_warps in launched:
+                usage = resource_usage(kernel)
+                ttgir = kernel.asm["ttgir"]
+                rows.append({"case": case, "kernel": name, "error": "", "num_warps": num_warps, **facts,
+                             "shared_bytes": kernel.metadata.shared, **usage,
+                             "async_copies": ttgir.count("async_copy_global_to_local"),
+                             "wgmma": ttgir.count("warp_group_dot"),
+                             "residency": residency(usage["registers"], kernel.metadata.shared, num_warps)})
+    return rows
+
+
+def main() -> int:
+    """Print the table; exit 1 when any case failed to compile."""
+    import json
+
+    rows = compile_all()
+    if "--json" in sys.argv:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            if row["error"]:
+                print(f"{row['case']:<36} FAILED {row['error']}")
+            else:
+                print(f"{row['case']:<36} {row['kernel']:<26} shared {row['shared_bytes']:>6} B  regs "
+                      f"{row['registers']:>3}  stack {row['stack_bytes']:>3}  cp.async {row['async_copies']}  "
+                      f"wgmma {row['wgmma']}  {row['residency']}/SM")
+    return 1 if any(row["error"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

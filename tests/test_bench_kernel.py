@@ -1,0 +1,24 @@
+"""`pagedkv bench kernel --smoke` runs end to end on CPU (torch path) and writes its JSON and markdown.
+
+The GPU run happens once, on a lent H200, so the script itself must not be what fails there.
+Timings on CPU mean nothing; the test checks the report's structure, never a number.
+"""
+
+import json
+
+from pagedkv.bench.kernel import main
+
+
+def test_smoke_run_writes_every_section(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch path: the interpreter would take minutes
+    assert main(["--smoke", "--variants", "--no-flex", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernel.json").read_text())
+    assert {"decode", "prefill", "write_kv", "steps", "variants", "target_summary"} <= result.keys()
+    assert set(result["steps"]) == {"engine_shapes", "chunked_prefill", "mixed_step"}
+    assert {"split", "split, in-kernel merge", "stream-K"} == set(result["decode"][0]["schedules"])
+    mixed = {row["contender"] for row in result["steps"]["mixed_step"]["rows"]}
+    assert any(name.startswith("one launch") for name in mixed) and any(name.startswith("two") for name in mixed)
+    assert all(row["met"] in (True, False, None) and row["measured"] for row in result["target_summary"])
+    markdown = (tmp_path / "kernel.md").read_text()
+    for title in ("## Targets", "## Decode", "## Engine shapes", "## Chunked prefill", "## Mixed step", "## Variants"):
+        assert title in markdown

@@ -1,0 +1,229 @@
+"""Round-2 kernels on CPU against the float64 reference: the unified mixed-step kernel and the new decode schedules.
+
+- `paged_attention` (one launch for decode rows and prefill chunks): decode-only, prefill-only
+  and mixed batches, GQA ratios 1-4, head dims 64/128, pages of 8/16/32, windows, soft caps,
+  empty chunks and sequences, 64-bit offsets, and the query-tile -> sequence search.
+- `DecodeTuning(merge="in_kernel")` and `DecodeTuning(schedule="stream_k")`: the same answers
+  as the reference whatever the cut between programs, with every arrival counter back at
+  zero afterwards (what lets a CUDA graph replay them).
+
+Shapes are small because the interpreter runs every program in Python.
+"""
+
+import pytest
+import torch
+from kernel_scenarios import Scenario, assert_matches, cu_seqlens
+
+from pagedkv.errors import KernelInputError
+from pagedkv.kernels import (
+    DecodeTuning,
+    KernelWorkspace,
+    UnifiedTuning,
+    paged_attention,
+    paged_decode_attention,
+    reference_decode_attention,
+    reference_paged_attention,
+    write_kv,
+)
+
+DTYPES = [torch.float32, torch.float16]
+HEAD_SIZES = [64, 128]
+BLOCK_SIZES = [8, 16, 32]
+NUM_HEADS = [(4, 4), (4, 2), (6, 2), (8, 2)]  # (q heads, kv heads): GQA ratios 1, 2, 3, 4
+BACKENDS = ["triton", "torch"]
+
+#: dtype, (q heads, kv heads), head_dim, block_size: together every value above.
+CASES = [
+    (torch.float32, (4, 4), 64, 16),
+    (torch.float16, (4, 2), 128, 8),
+    (torch.float32, (6, 2), 64, 32),
+    (torch.float16, (8, 2), 64, 16),
+]
+CASE_IDS = [f"{str(d)[6:]}-h{h}:{kv}-d{hd}-bs{bs}" for d, (h, kv), hd, bs in CASES]
+
+#: Batches as (seq_lens, q_lens): the step's shape is all that differs.
+BATCHES = {
+    "decode": ([1, 17, 40, 9, 33], [1, 1, 1, 1, 1]),
+    "prefill": ([17, 40, 9], [17, 23, 9]),  # a whole prompt, a chunk after a cached prefix, a short prompt
+    "mixed": ([1, 17, 40, 9, 33], [1, 1, 12, 9, 1]),
+}
+#: Small tiles so that the interpreter's few programs still cross tile, page and chunk edges.
+SMALL = UnifiedTuning(block_m=16, block_n=16)
+STREAM_K = DecodeTuning(schedule="stream_k", block_n=16)
+IN_KERNEL = DecodeTuning(merge="in_kernel", block_n=16)
+
+
+def run_batch(case, batch, backend, tuning=SMALL, seed=0, **options):
+    dtype, (num_q_heads, num_kv_heads), head_dim, block_size = case
+    seq_lens, q_lens = BATCHES[batch] if isinstance(batch, str) else batch
+    scenario = Scenario(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed)
+    cu = cu_seqlens(q_lens)
+    query = scenario.query(int(cu[-1]), num_q_heads) * options.pop("query_gain", 1)
+    args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens, cu)
+    options.setdefault("scale", head_dim ** -0.5)
+    expected = reference_paged_attention(*args, **options, float64=True)
+    out = paged_attention(*args, **options, max_seqlen_q=max(q_lens), max_seq_len=max(seq_lens), backend=backend,
+                          tuning=tuning)
+    assert out.shape == query.shape and out.dtype == dtype
+    return out, expected
+
+
+# --------------------------------------------------------------------------- unified: shapes
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_unified_matches_reference(case, batch, backend):
+    out, expected = run_batch(case, batch, backend)
+    assert_matches(out, expected, case[0])
+
+
+@pytest.mark.parametrize("decode", [DecodeTuning(), STREAM_K, IN_KERNEL], ids=["split", "stream_k", "in_kernel"])
+@pytest.mark.parametrize("route", [True, False])
+def test_decode_only_batches_route_or_not(route, decode):
+    """One-token rows go to the decode kernel (any schedule) or through the unified kernel: same answer."""
+    tuning = UnifiedTuning(block_m=16, block_n=16, decode_route=route, decode=decode)
+    out, expected = run_batch(CASES[3], "decode", "triton", tuning=tuning, seed=3)
+    assert_matches(out, expected, torch.float16)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_unified_tile_sizes(block_m):
+    """Taller row tiles pack more tokens of a chunk: BLOCK_Q = block_m // group = 8, 16, 32 for group 2."""
+    out, expected = run_batch(CASES[1], "mixed", "triton", tuning=UnifiedTuning(block_m=block_m, block_n=32))
+    assert_matches(out, expected, torch.float16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sliding_window, soft_cap", [(6, None), (None, 3.0), (20, 2.0), (1, None)])
+def test_unified_window_and_soft_cap(backend, sliding_window, soft_cap):
+    out, expected = run_batch(CASES[2], "mixed", backend, sliding_window=sliding_window, soft_cap=soft_cap,
+                              query_gain=3, seed=4)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unified_empty_chunks_and_sequences(backend):
+    """Sequences with no new tokens (q_len 0) and a zero-length sequence sit between real ones."""
+    batch = ([0, 20, 9, 0, 30, 5], [0, 0, 9, 0, 1, 5])
+    out, expected = run_batch(CASES[0], batch, backend, seed=5)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_tile_to_sequence_search_on_ragged_batches():
+    """Chunks of every length around BLOCK_Q (8 tokens for block_m 16, group 2), in a non-power-of-2 batch.
+
+    A tile found in the wrong sequence reads the wrong table (NaN) or the wrong query rows.
+    """
+    q_lens = [8, 1, 7, 9, 16, 0, 15, 17, 1, 2, 24]
+    seq_lens = [n + extra for n, extra in zip(q_lens, [0, 5, 3, 0, 10, 4, 0, 2, 30, 1, 0])]
+    out, expected = run_batch(CASES[1], (seq_lens, q_lens), "triton", seed=6)
+    assert_matches(out, expected, torch.float16)
+
+
+def test_unified_metadata_checks():
+    scenario = Scenario([10, 17], 8, 2, 64, torch.float32, seed=7)
+    query = scenario.query(5, 4)
+    kv = (scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
+    with pytest.raises(KernelInputError, match="cu_seqlens_q has 2 entries"):
+        paged_attention(query, *kv, cu_seqlens([5]), scale=0.1, max_seqlen_q=5, backend="triton")
+    with pytest.raises(KernelInputError, match="max_seqlen_q = 2"):
+        paged_attention(query, *kv, cu_seqlens([3, 2]), scale=0.1, max_seqlen_q=2, backend="triton")
+    with pytest.raises(KernelInputError, match="max_seq_len"):
+        paged_attention(query, *kv, cu_seqlens([3, 2]), scale=0.1, max_seqlen_q=3, max_seq_len=-1)
+
+
+# --------------------------------------------------------------------------- decode schedules
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 5, 40])
+def test_stream_k_cuts_anywhere(programs_per_sm):
+    """4 to 160 programs over 2 + 4 + 1 + 7 + 3 tiles per kv head: items cut once, many times, or never.
+
+    Lengths 0 and 1 give one-tile items; 100 tokens spread over up to 7 programs per item.
+    """
+    tuning = DecodeTuning(schedule="stream_k", block_n=16, programs_per_sm=programs_per_sm)
+    scenario = Scenario([30, 64, 0, 100, 1, 40], 16, 2, 64, torch.float32, seed=8)
+    query = scenario.query(6, 6)
+    args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
+    workspace = KernelWorkspace(64, "cpu")
+    expected = reference_decode_attention(*args, scale=0.125, float64=True)
+    for _ in range(2):  # the second call finds the counters the first one left: all zero
+        out = paged_decode_attention(*args, scale=0.125, max_seq_len=100, backend="triton", tuning=tuning,
+                                     workspace=workspace)
+        assert_matches(out, expected, torch.float32)
+        workspace.check_integrity()
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_in_kernel_merge_equals_merge_launch(num_splits):
+    scenario = Scenario([300, 17, 0, 64, 1], 16, 2, 64, torch.float32, seed=9)
+    query = scenario.query(5, 8)
+    args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
+    workspace = KernelWorkspace(10, "cpu")
+    launch = paged_decode_attention(*args, scale=0.125, num_splits=num_splits, backend="triton")
+    in_kernel = paged_decode_attention(*args, scale=0.125, num_splits=num_splits, backend="triton",
+                                       tuning=DecodeTuning(merge="in_kernel"), workspace=workspace)
+    torch.testing.assert_close(in_kernel, launch, atol=2e-6, rtol=2e-6)
+    assert torch.equal(in_kernel[2], torch.zeros_like(in_kernel[2]))
+    assert_matches(in_kernel, reference_decode_attention(*args, scale=0.125, float64=True), torch.float32)
+    workspace.check_integrity()
+
+
+@pytest.mark.parametrize("tuning", [STREAM_K, IN_KERNEL], ids=["stream_k", "in_kernel"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_new_decode_schedules_match_reference(case, tuning):
+    dtype, (num_q_heads, num_kv_heads), head_dim, block_size = case
+    seq_lens = [1, block_size, block_size + 1, 2 * block_size + 5, 3 * block_size]
+    scenario = Scenario(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=10)
+    query = scenario.query(len(seq_lens), num_q_heads)
+    args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
+    expected = reference_decode_attention(*args, scale=head_dim ** -0.5, float64=True)
+    out = paged_decode_attention(*args, scale=head_dim ** -0.5, max_seq_len=max(seq_lens), num_splits=3,
+                                 backend="triton", tuning=tuning)
+    assert_matches(out, expected, dtype)
+
+
+@pytest.mark.parametrize("tuning", [STREAM_K, IN_KERNEL], ids=["stream_k", "in_kernel"])
+@pytest.mark.parametrize("sliding_window, soft_cap", [(5, None), (None, 2.0), (16, 5.0), (1, None)])
+def test_new_decode_schedules_window_and_soft_cap(tuning, sliding_window, soft_cap):
+    scenario = Scenario([1, 8, 9, 50], 8, 2, 64, torch.float32, seed=11)
+    query = scenario.query(4, 6) * 3
+    args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
+    options = {"scale": 0.125, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    expected = reference_decode_attention(*args, **options, float64=True)
+    out = paged_decode_attention(*args, **options, num_splits=3, backend="triton", tuning=tuning)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_workspace_capacity_is_checked():
+    scenario = Scenario([20, 3], 8, 2, 64, torch.float32, seed=12)
+    args = (scenario.query(2, 4), scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
+    with pytest.raises(KernelInputError, match="max_items = 3"):
+        paged_decode_attention(*args, scale=0.1, backend="triton", tuning=STREAM_K,
+                               workspace=KernelWorkspace(3, "cpu"))
+
+
+# --------------------------------------------------------------------------- 64-bit addressing
+def test_new_kernels_address_past_2_to_the_31():
+    """Block ids whose element offset passes 2**31: the unified and stream-K kernels read the right slots.
+
+    As in test_kernels.py, `torch.empty` maps the pool without touching it, so only the written
+    pages become resident.
+    """
+    block_size, num_kv_heads, head_dim = 8, 1, 64
+    num_blocks = 2**31 // (block_size * num_kv_heads * head_dim) + 64
+    k_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float16)
+    v_cache = torch.empty_like(k_cache)
+    block_table = torch.tensor([[num_blocks - 1, num_blocks - 40, 3]], dtype=torch.int32)
+    seq_len = 20
+    positions = torch.arange(seq_len)
+    slots = block_table[0, positions // block_size].long() * block_size + positions % block_size
+    generator = torch.Generator().manual_seed(13)
+    key = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).half()
+    write_kv(key, torch.randn_like(key), k_cache, v_cache, slots, backend="triton")
+    kv = (k_cache, v_cache, block_table, torch.tensor([seq_len], dtype=torch.int32))
+    query = torch.randn(seq_len, 2, head_dim, generator=generator).half()
+    cu = cu_seqlens([seq_len])
+    expected = reference_paged_attention(query, *kv, cu, scale=0.125, float64=True)
+    assert_matches(paged_attention(query, *kv, cu, scale=0.125, max_seqlen_q=seq_len, backend="triton",
+                                   tuning=SMALL), expected, torch.float16)
+    assert_matches(paged_decode_attention(query[-1:], *kv, scale=0.125, backend="triton", tuning=STREAM_K),
+                   expected[-1:], torch.float16)

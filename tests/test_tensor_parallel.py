@@ -1,0 +1,69 @@
+"""Tensor parallelism on CPU: two processes over gloo give TP=1's greedy tokens; a dead worker fails cleanly."""
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.errors import ConfigError, EngineDeadError
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (4, 19, 9, 33)]
+
+
+def _llm(name, tp, **options):
+    return LLM(f"random:{name}", device="cpu", block_size=4, num_blocks=256, max_num_batched_tokens=16,
+               tensor_parallel_size=tp, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_tp2_over_gloo_equals_tp1(name):
+    single = [o.outputs[0].token_ids for o in _llm(name, 1).generate(_prompts(), PARAMS)]
+    llm = _llm(name, 2)
+    try:
+        assert llm.engine.tp.size == 2 and llm.engine.model.local_cfg.num_kv_heads * 2 == llm.engine.model.cfg.num_kv_heads
+        outputs = llm.generate(_prompts(), PARAMS)
+        assert [o.outputs[0].token_ids for o in outputs] == single
+        assert llm.stats()["num_used_blocks"] == 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_requests_with_a_clear_error():
+    llm = _llm("tiny-llama", 2)
+    try:
+        llm.generate(_prompts()[:1], PARAMS)
+        llm.engine._workers[0].kill()
+        llm.engine._workers[0].join(timeout=10)
+        with pytest.raises(EngineDeadError, match="worker"):
+            llm.generate(_prompts(), PARAMS)
+        assert llm.stats()["num_used_blocks"] == 0 and not llm.engine.has_unfinished_requests()
+        with pytest.raises(EngineDeadError):
+            llm.engine.step()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_heads_that_do_not_divide_are_refused_before_any_process_starts():
+    # tiny-mistral has one KV head: it cannot be split two ways.
+    with pytest.raises(ConfigError, match="num_key_value_heads = 1 does not divide"):
+        from pagedkv.models import DecoderConfig
+        from pagedkv.hf import random_model
+
+        DecoderConfig.from_hf(random_model("tiny-mistral").config).shard(2)
+
+
+def test_more_gpus_than_exist_is_refused():
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        with pytest.raises(ConfigError, match="GPUs"):
+            LLM("random:tiny-llama", tensor_parallel_size=count + 1)
+    with pytest.raises(ConfigError, match="model name"):
+        from pagedkv.hf import random_model
+
+        LLM(hf_model=random_model("tiny-llama"), device="cpu", tensor_parallel_size=2)
