@@ -42,7 +42,7 @@ ALL_POLICIES: tuple[str, ...] = (RoutingPolicy.ROUND_ROBIN.value, RoutingPolicy.
 # The measured engine's pool and step budget (Qwen3-0.6B shape, bf16, one H200).
 DEFAULT_REPLICA_BLOCKS = 24184
 DEFAULT_REPLICA_BATCHED_TOKENS = 8192
-DEFAULT_DURATION_S = 30.0
+DEFAULT_DURATION_S = 10.0
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -62,8 +62,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster (--cluster)")
     add = group.add_argument
     add("--cluster", action="store_true", help="simulate replicas behind the data-parallel router")
-    add("--replicas", type=int, default=4, help="replicas for the policy comparison (default %(default)s)")
-    add("--rate", type=float, default=200.0, help="mean arrival rate, requests/s (default %(default)s)")
+    add("--replicas", type=int, default=6, help="replicas for the policy comparison (default %(default)s)")
+    add("--rate", type=float, default=1000.0, help="mean arrival rate, requests/s (default %(default)s)")
     add("--requests", type=int, default=None, help=f"requests in all (default: rate x {DEFAULT_DURATION_S:g} s)")
     add("--arrival", default="both", help="poisson, bursty or both (default %(default)s)")
     add("--policy", default="all", help=f"{', '.join(ALL_POLICIES)} or all (default %(default)s)")
