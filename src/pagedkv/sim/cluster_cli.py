@@ -26,6 +26,7 @@ from pagedkv.errors import InvalidArgumentError, require_positive_int
 from pagedkv.sim.chat_workload import ARRIVAL_PROCESSES, ChatWorkload
 from pagedkv.sim.cluster import (
     DEFAULT_WARMUP_FRACTION,
+    REPLICA_VIEWS,
     ClusterConfig,
     ClusterResult,
     ClusterTask,
@@ -84,6 +85,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     add("--balance-threshold", type=_threshold, default=DEFAULT_BALANCE_THRESHOLD,
         help="prefix policy: requests in flight over the least-busy replica's past which a prefix match is "
              "ignored, or 'off' (default %(default)s)")
+    add("--replica-view", default="live", choices=REPLICA_VIEWS,
+        help="what the router reads: live scheduler state with cache queries (in-process), or the load a "
+             "replica process published after its last step, no cache queries (DataParallelEngine) "
+             "(default %(default)s)")
     add("--warmup", type=float, default=DEFAULT_WARMUP_FRACTION,
         help="share of the requests (the first to arrive) left out of the figures (default %(default)s)")
 
@@ -170,6 +175,7 @@ def describe(args: argparse.Namespace, workload: ChatWorkload, scheduler: Schedu
             f"{args.system_prompts} system prompts x {args.system_prompt_len} tokens (Zipf {args.zipf:g}), "
             f"user {args.user_tokens[0]}-{args.user_tokens[1]}, output {args.output_tokens[0]}-"
             f"{args.output_tokens[1]} tokens, seed {args.seed}, first {args.warmup:.0%} left out as warm-up\n"
+            f"router: reads {args.replica_view} replica state, balance threshold {args.balance_threshold}\n"
             f"replica: {scheduler.num_blocks} blocks x {scheduler.block_size}, max_num_seqs {scheduler.max_num_seqs}, "
             f"max_num_batched_tokens {scheduler.max_num_batched_tokens}, max_model_len {scheduler.max_model_len}")
 
@@ -219,7 +225,7 @@ def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
 
     def config(policy: str, num_replicas: int) -> ClusterConfig:
         return ClusterConfig(num_replicas, scheduler, RouterConfig(policy, balance_threshold=args.balance_threshold),
-                             warmup_fraction=args.warmup)
+                             warmup_fraction=args.warmup, replica_view=args.replica_view)
 
     pairs = [(arrival, policy) for arrival in arrivals for policy in policies]
     # Searches first: they take longest, so the processes finish together.
@@ -240,7 +246,7 @@ def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
                     "max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                     "max_model_len": scheduler.max_model_len, "watermark": scheduler.watermark,
                     "preemption_mode": scheduler.preemption_mode.value},
-        "router": {"balance_threshold": args.balance_threshold},
+        "router": {"balance_threshold": args.balance_threshold, "replica_view": args.replica_view},
         "warmup_fraction": args.warmup,
         "target": target.describe(),
         "cost_model": cost_model.constants(),
