@@ -111,11 +111,15 @@ def test_same_seed_same_result_and_prefix_routing_hits_more():
 
 def test_published_view_lags_the_scheduler_and_prefix_routing_still_hits_by_memory():
     requests = make_chat_requests(TINY)
-    view = PublishedReplica(Scheduler(SCHEDULER))
-    view.scheduler.add(job_sequence(requests[0].job, 0))
+    view, counting = PublishedReplica(Scheduler(SCHEDULER)), PublishedReplica(Scheduler(SCHEDULER), count_sent=True)
+    for replica in (view, counting):
+        replica.scheduler.add(job_sequence(requests[0].job, 0))
+        replica.note_sent()
     assert (view.num_waiting, view.num_cached_blocks([b"x" * 32])) == (0, 0)  # routed since the last step
-    view.publish()
-    assert view.num_waiting == 1
+    assert counting.num_waiting == 1
+    for replica in (view, counting):
+        replica.publish()
+        assert replica.num_waiting == 1
     published = dataclasses.replace(cluster("prefix", 6), replica_view="published")
     result = simulate_cluster(published, requests, COST)
     round_robin = simulate_cluster(dataclasses.replace(cluster("round_robin", 6), replica_view="published"), requests,

@@ -10,7 +10,9 @@ The router sees each replica one of two ways (`ClusterConfig.replica_view`):
   in-process server);
 - `published`: as `pagedkv.engine.data_parallel` shows a replica process to the router: its
   load as published at the end of its last step (requests routed since are not counted),
-  and no cache queries (the router's memory of its decisions stands in).
+  and no cache queries (the router's memory of its decisions stands in);
+- `published+sent`: the same, plus the requests sent to the replica since its last step
+  counted as waiting (a router that counts what it sent, as sglang's does).
 
 The event loop is a heap of step completions, one entry per busy replica, merged with the
 arrival list; an idle replica costs nothing:
@@ -52,22 +54,36 @@ from pagedkv.sim.simulator import fake_step, job_sequence
 DEFAULT_WARMUP_FRACTION = 0.2
 
 
-REPLICA_VIEWS: tuple[str, ...] = ("live", "published")
+REPLICA_VIEWS: tuple[str, ...] = ("live", "published", "published+sent")
 
 
 class PublishedReplica:
-    """A replica as a replica process shows it to the router: load as of its last step, no cache queries."""
+    """A replica as a replica process shows it to the router: load as of its last step, no cache queries.
 
-    def __init__(self, scheduler: Scheduler):
+    With `count_sent`, its waiting count also holds the requests the router sent it since
+    that step (`note_sent`), which the process has not seen yet.
+    """
+
+    def __init__(self, scheduler: Scheduler, count_sent: bool = False):
         self.scheduler = scheduler
         self.block_size = scheduler.config.block_size
+        self.count_sent = count_sent
         self.publish()
 
     def publish(self) -> None:
         """Take the load the router sees until the next call (the end of the replica's next step)."""
-        self.num_waiting = len(self.scheduler.waiting)
+        self._num_published_waiting = len(self.scheduler.waiting)
+        self._num_sent = 0
         self.num_running = len(self.scheduler.running)
         self.num_free_blocks = self.scheduler.block_manager.num_free_blocks
+
+    def note_sent(self) -> None:
+        """The router sent this replica a request."""
+        self._num_sent += 1
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_published_waiting + (self._num_sent if self.count_sent else 0)
 
     def num_cached_blocks(self, block_hashes: SequenceT[BlockHash]) -> int:
         return 0
@@ -163,8 +179,11 @@ class ClusterSimulation:
         self.requests = list(requests)
         self.cost_model = cost_model
         self.schedulers = [Scheduler(config.scheduler) for _ in range(config.num_replicas)]
-        view = SchedulerReplica if config.replica_view == "live" else PublishedReplica
-        self.views = [view(s) for s in self.schedulers]
+        if config.replica_view == "live":
+            self.views = [SchedulerReplica(s) for s in self.schedulers]
+        else:
+            self.views = [PublishedReplica(s, count_sent=config.replica_view == "published+sent")
+                          for s in self.schedulers]
         self.router = Router(self.views, config.router)
 
     def run(self, stop_if_missed: LatencyTarget | None = None) -> ClusterResult | None:
@@ -196,7 +215,7 @@ class ClusterSimulation:
             ttft_limit = stop_if_missed.p99_ttft_s or math.inf
             e2e_limit = stop_if_missed.p99_e2e_s or math.inf
         num_ttft_misses = num_e2e_misses = 0
-        publish = self.config.replica_view == "published"
+        publish = self.config.replica_view != "live"
 
         def start_step(replica: int, now: float) -> None:
             nonlocal num_prefill_tokens, num_steps
@@ -238,6 +257,8 @@ class ClusterSimulation:
                 continue
             request = requests[next_arrival]
             replica = router.route(request.job.prompt_token_ids).replica
+            if publish:
+                self.views[replica].note_sent()
             try:
                 schedulers[replica].add(job_sequence(request.job, next_arrival))
             except RequestRejectedError:

@@ -86,9 +86,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix policy: requests in flight over the least-busy replica's past which a prefix match is "
              "ignored, or 'off' (default %(default)s)")
     add("--replica-view", default="live", choices=REPLICA_VIEWS,
-        help="what the router reads: live scheduler state with cache queries (in-process), or the load a "
-             "replica process published after its last step, no cache queries (DataParallelEngine) "
-             "(default %(default)s)")
+        help="what the router reads: live scheduler state with cache queries (in-process); the load a "
+             "replica process published after its last step, no cache queries (DataParallelEngine); or that "
+             "plus the requests sent since (default %(default)s)")
     add("--warmup", type=float, default=DEFAULT_WARMUP_FRACTION,
         help="share of the requests (the first to arrive) left out of the figures (default %(default)s)")
 
