@@ -7,14 +7,16 @@ import pytest
 
 from pagedkv.cli import main
 from pagedkv.engine.router import RouterConfig
-from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.errors import ConfigError
 from pagedkv.sim import CostModel
 from pagedkv.sim.chat_workload import ChatWorkload, arrival_times, make_chat_requests
+from pagedkv.sim.simulator import job_sequence
 from pagedkv.sim.cluster import (
     ClusterConfig,
     ClusterSimulation,
     LatencyTarget,
+    PublishedReplica,
     percentile,
     replicas_needed,
     simulate_cluster,
@@ -105,6 +107,23 @@ def test_same_seed_same_result_and_prefix_routing_hits_more():
     assert first.num_prefill_tokens < round_robin.num_prefill_tokens
     assert first.prefix_routed_share > 0.5 and round_robin.prefix_routed_share == 0.0
     assert 0 < first.ttft_p50_s <= first.ttft_p99_s < first.e2e_p99_s
+
+
+def test_published_view_lags_the_scheduler_and_prefix_routing_still_hits_by_memory():
+    requests = make_chat_requests(TINY)
+    view = PublishedReplica(Scheduler(SCHEDULER))
+    view.scheduler.add(job_sequence(requests[0].job, 0))
+    assert (view.num_waiting, view.num_cached_blocks([b"x" * 32])) == (0, 0)  # routed since the last step
+    view.publish()
+    assert view.num_waiting == 1
+    published = dataclasses.replace(cluster("prefix", 6), replica_view="published")
+    result = simulate_cluster(published, requests, COST)
+    round_robin = simulate_cluster(dataclasses.replace(cluster("round_robin", 6), replica_view="published"), requests,
+                                   COST)
+    assert result.num_measured == round_robin.num_measured > 0
+    assert result.prefix_hit_rate > round_robin.prefix_hit_rate and result.prefix_routed_share > 0.5
+    with pytest.raises(ConfigError, match="replica_view"):
+        dataclasses.replace(published, replica_view="remote")
 
 
 def test_sizing_finds_the_smallest_cluster_that_meets_the_target():

@@ -204,7 +204,7 @@ class Router:
             num_replicas = len(self.replicas)
             candidates = [i for i in range(num_replicas) if i not in exclude] if exclude else range(num_replicas)
             if not candidates:
-                raise NoReplicaAvailableError(f"all {len(self.replicas)} replicas are excluded")
+                raise NoReplicaAvailableError(f"all {num_replicas} replicas are excluded")
             if policy is RoutingPolicy.ROUND_ROBIN:
                 decision = self._round_robin(candidates)
             elif policy is RoutingPolicy.LEAST_LOADED:

@@ -3,7 +3,14 @@
 Each replica is the engine's own `Scheduler` (and through it the block manager and prefix
 cache), stepped as `pagedkv.sim.simulator` steps one: `fake_step` gives the step's shape and
 sampled tokens, the `CostModel` its duration. The router is `pagedkv.engine.router.Router`,
-reading the replicas through `SchedulerReplica`, the same view a server gives it.
+reading the replicas through a `Replica` view (below).
+
+The router sees each replica one of two ways (`ClusterConfig.replica_view`):
+- `live`: `SchedulerReplica`, the scheduler's state as it is now, prefix cache included (an
+  in-process server);
+- `published`: as `pagedkv.engine.data_parallel` shows a replica process to the router: its
+  load as published at the end of its last step (requests routed since are not counted),
+  and no cache queries (the router's memory of its decisions stands in).
 
 The event loop is a heap of step completions, one entry per busy replica, merged with the
 arrival list; an idle replica costs nothing:
@@ -19,8 +26,9 @@ instant as an arrival is recorded first.
 Latencies are per request, in simulated seconds from arrival: time to first token (the end
 of the step that sampled it) and end-to-end (the end of the step that sampled its last).
 Percentiles are nearest-rank. The first `warmup_fraction` of the requests (by arrival) are
-simulated but left out of the latency, hit-rate and throughput figures, so the figures
-describe caches that have seen the workload rather than cold replicas.
+simulated but left out of the latency and hit-rate figures, so those describe caches that
+have seen the workload rather than cold replicas. Throughput is every request's output
+tokens over the whole run, first arrival to last token (as vLLM's `benchmark_serving`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from collections.abc import Sequence as SequenceT
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
+from pagedkv.core.prefix_cache import BlockHash
 from pagedkv.engine.router import Router, RouterConfig, SchedulerReplica
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.errors import ConfigError, RequestRejectedError, require_positive_int
@@ -43,6 +52,27 @@ from pagedkv.sim.simulator import fake_step, job_sequence
 DEFAULT_WARMUP_FRACTION = 0.2
 
 
+REPLICA_VIEWS: tuple[str, ...] = ("live", "published")
+
+
+class PublishedReplica:
+    """A replica as a replica process shows it to the router: load as of its last step, no cache queries."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.block_size = scheduler.config.block_size
+        self.publish()
+
+    def publish(self) -> None:
+        """Take the load the router sees until the next call (the end of the replica's next step)."""
+        self.num_waiting = len(self.scheduler.waiting)
+        self.num_running = len(self.scheduler.running)
+        self.num_free_blocks = self.scheduler.block_manager.num_free_blocks
+
+    def num_cached_blocks(self, block_hashes: SequenceT[BlockHash]) -> int:
+        return 0
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """R identical replicas, each with this scheduler config, behind a router with this config."""
@@ -51,9 +81,12 @@ class ClusterConfig:
     scheduler: SchedulerConfig
     router: RouterConfig = RouterConfig()
     warmup_fraction: float = DEFAULT_WARMUP_FRACTION
+    replica_view: str = "live"
 
     def __post_init__(self):
         require_positive_int("num_replicas", self.num_replicas)
+        if self.replica_view not in REPLICA_VIEWS:
+            raise ConfigError(f"replica_view must be one of {', '.join(REPLICA_VIEWS)}; got {self.replica_view!r}")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ConfigError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
 
@@ -91,7 +124,7 @@ class ClusterResult:
     policy: str
     num_replicas: int
     num_requests: int
-    num_measured: int  # requests after the warm-up, which the figures below describe
+    num_measured: int  # requests after the warm-up, which the latency and hit-rate figures describe
     num_rejected: int
     sim_time_s: float
     offered_requests_per_s: float  # the arrival rate the requests realised
@@ -130,7 +163,9 @@ class ClusterSimulation:
         self.requests = list(requests)
         self.cost_model = cost_model
         self.schedulers = [Scheduler(config.scheduler) for _ in range(config.num_replicas)]
-        self.router = Router([SchedulerReplica(s) for s in self.schedulers], config.router)
+        view = SchedulerReplica if config.replica_view == "live" else PublishedReplica
+        self.views = [view(s) for s in self.schedulers]
+        self.router = Router(self.views, config.router)
 
     def run(self, stop_if_missed: LatencyTarget | None = None) -> ClusterResult | None:
         """Simulate until every request has finished (or was rejected as never fitting).
@@ -161,6 +196,7 @@ class ClusterSimulation:
             ttft_limit = stop_if_missed.p99_ttft_s or math.inf
             e2e_limit = stop_if_missed.p99_e2e_s or math.inf
         num_ttft_misses = num_e2e_misses = 0
+        publish = self.config.replica_view == "published"
 
         def start_step(replica: int, now: float) -> None:
             nonlocal num_prefill_tokens, num_steps
@@ -195,6 +231,8 @@ class ClusterSimulation:
                         num_e2e_misses += 1
                 if num_ttft_misses > allowed_misses or num_e2e_misses > allowed_misses:
                     return None
+                if publish:
+                    self.views[replica].publish()
                 if scheduler.has_unfinished():
                     start_step(replica, now)
                 continue

@@ -26,6 +26,7 @@ from pagedkv.errors import InvalidArgumentError, require_positive_int
 from pagedkv.sim.chat_workload import ARRIVAL_PROCESSES, ChatWorkload
 from pagedkv.sim.cluster import (
     DEFAULT_WARMUP_FRACTION,
+    REPLICA_VIEWS,
     ClusterConfig,
     ClusterResult,
     ClusterTask,
@@ -42,7 +43,7 @@ ALL_POLICIES: tuple[str, ...] = (RoutingPolicy.ROUND_ROBIN.value, RoutingPolicy.
 # The measured engine's pool and step budget (Qwen3-0.6B shape, bf16, one H200).
 DEFAULT_REPLICA_BLOCKS = 24184
 DEFAULT_REPLICA_BATCHED_TOKENS = 8192
-DEFAULT_DURATION_S = 30.0
+DEFAULT_DURATION_S = 10.0
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -62,8 +63,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster (--cluster)")
     add = group.add_argument
     add("--cluster", action="store_true", help="simulate replicas behind the data-parallel router")
-    add("--replicas", type=int, default=4, help="replicas for the policy comparison (default %(default)s)")
-    add("--rate", type=float, default=200.0, help="mean arrival rate, requests/s (default %(default)s)")
+    add("--replicas", type=int, default=6, help="replicas for the policy comparison (default %(default)s)")
+    add("--rate", type=float, default=1000.0, help="mean arrival rate, requests/s (default %(default)s)")
     add("--requests", type=int, default=None, help=f"requests in all (default: rate x {DEFAULT_DURATION_S:g} s)")
     add("--arrival", default="both", help="poisson, bursty or both (default %(default)s)")
     add("--policy", default="all", help=f"{', '.join(ALL_POLICIES)} or all (default %(default)s)")
@@ -84,6 +85,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     add("--balance-threshold", type=_threshold, default=DEFAULT_BALANCE_THRESHOLD,
         help="prefix policy: requests in flight over the least-busy replica's past which a prefix match is "
              "ignored, or 'off' (default %(default)s)")
+    add("--replica-view", default="live", choices=REPLICA_VIEWS,
+        help="what the router reads: live scheduler state with cache queries (in-process), or the load a "
+             "replica process published after its last step, no cache queries (DataParallelEngine) "
+             "(default %(default)s)")
     add("--warmup", type=float, default=DEFAULT_WARMUP_FRACTION,
         help="share of the requests (the first to arrive) left out of the figures (default %(default)s)")
 
@@ -170,6 +175,7 @@ def describe(args: argparse.Namespace, workload: ChatWorkload, scheduler: Schedu
             f"{args.system_prompts} system prompts x {args.system_prompt_len} tokens (Zipf {args.zipf:g}), "
             f"user {args.user_tokens[0]}-{args.user_tokens[1]}, output {args.output_tokens[0]}-"
             f"{args.output_tokens[1]} tokens, seed {args.seed}, first {args.warmup:.0%} left out as warm-up\n"
+            f"router: reads {args.replica_view} replica state, balance threshold {args.balance_threshold}\n"
             f"replica: {scheduler.num_blocks} blocks x {scheduler.block_size}, max_num_seqs {scheduler.max_num_seqs}, "
             f"max_num_batched_tokens {scheduler.max_num_batched_tokens}, max_model_len {scheduler.max_model_len}")
 
@@ -219,7 +225,7 @@ def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
 
     def config(policy: str, num_replicas: int) -> ClusterConfig:
         return ClusterConfig(num_replicas, scheduler, RouterConfig(policy, balance_threshold=args.balance_threshold),
-                             warmup_fraction=args.warmup)
+                             warmup_fraction=args.warmup, replica_view=args.replica_view)
 
     pairs = [(arrival, policy) for arrival in arrivals for policy in policies]
     # Searches first: they take longest, so the processes finish together.
@@ -240,7 +246,7 @@ def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
                     "max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                     "max_model_len": scheduler.max_model_len, "watermark": scheduler.watermark,
                     "preemption_mode": scheduler.preemption_mode.value},
-        "router": {"balance_threshold": args.balance_threshold},
+        "router": {"balance_threshold": args.balance_threshold, "replica_view": args.replica_view},
         "warmup_fraction": args.warmup,
         "target": target.describe(),
         "cost_model": cost_model.constants(),
