@@ -180,7 +180,7 @@ def demo_prompts(llm) -> tuple[list[list[int]], str | None]:
     if tokenizer is not None:
         return ([llm.engine.tokenize(q)[1] for q in DEMO_QUESTIONS],
                 "This tokenizer has no chat template: the questions go in as plain prompts.")
-    vocab = llm.engine.model.config.get_text_config().vocab_size
+    vocab = llm.engine.vocab_size
     # NOTE: ids from 3 up, past the usual special tokens (pad/bos/eos), so no prompt ends itself.
     prompts = [[3 + byte % (vocab - 3) for byte in q.encode("utf-8")] for q in DEMO_QUESTIONS]
     return prompts, ("This model has random weights and no tokenizer: each question goes in as its UTF-8 bytes "

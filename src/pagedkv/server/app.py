@@ -138,18 +138,21 @@ class _BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         too_large = declared is not None and declared.isdigit() and int(declared) > self._max_bytes
-        messages, num_bytes = [], 0
+        messages, num_bytes, more = [], 0, True
         while not too_large:
             message = await receive()
             messages.append(message)
             if message["type"] != "http.request":
+                more = False
                 break  # the client went away; the app sees the disconnect
             num_bytes += len(message.get("body", b""))
             too_large = num_bytes > self._max_bytes
-            if not message.get("more_body", False):
+            more = message.get("more_body", False)
+            if not more:
                 break
         if too_large:
-            await self._drain(receive, num_bytes, messages)
+            # Drain only a body still arriving: after its last part, another receive() would wait for a disconnect.
+            await self._drain(receive, num_bytes, messages, more)
             self._metrics.observe_rejection("request_too_large")
             response = _error_response(413, error_body(
                 f"The request body is larger than this server's limit of {self._max_bytes} bytes "
@@ -162,9 +165,8 @@ class _BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _drain(self, receive, num_bytes: int, messages: list) -> None:
+    async def _drain(self, receive, num_bytes: int, messages: list, more: bool) -> None:
         messages.clear()  # nothing of an oversized body is kept
-        more = True
         while more and num_bytes <= self._drain_bytes:
             message = await receive()
             if message["type"] != "http.request":
