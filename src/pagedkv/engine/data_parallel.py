@@ -9,7 +9,11 @@ another's GIL) that owns a full `LLMEngine` on its device:
     replica: commands from the pipe -> engine.add_request / abort; engine.step(); outputs + load -> pipe
 
 Routing is `pagedkv.engine.router.Router`. A replica process reports its load (waiting and
-running requests, free blocks) in a shared array after every step. What it has cached is not
+running requests, free blocks, and how many `add` commands it has consumed) in a shared array
+after every step and every command. The parent counts the requests it has sent, so a replica's
+waiting count is what it published plus what is still in its pipe: a burst of requests routed
+between two of a replica's steps sees every earlier one of the burst, not a stale zero that
+would send the whole burst to one replica. What it has cached is not
 queried across processes: the router's memory of which replica it sent each prompt block to
 stands in for it, as sglang's router does with its approximate tree (see the router's
 docstring). A replica that dies fails its requests with `EngineDeadError` and leaves the
@@ -31,7 +35,7 @@ from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, P
 
 logger = logging.getLogger("pagedkv")
 
-_LOAD_FIELDS = 4  # waiting, running, free blocks, alive
+_LOAD_FIELDS = 5  # waiting, running, free blocks, alive, add commands consumed (written in this order)
 
 
 def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
@@ -47,6 +51,13 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
     except BaseException as error:  # report, so the parent can refuse to start with a clear message
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
+    consumed = 0
+
+    def publish() -> None:
+        sched = engine.scheduler
+        load[index * _LOAD_FIELDS:(index + 1) * _LOAD_FIELDS] = [len(sched.waiting), len(sched.running),
+                                                                   sched.block_manager.num_free_blocks, 1, consumed]
+
     while True:
         busy = engine.has_unfinished_requests()
         if conn.poll(0 if busy else 0.05):
@@ -54,6 +65,7 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
             if command == "stop":
                 break
             if command == "add":
+                consumed += 1
                 request_id, prompt, params, priority = payload
                 try:
                     engine.add_request(request_id, prompt, params, priority)
@@ -65,14 +77,13 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
                 conn.send(("stats", engine.stats().as_dict()))
             elif command == "stream":
                 engine.stream_outputs = payload
+            publish()
             continue
         if busy:
             outputs = engine.step()
             if outputs:
                 conn.send(("outputs", outputs))
-        sched = engine.scheduler
-        load[index * _LOAD_FIELDS:(index + 1) * _LOAD_FIELDS] = [len(sched.waiting), len(sched.running),
-                                                                   sched.block_manager.num_free_blocks, 1]
+        publish()
     engine.shutdown()
 
 
@@ -83,6 +94,7 @@ class _ProcessReplica:
         self.index = index
         self._block_size = block_size
         self._load = load
+        self.sent = 0  # `add` commands sent to this replica; the ones not yet consumed count as waiting
 
     @property
     def block_size(self) -> int:
@@ -93,7 +105,8 @@ class _ProcessReplica:
 
     @property
     def num_waiting(self) -> int:
-        return self._field(0)
+        consumed = self._field(4)  # read before `waiting`, which the replica writes first: never an undercount
+        return self._field(0) + max(0, self.sent - consumed)
 
     @property
     def num_running(self) -> int:
@@ -244,6 +257,7 @@ class DataParallelEngine:
         decision = self.router.route(token_ids, exclude=[i for i in range(len(self.replicas)) if i not in alive])
         replica = self.replicas[decision.replica]
         replica.conn.send(("add", (request_id, prompt, params, priority)))
+        replica.view.sent += 1
         replica.requests.add(request_id)
         self._request_replica[request_id] = decision.replica
 
