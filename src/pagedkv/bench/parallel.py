@@ -4,6 +4,9 @@ Sections (each appends to `<out>/parallel.json`, so a run cut short keeps what i
 
 - `tp1`, `tp2`: Llama-3-8B shape, bf16, at tensor_parallel_size 1 and 2: decode ms per step at
   batch 1 and 64 (128-token prompts, 64 new tokens) and nano-vllm's workload (256 requests).
+- `tp-greedy`: the same shape in fp32: greedy tokens at tensor_parallel_size 2 against 1 (the
+  sums of two shards round differently from one matmul only in the last bits of fp32, so the
+  tokens must agree).
 - `dp1`, `dp2`: Qwen3-0.6B shape, nano-vllm's workload with 512 requests, on one engine and on
   two replicas behind the router.
 - `routing`: two replicas, a shared-prefix chat workload (32 system prompts of 1,000 tokens),
@@ -80,6 +83,31 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None
     _record(out, f"tp{tp}", result)
 
 
+def tensor_parallel_greedy(out: Path, model: str = "random:llama3-8b", num_prompts: int = 8,
+                           max_tokens: int = 32) -> None:
+    import gc
+
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.sampling import SamplingParams
+
+    rng = random.Random(7)
+    vocab = 400 if "tiny" in model else 10000
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 100))] for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(model, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=4 * 2**30, max_model_len=MAX_MODEL_LEN // 2,
+                  max_num_seqs=num_prompts)
+        tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tokens[1], tokens[2])]
+    _record(out, "tp_greedy_fp32", {"model": model, "num_prompts": num_prompts, "max_tokens": max_tokens,
+                                    "identical": tokens[1] == tokens[2], "first_divergence": first_diff})
+
+
 def data_parallel(dp: int, out: Path, model: str = "random:qwen3-0.6b") -> None:
     from pagedkv.engine.llm import LLM
 
@@ -133,7 +161,7 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
 
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") -> int:
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("sections", nargs="+", choices=("tp1", "tp2", "dp1", "dp2", "routing"))
+    parser.add_argument("sections", nargs="+", choices=("tp1", "tp2", "tp-greedy", "dp1", "dp2", "routing"))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--routing-requests", type=int, default=2048)
     parser.add_argument("--system-prompts", type=int, default=32)
@@ -151,7 +179,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for section in args.sections:
-        if section.startswith("tp"):
+        if section == "tp-greedy":
+            tensor_parallel_greedy(out, *(["random:tiny-llama"] if args.smoke else []))
+        elif section.startswith("tp"):
             tensor_parallel(int(section[2:]), out, *(["random:tiny-llama"] if args.smoke else []))
         elif section.startswith("dp"):
             data_parallel(int(section[2:]), out, *(["random:tiny-qwen3"] if args.smoke else []))

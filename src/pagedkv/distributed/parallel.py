@@ -18,6 +18,7 @@ same code runs within a node and across nodes. No transport of pagedkv's own is 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.errors import ConfigError
+
+logger = logging.getLogger("pagedkv")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,18 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
+    def abort(self) -> None:
+        """Make every collective that waits on a dead peer fail now instead of at the timeout."""
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        except Exception as error:  # gloo has no abort (its calls fail on a closed peer anyway)
+            logger.warning("could not abort the process group: %s", error)
+
     def shutdown(self) -> None:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as error:  # an aborted group may refuse a second teardown
+                logger.warning("process group teardown: %s", error)

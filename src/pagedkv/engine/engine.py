@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -157,9 +158,27 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
         self.tp = None
         self._workers: list = []
+        self._worker_exit: str | None = None  # set by the watcher thread when a spawned worker dies
         self._dead: str | None = None
         if config.tensor_parallel_size > 1:
             self._join_tensor_parallel(model, tp_rank, tp_init_method)
+        try:
+            self._build(model, tokenizer)
+        except Exception as error:
+            if not self._workers:
+                raise
+            self._stop_workers()
+            raise EngineDeadError(f"tensor-parallel startup failed: {self._worker_exit or error}") from error
+        if hasattr(self, "_run_torchrun_worker"):  # torchrun rank > 0: serve rank 0's steps, then leave
+            try:
+                self._run_torchrun_worker()
+            finally:
+                self.tp.shutdown()
+            raise SystemExit(0)
+
+    def _build(self, model: torch.nn.Module | None, tokenizer) -> None:
+        """Load the model, size the pool, build scheduler and runner (capturing graphs) - every rank alike."""
+        config = self.config
         if model is None:
             dtype = parse_dtype(config.dtype) if config.dtype else (
                 torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -238,12 +257,6 @@ class LLMEngine:
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
             num_blocks * bytes_per_block / 2**20, self.dtype, max_model_len, capacity_tokens / max_model_len)
-        if hasattr(self, "_run_torchrun_worker"):  # torchrun rank > 0: serve rank 0's steps, then leave
-            try:
-                self._run_torchrun_worker()
-            finally:
-                self.tp.shutdown()
-            raise SystemExit(0)
 
     # ------------------------------------------------------------------ tensor parallel
     @property
@@ -280,17 +293,46 @@ class LLMEngine:
         self.tp = TensorParallel(ParallelConfig(size, tp_rank, init_method, self.device.type,
                                                 self.config.distributed_timeout_s))
         self.device = self.tp.device
+        if self._workers:
+            self._watch_stop = threading.Event()
+            threading.Thread(target=self._watch_workers, name="pagedkv-tp-watch", daemon=True).start()
         if torchrun and tp_rank != 0:
             self._run_torchrun_worker = lambda: run_worker(self)
+
+    def _watch_workers(self) -> None:
+        """Watcher thread: when a spawned worker dies, abort the collectives so nothing waits on it forever.
+
+        A collective whose peer is gone never completes: rank 0 would block in it (during graph
+        capture at startup, or in a step) until the NCCL timeout tore the process down. Aborting
+        the process group makes the blocked call fail now; the engine then reports the exit.
+        """
+        while not self._watch_stop.wait(0.2):
+            dead = [p for p in self._workers if not p.is_alive()]
+            if dead:
+                self._worker_exit = (f"tensor-parallel worker process {dead[0].pid} exited with code "
+                                     f"{dead[0].exitcode}")
+                logger.error("%s; aborting the process group", self._worker_exit)
+                self.tp.abort()
+                return
 
     def _check_workers(self) -> None:
         """Raise `EngineDeadError` (failing every request) if a spawned worker has died."""
         if self._dead is None:
             dead = [p for p in self._workers if not p.is_alive()]
             if dead:
-                self._fail(f"tensor-parallel worker process {dead[0].pid} exited with code {dead[0].exitcode}")
+                self._fail(self._worker_exit or f"tensor-parallel worker process {dead[0].pid} exited with code "
+                                                f"{dead[0].exitcode}")
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+
+    def _stop_workers(self) -> None:
+        """Stop watching and end every spawned worker (after a failed startup or at shutdown)."""
+        if self._workers:
+            self._watch_stop.set()
+        for process in self._workers:
+            process.join(timeout=30 if self._dead is None and self._worker_exit is None else 1)
+            if process.is_alive():
+                process.kill()
 
     def _fail(self, reason: str) -> None:
         self._dead = reason
@@ -304,15 +346,14 @@ class LLMEngine:
         if self.tp is None or not self.is_driver or getattr(self, "_shut_down", False):
             return
         self._shut_down = True
-        if self._dead is None:
+        if self._workers:
+            self._watch_stop.set()  # workers leave on the None below: their exits are not failures
+        if self._dead is None and self._worker_exit is None:
             try:
                 self.tp.broadcast_object(None)
             except Exception:  # a dead peer: nothing left to tell
                 pass
-        for process in self._workers:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+        self._stop_workers()
         self.tp.shutdown()
 
     def _pick_model(self, hf_model: torch.nn.Module):
