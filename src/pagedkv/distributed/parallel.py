@@ -108,7 +108,10 @@ class TensorParallel:
             logger.warning("could not abort the process group: %s", error)
 
     def shutdown(self) -> None:
+        """Destroy the groups. Callers drop CUDA graphs that captured collectives first (see ModelRunner)."""
         if dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             try:
                 dist.destroy_process_group()
             except Exception as error:  # an aborted group may refuse a second teardown

@@ -47,4 +47,4 @@ def worker_entry(config, rank: int, init_method: str) -> None:
     try:
         run_worker(engine)
     finally:
-        engine.tp.shutdown()
+        engine.close_group()

@@ -173,7 +173,7 @@ class LLMEngine:
             try:
                 self._run_torchrun_worker()
             finally:
-                self.tp.shutdown()
+                self.close_group()
             raise SystemExit(0)
 
     def _build(self, model: torch.nn.Module | None, tokenizer) -> None:
@@ -354,6 +354,12 @@ class LLMEngine:
             except Exception:  # a dead peer: nothing left to tell
                 pass
         self._stop_workers()
+        self.close_group()
+
+    def close_group(self) -> None:
+        """Leave the tensor-parallel group: graphs first (they hold its communicator), then the group."""
+        if getattr(self, "runner", None) is not None:
+            self.runner.release_graphs()
         self.tp.shutdown()
 
     def _pick_model(self, hf_model: torch.nn.Module):

@@ -251,6 +251,18 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB", len(sizes), max(sizes),
                     time.perf_counter() - start, (free_before - free_after) / 2**20)
 
+    def release_graphs(self) -> None:
+        """Drop the captured graphs (before a tensor-parallel group is destroyed).
+
+        A graph that captured NCCL collectives keeps their communicator in use: destroying the
+        process group while such a graph is alive blocks forever in the NCCL teardown (seen on
+        two H200s with torch 2.11, even for one bare captured all-reduce: benchmarks/tp_probe.py).
+        """
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            self.graphs.clear()
+            self.graph_sizes = []
+
     def _graph_for(self, num_seqs: int) -> int:
         for size in self.graph_sizes:
             if size >= num_seqs:
