@@ -15,6 +15,7 @@ Sections (each appends to `<out>/parallel.json`, so a run cut short keeps what i
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import statistics
@@ -39,6 +40,13 @@ def _record(out: Path, key: str, value: dict) -> None:
     data[key] = value
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(key, json.dumps(value)[:400], flush=True)
+
+
+def _free_gpu() -> None:
+    """Let the next section start from an empty GPU (an engine's pool is most of it)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _decode_ms(llm, batch: int, vocab: int) -> float:
@@ -80,13 +88,13 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None
     prompts, output_lens = nano_vllm_workload(256, 100, 1024, 0, vocab)
     result["nano"] = _throughput(llm, prompts, output_lens)
     llm.engine.shutdown()
+    del llm
+    _free_gpu()
     _record(out, f"tp{tp}", result)
 
 
 def tensor_parallel_greedy(out: Path, model: str = "random:llama3-8b", num_prompts: int = 8,
                            max_tokens: int = 32) -> None:
-    import gc
-
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.sampling import SamplingParams
 
@@ -101,8 +109,7 @@ def tensor_parallel_greedy(out: Path, model: str = "random:llama3-8b", num_promp
         tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.engine.shutdown()
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu()
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tokens[1], tokens[2])]
     _record(out, "tp_greedy_fp32", {"model": model, "num_prompts": num_prompts, "max_tokens": max_tokens,
                                     "identical": tokens[1] == tokens[2], "first_divergence": first_diff})

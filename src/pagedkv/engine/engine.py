@@ -346,6 +346,7 @@ class LLMEngine:
         if self.tp is None or not self.is_driver or getattr(self, "_shut_down", False):
             return
         self._shut_down = True
+        atexit.unregister(self.shutdown)  # the registration kept the engine (and its pool) alive after shutdown
         if self._workers:
             self._watch_stop.set()  # workers leave on the None below: their exits are not failures
         if self._dead is None and self._worker_exit is None:
