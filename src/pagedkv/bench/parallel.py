@@ -49,7 +49,8 @@ def _free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
-def _decode_ms(llm, batch: int, vocab: int) -> float:
+def _decode_ms(llm, batch: int, vocab: int, phases: dict | None = None) -> float:
+    """Median decode step (ms) at `batch`; `phases` receives the median of each StepTiming phase (ms)."""
     from pagedkv.engine.sampling import SamplingParams
 
     rng = random.Random(batch)
@@ -57,9 +58,12 @@ def _decode_ms(llm, batch: int, vocab: int) -> float:
     engine = llm.engine
     engine.step_timings = []
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    steps = [t.total_s for t in engine.step_timings if t.shape.prefill_tokens == 0 and t.shape.decode_seqs == batch]
+    steps = [t for t in engine.step_timings if t.shape.prefill_tokens == 0 and t.shape.decode_seqs == batch]
     engine.step_timings = None
-    return statistics.median(steps) * 1e3
+    if phases is not None:
+        for name in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s"):
+            phases[name[:-2] + "_ms"] = statistics.median(getattr(t, name) for t in steps) * 1e3
+    return statistics.median(t.total_s for t in steps) * 1e3
 
 
 def _throughput(llm, prompts, output_lens) -> dict:
@@ -83,8 +87,10 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None
     vocab = llm.engine.vocab_size
     warm, warm_lens = nano_vllm_workload(8, 32, 64, seed=1, vocab=vocab)
     _throughput(llm, warm, warm_lens)
+    phases: dict[str, dict] = {"1": {}, "64": {}}
     result = {"tensor_parallel_size": tp, "startup_s": startup,
-              "decode_ms": {str(b): _decode_ms(llm, b, vocab) for b in (1, 64)}}
+              "decode_ms": {b: _decode_ms(llm, int(b), vocab, phases[b]) for b in phases},
+              "decode_phases_ms": phases}
     prompts, output_lens = nano_vllm_workload(256, 100, 1024, 0, vocab)
     result["nano"] = _throughput(llm, prompts, output_lens)
     llm.engine.shutdown()
