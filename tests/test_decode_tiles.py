@@ -1,9 +1,9 @@
 """The tiles decode schedule (`triton_decode_tiles`) against the float64 reference, and its split plan.
 
 On CPU the kernel runs under the interpreter on NaN-poisoned pools (`kernel_scenarios`): every
-table mode (inline, gather, select), packed kv heads (1, 2, 4, narrowed to a divisor of the
-kv heads), both merges, read-ahead chunks smaller than a split (several outer steps, page-
-aligned or not), windows, soft caps, empty rows and strided views. The interpreter has 4
+table mode (inline, gather, select), packed kv heads (1, 2, 4, narrowed to a power-of-2
+divisor of the kv heads), both merges, read-ahead chunks smaller than a split (several outer
+steps, page-aligned or not), windows, soft caps, empty rows and strided views. The interpreter has 4
 "SMs" (`tuning.num_sms`), so `programs_per_sm` decides whether a small batch splits; each
 split test asserts that it did. A compile test (subprocess, sm_90 through ptxas) checks the
 point of the read-ahead: a pipelined K/V buffer per stage, where the inline table load keeps
@@ -91,15 +91,22 @@ def test_tiles_unsplit_matches_reference(table):
     assert_matches(out, expected, torch.float32)
 
 
-@pytest.mark.parametrize("heads_per_program, num_heads", [(2, (8, 4)), (4, (8, 4)), (4, (4, 4)), (2, (6, 3))],
-                         ids=["2-of-4-group2", "4-of-4-group2", "4-of-4-mha", "2-narrowed-to-1-of-3"])
+@pytest.mark.parametrize("heads_per_program, num_heads, packed", [
+    (2, (8, 4), 2), (4, (8, 4), 4), (4, (4, 4), 4), (4, (6, 3), 1), (8, (12, 6), 2),
+], ids=["2-of-4-group2", "4-of-4-group2", "4-of-4-mha", "4-narrowed-to-1-of-3", "8-narrowed-to-2-of-6"])
 @pytest.mark.parametrize("programs_per_sm", [1, 32], ids=["unsplit", "split"])
-def test_tiles_packed_heads(heads_per_program, num_heads, programs_per_sm):
-    """Several kv heads per program: each q row sees only its own head's keys (the rest is masked)."""
+def test_tiles_packed_heads(heads_per_program, num_heads, packed, programs_per_sm):
+    """Several kv heads per program: each q row sees only its own head's keys (the rest is masked).
+
+    The packing narrows to a power-of-2 divisor of the kv heads (a tile is BLOCK_N x heads rows).
+    """
+    from pagedkv.kernels.triton_decode_tiles import tiles_launch_config
+
     num_q_heads, num_kv_heads = num_heads
     scenario = Scenario([1, 17, 40, 9, 33], 16, num_kv_heads, 64, torch.float16, seed=3)
     tuning = tiles(heads_per_program=heads_per_program, programs_per_sm=programs_per_sm, table="gather",
                    merge="in_kernel")
+    assert tiles_launch_config(5, num_q_heads, 64, 16, num_kv_heads, 40, None, 4, tuning)["HEADS"] == packed
     out, expected = run(scenario, num_q_heads, tuning)
     assert_matches(out, expected, torch.float16)
 

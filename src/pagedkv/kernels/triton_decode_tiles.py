@@ -190,10 +190,11 @@ def tiles_launch_config(num_seqs: int, num_heads: int, head_dim: int, block_size
                         max_seq_len: int, sliding_window: int | None, sm_count: int,
                         tuning: DecodeTuning) -> dict:
     """The host ints and constexprs of one launch: grid, split plan, tile and table sizes."""
-    heads = tuning.heads_per_program
-    if num_kv_heads % heads:
-        # A program's heads must all exist; the dispatcher narrows the packing rather than fail.
-        heads = max(h for h in range(1, heads + 1) if num_kv_heads % h == 0)
+    # A program's heads must all exist and its tile rows (BLOCK_N x heads) be a power of 2: the
+    # packing narrows to the largest power-of-2 divisor of num_kv_heads within the tuning's.
+    heads = 1
+    while heads * 2 <= tuning.heads_per_program and num_kv_heads % (heads * 2) == 0:
+        heads *= 2
     group = num_heads // num_kv_heads
     block_n = tuning.block_n_for(head_dim)
     span = max(1, max_seq_len)

@@ -67,7 +67,7 @@ class DecodeTuning:
     merge: str = "launch"  # split partials merged by a second "launch" or "in_kernel" by the last arrival
     programs_per_sm: int | None = None  # stream_k: programs per SM, None: what fits (`stream_k_programs_per_sm`);
     # tiles: the split plan's programs per SM, None: TILES_PROGRAMS_PER_SM
-    heads_per_program: int = 1  # tiles: kv heads one program reads together (narrowed to a divisor of Hkv)
+    heads_per_program: int = 1  # tiles: kv heads one program reads (narrowed to a power-of-2 divisor of Hkv)
     table: str = "gather"  # tiles: how a tile finds its block ids (DECODE_TABLES)
     table_chunk: int = 64  # tiles: block-table entries read ahead per outer step (a power of 2)
 
