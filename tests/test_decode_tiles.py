@@ -168,7 +168,7 @@ def test_tiles_plan_rounds_down_to_one_wave(num_items, span, sm_count, per_sm, e
 
 
 @pytest.mark.parametrize("options", [{"table": "preload"}, {"table_chunk": 48}, {"table_chunk": 1},
-                                     {"heads_per_program": 0}, {"schedule": "tile"}])
+                                     {"tiles_max_waves": 0}, {"heads_per_program": 0}, {"schedule": "tile"}])
 def test_tiles_tuning_rejects_bad_values(options):
     with pytest.raises(InvalidArgumentError):
         DecodeTuning(**options)
@@ -234,3 +234,58 @@ def test_tiles_gpu_matches_reference(heads, tuning):
                                      workspace=workspace)
         assert_gpu_matches(out, expected, torch.bfloat16)
         workspace.check_integrity()
+
+
+# --------------------------------------------------------------------------- the sweep script
+def _load_sweep():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("decode_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_sweep_smoke_runs_end_to_end(tmp_path):
+    """benchmarks/decode_sweep.py --smoke: every contender checked and timed, JSON and markdown written."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the smoke run uses the Triton interpreter")
+    sweep = _load_sweep()
+    assert sweep.main(["--smoke", "--workers", "0", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "decode_sweep.json").read_text())
+    assert len(result["cases"]) == 2 and (tmp_path / "decode_sweep.md").exists()
+    for case in result["cases"]:
+        for name in ("production", "sdpa", "copy"):
+            assert case["baselines"][name].get("rotated_ms"), (name, case["baselines"][name])
+        assert case["configs"] and all(r["ok"] and r["rotated_ms"] > 0 for r in case["configs"]), case["configs"]
+        assert case["best"]["label"] in {r["label"] for r in case["configs"]}
+    assert any(r["num_splits"] > 1 for r in result["cases"][0]["configs"]), "the smoke run must exercise a split"
+
+
+def test_decode_sweep_compile_group_runs_every_launch():
+    """The compile-ahead worker runs each (case, tuning) launch once on a tiny pool, errors collected, not raised."""
+    sweep = _load_sweep()
+    args = type("Args", (), {"quick": False, "smoke": True, "cases": ""})()
+    cases, launches = sweep.build_plan(args)
+    groups = sweep.compile_groups(launches, "cpu")
+    assert sum(len(g["launches"]) for g in groups) == len(launches)
+    assert {tuple(g["heads"]) for g in groups} == {tuple(c[1]) for c in cases}
+    assert sweep._compile_group(groups[0]) == []
+    broken = {**groups[0], "launches": [(1, 64, {"schedule": "tiles", "table": "bogus"})]}
+    assert len(sweep._compile_group(broken)) == 1
+
+
+@pytest.mark.parametrize("tiles_max_waves, runs_tiles", [(None, True), (8.0, True), (0.5, False)])
+def test_tiles_max_waves_hands_big_batches_to_the_split_kernel(monkeypatch, tiles_max_waves, runs_tiles):
+    """5 sequences x 2 kv heads = 10 items on the interpreter's 4 SMs: 2.5 waves."""
+    import pagedkv.kernels.triton_decode_tiles as tiles_module
+
+    calls = []
+    original = tiles_module.triton_tiles_decode
+    monkeypatch.setattr(tiles_module, "triton_tiles_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    scenario = Scenario([1, 17, 40, 9, 33], 16, 2, 64, torch.float32, seed=7)
+    out, expected = run(scenario, 8, tiles(tiles_max_waves=tiles_max_waves))
+    assert_matches(out, expected, torch.float32)
+    assert bool(calls) == runs_tiles

@@ -145,7 +145,7 @@ def store_split_part(o, m_i, l_i, partial_out_ptr, partial_lse_ptr, counters_ptr
                      num_heads, split, num_splits, counter_index, stride_out_s, stride_out_h, stride_out_d,
                      ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, ROWS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                      DIM_PAD: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """Store one split's normalised rows `o` and their log2-sum-exp; with MERGE_IN_KERNEL, the last split to arrive merges.
+    """Store one split's normalised rows `o` and log2-sum-exp; with MERGE_IN_KERNEL the last split to arrive merges.
 
     Rows are query heads [first_head, first_head + ROWS) of sequence `seq`. Layout (shared with
     the merge launch): partial_out [num_seqs, num_heads, num_splits, DIM_PAD] fp32,

@@ -70,6 +70,8 @@ class DecodeTuning:
     heads_per_program: int = 1  # tiles: kv heads one program reads (narrowed to a power-of-2 divisor of Hkv)
     table: str = "gather"  # tiles: how a tile finds its block ids (DECODE_TABLES)
     table_chunk: int = 64  # tiles: block-table entries read ahead per outer step (a power of 2)
+    tiles_max_waves: float | None = None  # tiles: a batch of >= this many waves of (seq x kv head) items
+    # runs the default split schedule instead (round 1 is at copy speed there); None: tiles always
 
     def __post_init__(self):
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
@@ -87,6 +89,8 @@ class DecodeTuning:
             raise InvalidArgumentError(f"merge must be one of {DECODE_MERGES}, got {self.merge!r}")
         if self.table not in DECODE_TABLES:
             raise InvalidArgumentError(f"table must be one of {DECODE_TABLES}, got {self.table!r}")
+        if self.tiles_max_waves is not None and not self.tiles_max_waves > 0:
+            raise InvalidArgumentError(f"tiles_max_waves must be > 0 or None, got {self.tiles_max_waves}")
         if isinstance(self.table_chunk, bool) or not isinstance(self.table_chunk, int) or self.table_chunk < 2 \
                 or self.table_chunk & (self.table_chunk - 1):
             raise InvalidArgumentError(f"table_chunk must be a power of 2 >= 2, got {self.table_chunk!r}")
@@ -111,6 +115,11 @@ class DecodeTuning:
             return 4
         return 3 if head_dim <= 128 and not masked else 2
 
+
+    def runs_tiles(self, num_items: int, sm_count: int) -> bool:
+        """Whether a batch of `num_items` (sequence x kv head) items runs the tiles schedule."""
+        return self.schedule == "tiles" and (self.tiles_max_waves is None
+                                             or num_items < self.tiles_max_waves * sm_count)
 
     def tiles_programs_per_sm(self) -> int:
         """Programs per SM the tiles schedule's split plan aims at (one wave, rounded down)."""
