@@ -7,8 +7,9 @@ fastest per case, and by how much, before anything is switched on:
               B x L = 1 x 32768, 8 x 4096, 64 x 512, 256 x 512, 64 x 4096, then the engine
               shapes (Qwen3-0.6B 16/8 d128, SmolLM2 9/3 d64, GPT-2 12/12 d64) at 1 x 2048,
               32 x 1024 and 1 x 8192
-    rivals    production (`paged_decode_attention` with the default tuning), contiguous SDPA
-              on the same K/V, and a device copy whose bytes read + written equal the K/V bytes
+    rivals    production (`paged_decode_attention` with the default tuning), round 2's in-kernel
+              merge and stream-K schedules, contiguous SDPA on the same K/V, and a device copy
+              whose bytes read + written equal the K/V bytes
     configs   tiles tunings x programs-per-SM targets (`LLAMA_CONFIGS`, `ENGINE_CONFIGS`)
 
 Every contender is checked against an fp32 reference on the case's data first; a config that
@@ -104,6 +105,8 @@ ENGINE_CONFIGS = [
     ("gather h4 n32 w4 s3", {"heads_per_program": 4, "block_n": 32}),
 ]
 ENGINE_PER_SM = (2, 4, 8)
+#: Round 2's other schedules, timed beside production (rotated only) for context.
+ROUND2 = {"round 2: split, in-kernel merge": {"merge": "in_kernel"}, "round 2: stream-K": {"schedule": "stream_k"}}
 
 
 def programs_per_sm_for(batch: int, seq_len: int, residency: int, quick: bool) -> list[int]:
@@ -411,7 +414,7 @@ class Sweep:
         import torch
         import torch.nn.functional as F
 
-        from pagedkv.kernels import KernelWorkspace, choose_num_splits, paged_decode_attention
+        from pagedkv.kernels import DecodeTuning, KernelWorkspace, choose_num_splits, paged_decode_attention
 
         workspace = KernelWorkspace(data.batch * data.heads[1], self.device)
         production = [lambda t=t: paged_decode_attention(
@@ -421,6 +424,13 @@ class Sweep:
             {"label": "production (default DecodeTuning)",
              "num_splits": choose_num_splits(data.batch, data.heads[1], data.seq_len, self.sm_count)},
             production, expected, data, extra=True)}
+        for label, options in ROUND2.items():
+            tuning = DecodeTuning(**options)
+            calls = [lambda t=t: paged_decode_attention(
+                data.query, data.k_cache, data.v_cache, t, data.seq_lens, scale=data.scale, max_seq_len=data.seq_len,
+                out=data.out, validate=False, backend="triton", tuning=tuning, workspace=workspace)
+                for t in data.tables]
+            rows[label] = self._measure({"label": label}, calls, expected, data, extra=False)
         twins = [data.gathered(r) for r in range(data.rotations)]
         query = data.query.unsqueeze(2)
         sdpa = [lambda k=k, v=v: F.scaled_dot_product_attention(query, k, v, enable_gqa=True).squeeze(2)
@@ -569,6 +579,9 @@ def markdown(result: dict) -> str:
         lines.append("")
         lines.append("| config | /SM | splits | programs | TB/s | note |")
         lines.append("|---|---|---|---|---|---|")
+        for name, r in case.get("baselines", {}).items():
+            lines.append(f"| {r['label']} | | {r.get('num_splits', '')} | | {fmt(r.get('tbps'))} | "
+                         f"{r.get('error', '')} |")
         for r in case["configs"]:
             lines.append(f"| {r['label']} | {r['programs_per_sm']} | {r.get('num_splits', '')} | "
                          f"{r.get('programs', '')} | {fmt(r.get('tbps'))} | {r.get('error', '')} |")
@@ -603,8 +616,9 @@ def build_plan(args) -> tuple[list[tuple], list[dict]]:
         for label, options, programs_per_sm in configs:
             launches.append({"heads": heads, "batch": batch, "seq_len": seq_len, "base_kwargs": options,
                              "tuning_kwargs": {"schedule": "tiles", "programs_per_sm": programs_per_sm, **options}})
-        launches.append({"heads": heads, "batch": batch, "seq_len": seq_len, "base_kwargs": {"production": True},
-                         "tuning_kwargs": {}})
+        for options in [{}, *ROUND2.values()]:  # production and round 2's schedules
+            launches.append({"heads": heads, "batch": batch, "seq_len": seq_len,
+                             "base_kwargs": {"production": True, **options}, "tuning_kwargs": options})
     return cases, launches
 
 
