@@ -173,6 +173,15 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
                                           max_seq_len=span, sliding_window=sliding_window, soft_cap=soft_cap,
                                           tuning=tuning, sm_count=num_sms(query.device),
                                           counters=_counters(workspace, num_seqs * num_kv_heads))
+    if tuning.schedule == "tiles" and not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device)):
+        tuning = _DEFAULT_DECODE  # a big batch: round 1's split kernel, at copy speed there
+    if tuning.schedule == "tiles":
+        from pagedkv.kernels.triton_decode_tiles import triton_tiles_decode
+
+        counters = _counters(workspace, num_seqs * num_kv_heads) if tuning.merge == "in_kernel" else None
+        return triton_tiles_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
+                                   max_seq_len=span, sliding_window=sliding_window, soft_cap=soft_cap,
+                                   tuning=tuning, sm_count=num_sms(query.device), counters=counters)
     from pagedkv.kernels.triton_decode import triton_decode_attention
 
     if num_splits is None:
@@ -196,10 +205,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     `[num_seqs]` int32, the kv length including the current token (whose K/V is already written).
     A row with seq_len 0 returns zeros. `max_seq_len` is a host-side upper bound of seq_lens used
     to choose the split-KV count without a device sync (default: the block tables' capacity);
-    `num_splits` overrides the choice (split schedule only). `tuning` overrides the Triton launch
-    parameters and picks the schedule. `workspace` holds the self-resetting counters of the
-    in-kernel merge (allocated per call when None). `validate=False` trusts the caller and skips
-    every check.
+    `num_splits` overrides the choice (split schedule only; the tiles schedule plans its own).
+    `tuning` overrides the Triton launch parameters and picks the schedule. `workspace` holds the
+    self-resetting counters of the in-kernel merge (allocated per call when None).
+    `validate=False` trusts the caller and skips every check.
     """
     if validate:
         _, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,

@@ -138,3 +138,46 @@ def merge_chunk(group_p2: int, dim_pad: int) -> int:
     registers (sm_90, Triton 3.6), and so from 4 to 3 programs per SM.
     """
     return max(1, min(32, 4096 // (group_p2 * dim_pad)))
+
+
+@triton.jit
+def store_split_part(o, m_i, l_i, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, seq, first_head,
+                     num_heads, split, num_splits, counter_index, stride_out_s, stride_out_h, stride_out_d,
+                     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, ROWS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     DIM_PAD: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """Store one split's normalised rows `o` and log2-sum-exp; with MERGE_IN_KERNEL the last split to arrive merges.
+
+    Rows are query heads [first_head, first_head + ROWS) of sequence `seq`. Layout (shared with
+    the merge launch): partial_out [num_seqs, num_heads, num_splits, DIM_PAD] fp32,
+    partial_lse [num_seqs, num_heads, num_splits]. `counter_index` names the rows' counter.
+    """
+    rows = tl.arange(0, ROWS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    row_mask = rows < ROWS
+    dim_mask = dims < HEAD_DIM
+    has_any = l_i > 0
+    slot = (seq.to(tl.int64) * num_heads + first_head + rows) * num_splits + split  # [ROWS_PAD]
+    tl.store(partial_out_ptr + slot[:, None] * DIM_PAD + dims[None, :], o, mask=row_mask[:, None] & dim_mask[None, :])
+    lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
+    tl.store(partial_lse_ptr + slot, lse, mask=row_mask)
+    if MERGE_IN_KERNEL:
+        counter = counters_ptr + counter_index
+        if arrive(counter) == num_splits - 1:
+            tl.debug_barrier()
+            merged = merge_partials(partial_out_ptr, partial_lse_ptr, num_splits,
+                                    (seq.to(tl.int64) * num_heads + first_head) * num_splits, 1, 0, num_splits,
+                                    ROWS, ROWS_P2, DIM_PAD, MERGE_CHUNK)  # [ROWS_P2, DIM_PAD]
+            group_rows = tl.arange(0, ROWS_P2)
+            offsets = seq.to(tl.int64) * stride_out_s + (first_head + group_rows)[:, None] * stride_out_h \
+                + dims[None, :] * stride_out_d
+            tl.store(out_ptr + offsets, merged.to(out_ptr.dtype.element_ty),
+                     mask=(group_rows < ROWS)[:, None] & dim_mask[None, :])
+            tl.store(counter, 0)
+
+
+def split_partials(num_seqs: int, num_heads: int, num_splits: int, dim_pad: int, device) -> tuple:
+    """Empty fp32 (partial_out, partial_lse) in `store_split_part`'s layout."""
+    import torch
+
+    return (torch.empty(num_seqs, num_heads, num_splits, dim_pad, dtype=torch.float32, device=device),
+            torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device))

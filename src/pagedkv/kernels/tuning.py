@@ -24,6 +24,10 @@ start-up and the merge launch, not bandwidth, set the time (`DecodeTuning.schedu
                                 stream of (sequence, kv head, tile) work evenly, whatever the
                                 lengths; an item cut between programs is merged by the last
                                 of them to finish (see `triton_stream_k`)
+
+Round 3 (issue 12) added `schedule="tiles"` (`triton_decode_tiles`): the block table read
+ahead of the K/V loop, `heads_per_program` kv heads per program, and a split plan that
+rounds down to one wave of `programs_per_sm * num_sms` programs (`tiles_plan`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,14 @@ import torch
 from pagedkv.errors import InvalidArgumentError, require_positive_int
 
 
-DECODE_SCHEDULES = ("split", "stream_k")
+DECODE_SCHEDULES = ("split", "stream_k", "tiles")
 DECODE_MERGES = ("launch", "in_kernel")
+#: How the tiles schedule finds a tile's block ids: a table load per tile ("inline", round 1's way),
+#: or from a chunk of the table read ahead of the loop via `tl.gather` ("gather") or a one-hot select ("select").
+DECODE_TABLES = ("inline", "gather", "select")
+#: Programs per SM the tiles schedule plans for when `programs_per_sm` is None (round 1's split kernel
+#: fits 4 per SM at head_dim 128; H200 sweep pending, see benchmarks/KERNELS.md).
+TILES_PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -53,14 +63,21 @@ class DecodeTuning:
     max_splits: int = 128
     dot_min_group: int = 1  # from this group size on, tl.dot (M padded to 16); below it a multiply-sum
     # (the multiply-sum ran at 0.4 TB/s on the H200 against 3.8-4.2 for tl.dot, so MHA uses tl.dot too)
-    schedule: str = "split"  # "split" (grid seq x kv head x split) or "stream_k" (persistent, see above)
+    schedule: str = "split"  # "split" (grid seq x kv head x split), "stream_k" (persistent) or "tiles"
     merge: str = "launch"  # split partials merged by a second "launch" or "in_kernel" by the last arrival
-    programs_per_sm: int | None = None  # stream_k programs per SM; None: what fits (`stream_k_programs_per_sm`)
+    programs_per_sm: int | None = None  # stream_k: programs per SM, None: what fits (`stream_k_programs_per_sm`);
+    # tiles: the split plan's programs per SM, None: TILES_PROGRAMS_PER_SM
+    heads_per_program: int = 1  # tiles: kv heads one program reads (narrowed to a power-of-2 divisor of Hkv)
+    table: str = "gather"  # tiles: how a tile finds its block ids (DECODE_TABLES)
+    table_chunk: int = 64  # tiles: block-table entries read ahead per outer step (a power of 2)
+    tiles_max_waves: float | None = None  # tiles: a batch of >= this many waves of (seq x kv head) items
+    # runs the default split schedule instead (round 1 is at copy speed there); None: tiles always
 
     def __post_init__(self):
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
             raise InvalidArgumentError(f"block_n must be a power of 2 >= 16, got {self.block_n}")
-        for name in ("num_warps", "num_stages", "min_split_tokens", "max_splits", "dot_min_group"):
+        for name in ("num_warps", "num_stages", "min_split_tokens", "max_splits", "dot_min_group",
+                     "heads_per_program"):
             require_positive_int(name, getattr(self, name))
         if self.programs_per_sm is not None:
             require_positive_int("programs_per_sm", self.programs_per_sm)
@@ -70,6 +87,13 @@ class DecodeTuning:
             raise InvalidArgumentError(f"schedule must be one of {DECODE_SCHEDULES}, got {self.schedule!r}")
         if self.merge not in DECODE_MERGES:
             raise InvalidArgumentError(f"merge must be one of {DECODE_MERGES}, got {self.merge!r}")
+        if self.table not in DECODE_TABLES:
+            raise InvalidArgumentError(f"table must be one of {DECODE_TABLES}, got {self.table!r}")
+        if self.tiles_max_waves is not None and not self.tiles_max_waves > 0:
+            raise InvalidArgumentError(f"tiles_max_waves must be > 0 or None, got {self.tiles_max_waves}")
+        if isinstance(self.table_chunk, bool) or not isinstance(self.table_chunk, int) or self.table_chunk < 2 \
+                or self.table_chunk & (self.table_chunk - 1):
+            raise InvalidArgumentError(f"table_chunk must be a power of 2 >= 2, got {self.table_chunk!r}")
 
     def block_n_for(self, head_dim: int) -> int:
         """Tokens per iteration: 64 keeps a bf16 K tile at 16 KiB for head_dim 128; halve it for 256."""
@@ -90,6 +114,16 @@ class DecodeTuning:
         if head_dim <= 64:
             return 4
         return 3 if head_dim <= 128 and not masked else 2
+
+
+    def runs_tiles(self, num_items: int, sm_count: int) -> bool:
+        """Whether a batch of `num_items` (sequence x kv head) items runs the tiles schedule."""
+        return self.schedule == "tiles" and (self.tiles_max_waves is None
+                                             or num_items < self.tiles_max_waves * sm_count)
+
+    def tiles_programs_per_sm(self) -> int:
+        """Programs per SM the tiles schedule's split plan aims at (one wave, rounded down)."""
+        return self.programs_per_sm if self.programs_per_sm is not None else TILES_PROGRAMS_PER_SM
 
 
 def _check_tiles(tuning) -> None:
@@ -178,3 +212,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     by_length = max(1, max_seq_len // tuning.min_split_tokens)
     by_occupancy = -(-int(target) // programs)
     return max(1, min(by_occupancy, by_length, tuning.max_splits))
+
+
+def tiles_plan(num_items: int, span_tokens: int, block_n: int, sm_count: int,
+               tuning: DecodeTuning = DecodeTuning()) -> tuple[int, int]:
+    """(num_splits, split_tokens) of the tiles schedule, from host ints only.
+
+    `num_items` programs' worth of work without splitting (sequences x kv-head groups), each up
+    to `span_tokens` long. Split until items x splits reaches `programs_per_sm * sm_count`,
+    rounding DOWN (a split count that overshoots puts its last programs in a second wave, which
+    then costs a whole program's time), keeping every split >= min_split_tokens and a multiple of
+    `block_n`. Split s covers kv positions [s * split_tokens, (s + 1) * split_tokens).
+    """
+    span = max(1, span_tokens)
+    slots = tuning.tiles_programs_per_sm() * sm_count
+    splits = slots // num_items if 0 < num_items < slots else 1
+    splits = max(1, min(splits, span // tuning.min_split_tokens, tuning.max_splits))
+    per_split = -(-span // splits)
+    split_tokens = -(-per_split // block_n) * block_n
+    return -(-span // split_tokens), split_tokens
