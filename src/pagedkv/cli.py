@@ -51,7 +51,8 @@ def parse_memory(text: str) -> int | float:
 
 
 def add_engine_arguments(group) -> None:
-    """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory, --max-model-len."""
+    """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
+    --max-model-len, --kv-cache-dtype."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -64,6 +65,10 @@ def add_engine_arguments(group) -> None:
                             "(default: 0.5 on CUDA, 256MiB on CPU)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output (default: the model's limit, capped by the pool)")
+    group.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8_e4m3,fp8_e5m2}",
+                       help="what the KV pool stores: the model's dtype (auto) or FP8, one byte per value "
+                            "(twice the tokens in the same budget; scales from the checkpoint or a calibration "
+                            "pass) (default %(default)s)")
 
 
 #: subcommand -> (module with `main(argv)`, one-line help)
