@@ -88,6 +88,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("pagedkv.bench.engine", "engine throughput on nano-vllm's offline workload (GPU)"),
     "parallel": ("pagedkv.bench.parallel", "tensor parallel, data-parallel replicas and routing (2+ GPUs)"),
     "latency": ("pagedkv.bench.latency", "decode step time at batch 1..256 against the roofline (GPU)"),
+    "fp8": ("pagedkv.bench.fp8", "FP8 KV accuracy: perplexity and greedy agreement on SmolLM2 (CPU)"),
 }
 
 
