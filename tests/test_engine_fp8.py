@@ -142,3 +142,32 @@ def test_bad_kv_cache_dtype_is_refused_before_loading():
         LLM(hf_model=tiny("tiny-llama"), kv_cache_dtype="fp16")
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         PagePool.for_model(tiny("tiny-llama"), num_blocks=4, kv_cache_dtype="e4m3")
+
+
+def test_generate_and_serve_take_kv_cache_dtype(monkeypatch, capsys):
+    from server_helpers import tiny_chat_model
+
+    import pagedkv.engine.llm as llm_module
+    from pagedkv.cli import main
+    from pagedkv.server.cli import build_parser, engine_config
+
+    model, tokenizer = tiny_chat_model()
+    real_llm, engines = llm_module.LLM, []
+
+    def tiny_llm(name, **options):
+        llm = real_llm(hf_model=model, tokenizer=tokenizer, **options)
+        engines.append(llm.engine)
+        return llm
+
+    monkeypatch.setattr(llm_module, "LLM", tiny_llm)
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    try:
+        assert main(["generate", "--kv-cache-dtype", "fp8_e5m2", "--max-tokens", "3", "--kv-cache-memory", "8MiB",
+                     "--json", "Hello"]) == 0
+    finally:  # generate quiets transformers for the process
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
+    assert engines[0].pool.dtype == torch.float8_e5m2 and "completions" in capsys.readouterr().out
+    assert engine_config(build_parser().parse_args(["--kv-cache-dtype", "fp8_e4m3"])).kv_cache_dtype == "fp8_e4m3"

@@ -65,7 +65,9 @@ def add_engine_arguments(group) -> None:
                             "(default: 0.5 on CUDA, 256MiB on CPU)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output (default: the model's limit, capped by the pool)")
-    group.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8_e4m3,fp8_e5m2}",
+    from pagedkv.core.memory import KV_CACHE_DTYPES
+
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="what the KV pool stores: the model's dtype (auto) or FP8, one byte per value "
                             "(twice the tokens in the same budget; scales from the checkpoint or a calibration "
                             "pass) (default %(default)s)")
