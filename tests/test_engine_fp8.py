@@ -171,3 +171,31 @@ def test_generate_and_serve_take_kv_cache_dtype(monkeypatch, capsys):
         transformers.logging.enable_progress_bar()
     assert engines[0].pool.dtype == torch.float8_e5m2 and "completions" in capsys.readouterr().out
     assert engine_config(build_parser().parse_args(["--kv-cache-dtype", "fp8_e4m3"])).kv_cache_dtype == "fp8_e4m3"
+
+
+def test_fp8_drop_in_cache_forks_rows_for_beam_search():
+    """Beam search forks block tables and copies shared blocks on write: the copies move FP8 bytes (uint8 views)."""
+    model = tiny("tiny-llama")
+    pool = PagePool.for_model(model, num_blocks=128, block_size=4, kv_cache_dtype="fp8_e4m3")
+    ids = torch.tensor([_prompts(1, lengths=(10,))[0]])
+    with PagedCache(pool) as cache:
+        beams = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+                               num_beams=3, num_return_sequences=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert beams.shape == (3, 18) and torch.equal(beams[:, :10], ids.expand(3, -1))
+    with PagedCache(pool) as cache:
+        greedy = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert greedy[0, 10:].tolist() == _tokens(_llm().generate([ids[0].tolist()], GREEDY))[0][:8]
+    pool.check_integrity()
+    assert pool.num_used_blocks == 0
+
+
+def test_a_gpu_too_old_for_the_format_is_refused(monkeypatch):
+    from pagedkv.kernels.fp8 import resolve_kv_cache_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ConfigError, match=r"'fp8_e4m3' needs .* 8\.9\+.*8\.0; choose one of auto, fp8_e5m2"):
+        resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ConfigError, match="choose one of auto$"):
+        resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, "cuda")

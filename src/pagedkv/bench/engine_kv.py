@@ -18,7 +18,6 @@ plus FP8 over bf16 for throughput (issue 13's target: >= 1.5x). A benchmark: it 
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -82,7 +81,8 @@ def run(args) -> int:
     for kv_cache_dtype in dtypes:
         row = run_one(model, kv_cache_dtype, budget, prompts, output_lens, args.max_num_batched_tokens)
         result["runs"].append(row)
-        print(f"{kv_cache_dtype:<9} {row['num_blocks']:>6} blocks  concurrent seqs mean {row['mean_concurrent_seqs']:.1f} "
+        print(f"{kv_cache_dtype:<9} {row['num_blocks']:>6} blocks  concurrent seqs mean "
+              f"{row['mean_concurrent_seqs']:.1f} "
               f"peak {row['peak_concurrent_seqs']}  {row['output_tokens_per_s']:,.0f} output tok/s  "
               f"{row['num_preemptions']} preemptions  ({row['elapsed_s']:.1f} s)", flush=True)
     base = result["runs"][0]

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     parser.add_argument("--kv-dtypes", default="fp8_e4m3,fp8_e5m2", help="FP8 formats to compare (default %(default)s)")
     parser.add_argument("--no-unit-scales", action="store_true", help="skip the uncalibrated (scale 1) e4m3 row")
-    parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per demo question (default %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="greedy tokens per demo question (default %(default)s)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
 
@@ -202,8 +203,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
             row["k_scale_range"] = [float(pool.kv.k_scale.min()), float(pool.kv.k_scale.max())]
             row["v_scale_range"] = [float(pool.kv.v_scale.min()), float(pool.kv.v_scale.max())]
         rows.append(row)
-        print(f"{kv_cache_dtype:<10} {row['scales']:<20} perplexity {ppl:.4f}"
-              + ("" if row["increase"] is None else f" ({100 * row['increase']:+.3f}%)") + f"  [{row['seconds']:.0f} s]",
+        increase = "" if row["increase"] is None else f" ({100 * row['increase']:+.3f}%)"
+        print(f"{kv_cache_dtype:<10} {row['scales']:<20} perplexity {ppl:.4f}{increase}  [{row['seconds']:.0f} s]",
               flush=True)
     result["perplexity"] = rows
 
@@ -221,8 +222,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
     with torch.inference_mode(), PagedCache(pool) as cache:
         paged = torch.cat([model(input_ids=window[:, s:s + args.chunk], past_key_values=cache, use_cache=True)
                            .logits[0].float() for s in range(0, args.window, args.chunk)])
-    result["sanity"] = (f"Check: model-dtype KV through `PagedCache` in chunks vs HF sdpa without a cache, first window: "
-                        f"max |logit difference| {float((paged - plain).abs().max()):.2e}.")
+    result["sanity"] = ("Check: model-dtype KV through `PagedCache` in chunks vs HF sdpa without a cache, first "
+                        f"window: max |logit difference| {float((paged - plain).abs().max()):.2e}.")
     print(result["sanity"])
 
     result["greedy"] = greedy_agreement(model, tokenizer, kv_dtypes, args.max_tokens)

@@ -16,9 +16,10 @@ own data. A contender that fails is reported and not timed.
 Order of work: validation, the FP8 decode cases when `--kv-dtype` names an FP8 format
 (`kernel_fp8`: FP8 against bf16 caches in the same run; `--fp8-only` stops there), the decode
 grid (old and new decode schedules side by side), write_kv, prefill, the step cases, then
-`--variants` (launch configurations side by side, skipped past `--budget-s`). Timings are medians of CUDA-graph replays under
-`triton.testing.do_bench`, which flushes L2 before every call. It never asserts: each
-target is printed as met or MISSED with its measured figure, and recorded in the JSON.
+`--variants` (launch configurations side by side, skipped past `--budget-s`). Timings are
+medians of CUDA-graph replays under `triton.testing.do_bench`, which flushes L2 before every
+call. It never asserts: each target is printed as met or MISSED with its measured figure, and
+recorded in the JSON.
 """
 
 from __future__ import annotations
@@ -740,7 +741,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
                         help="variants still waiting after this many seconds of the run are skipped")
     parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
                         help="also time decode on an FP8 cache against the model-dtype one (B=64x4096, B=1x32768)")
-    parser.add_argument("--fp8-only", action="store_true", help="with --kv-dtype: run validation and the FP8 cases only")
+    parser.add_argument("--fp8-only", action="store_true",
+                        help="with --kv-dtype: run validation and the FP8 cases only")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU (checks the script, not the GPU): the torch path, or the Triton "
                              "kernels under the interpreter when TRITON_INTERPRET=1 is set")
