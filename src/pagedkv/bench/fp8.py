@@ -14,8 +14,11 @@ Two measurements, FP8 KV against model-dtype KV on the same model (CPU, fp32 wei
    diverges from model-dtype KV (None: identical).
 
 Rows: model dtype, each FP8 format with the default scales (calibration on the built-in text,
-`pagedkv.hf.kv_scales`), and e4m3 with unit scales (vLLM's default without a calibrated
-checkpoint) to show what calibration buys. Writes `fp8_accuracy.json` and `fp8_accuracy.md`.
+`pagedkv.hf.kv_scales`), e4m3 with unit scales (vLLM's default without a calibrated
+checkpoint) to show what calibration buys, and e4m3 simulated inside HF's own attention (K/V
+quantized and dequantized with the same scales, then sdpa, no pagedkv code on the path): what
+the format itself costs, against which pagedkv's kernels should add nothing. Writes
+`fp8_accuracy.json` and `fp8_accuracy.md`.
 """
 
 from __future__ import annotations
@@ -95,6 +98,38 @@ def perplexity(model, pool, token_ids: list[int], window: int, chunk: int) -> fl
     return math.exp(total / count)
 
 
+@torch.inference_mode()
+def simulated_perplexity(model, scales, dtype: torch.dtype, token_ids: list[int], window: int) -> float:
+    """Perplexity with K/V quantized and dequantized inside HF's sdpa attention (no PagedCache, no pagedkv kernels)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from pagedkv.kernels.fp8 import dequantize, quantize
+
+    def round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # x [B, Hkv, T, D]
+        rows = x.transpose(1, 2)
+        return dequantize(quantize(rows, scale, dtype), scale).transpose(1, 2).to(x.dtype)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        layer = module.layer_idx
+        return sdpa_attention_forward(module, query, round_trip(key, scales.k_scale[layer]),
+                                      round_trip(value, scales.v_scale[layer]), attention_mask, **kwargs)
+
+    AttentionInterface.register("pagedkv_fp8_simulated", attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("pagedkv_fp8_simulated")
+    total, count = 0.0, 0
+    try:
+        for start in range(0, len(token_ids), window):
+            ids = torch.tensor([token_ids[start:start + window]], device=model.device)
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            total -= float(logprobs.gather(1, ids[0, 1:, None]).sum())
+            count += ids.shape[1] - 1
+    finally:
+        model.set_attn_implementation(previous)
+    return math.exp(total / count)
+
+
 def greedy_agreement(model, tokenizer, kv_cache_dtypes: list[str], max_tokens: int, num_prompts: int | None = None,
                      scales: dict | None = None) -> dict:
     """Greedy outputs of the demo questions with each KV dtype; where each FP8 run first differs from "auto"."""
@@ -164,6 +199,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     parser.add_argument("--kv-dtypes", default="fp8_e4m3,fp8_e5m2", help="FP8 formats to compare (default %(default)s)")
     parser.add_argument("--no-unit-scales", action="store_true", help="skip the uncalibrated (scale 1) e4m3 row")
+    parser.add_argument("--no-simulated", action="store_true",
+                        help="skip the e4m3 row simulated inside HF's attention (no pagedkv code)")
     parser.add_argument("--max-tokens", type=int, default=48,
                         help="greedy tokens per demo question (default %(default)s)")
     parser.add_argument("--out", default="benchmarks/results")
@@ -206,6 +243,15 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
         increase = "" if row["increase"] is None else f" ({100 * row['increase']:+.3f}%)"
         print(f"{kv_cache_dtype:<10} {row['scales']:<20} perplexity {ppl:.4f}{increase}  [{row['seconds']:.0f} s]",
               flush=True)
+    if not args.no_simulated and "fp8_e4m3" in kv_dtypes:
+        from pagedkv.hf.kv_scales import kv_scales_for
+
+        tick = time.perf_counter()
+        ppl = simulated_perplexity(model, kv_scales_for(model, torch.float8_e4m3fn, tokenizer=tokenizer),
+                                   torch.float8_e4m3fn, token_ids, args.window)
+        rows.append({"kv_cache_dtype": "fp8_e4m3", "scales": "calibrated, simulated in HF sdpa (no pagedkv)",
+                     "perplexity": ppl, "increase": ppl / baseline - 1, "seconds": time.perf_counter() - tick})
+        print(f"fp8_e4m3 simulated in HF sdpa: perplexity {ppl:.4f} ({100 * rows[-1]['increase']:+.3f}%)", flush=True)
     result["perplexity"] = rows
 
     # Sanity: the model-dtype PagedCache path against HF's own attention (sdpa, no cache) on the first window.
