@@ -65,3 +65,34 @@ def assert_matches(out, expected, dtype):
 def cu_seqlens(q_lens) -> torch.Tensor:
     """cu_seqlens_q (int32) for chunks of `q_lens` tokens."""
     return torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+class Fp8Pool:
+    """A scenario's K/V stored again in an FP8 pool (NaN bytes where no sequence wrote), with per-head scales.
+
+    The scales come from each head's absolute maximum (as calibration makes them), times a per-head
+    factor in [1, 4) so that no two heads share a scale and a kernel that reads the wrong head's
+    scale is caught.
+    """
+
+    def __init__(self, scenario: Scenario, cache_dtype: torch.dtype, seed: int = 0):
+        from pagedkv.kernels.fp8 import fp8_max
+
+        generator = torch.Generator().manual_seed(seed)
+        num_kv_heads = scenario.k_cache.shape[2]
+        self.cache_dtype = cache_dtype
+        spread = 1 + 3 * torch.rand(2, num_kv_heads, generator=generator)
+        k_amax = scenario.keys.float().abs().amax(dim=(0, 2))
+        v_amax = scenario.values.float().abs().amax(dim=(0, 2))
+        self.k_scale = (k_amax * spread[0] / fp8_max(cache_dtype)).float()
+        self.v_scale = (v_amax * spread[1] / fp8_max(cache_dtype)).float()
+        nan = torch.full(scenario.k_cache.shape, float("nan"))
+        self.k_cache, self.v_cache = nan.to(cache_dtype), nan.to(cache_dtype)
+        slots = torch.tensor([scenario.slot(b, p) for b, n in enumerate(scenario.seq_lens.tolist())
+                              for p in range(n)], dtype=torch.int64)
+        reference_write_kv(scenario.keys, scenario.values, self.k_cache, self.v_cache, slots, self.k_scale,
+                           self.v_scale)
+
+    @property
+    def scales(self) -> dict:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}

@@ -75,6 +75,19 @@ def test_pagefault_numbers_through_the_cli(capsys):
     assert "122 / 29 = 4.2x" in out and "327,680 B (320 KiB)" in out
 
 
+def test_fp8_kv_doubles_pagefaults_capacity_beside_the_model_dtype(capsys):
+    args = ("--model", "llama3-70b", "--budget-gb", "80", "--max-len", "8192", "--mean-len", "2000")
+    result = run_json(*args, "--kv-dtype", "fp8", capsys=capsys)
+    assert result["model"]["bytes_per_token"] == 2 * 80 * 8 * 128 * 1
+    assert result["model_dtype"]["bytes_per_token"] == 2 * 80 * 8 * 128 * 2
+    assert (result["model_dtype_budget"]["num_naive_seqs"], result["model_dtype_budget"]["num_paged_seqs"]) == (29, 122)
+    assert (result["budget"]["num_naive_seqs"], result["budget"]["num_paged_seqs"]) == (59, 244)
+    assert run_json(*args, "--kv-dtype", "bf16", capsys=capsys)["model_dtype"] is None  # the model's own: no pair
+    assert main(["calc", *args, "--kv-dtype", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    assert "paged fp8" in out and "paged 16-bit" in out and "2.00x" in out and "244" in out and "122" in out
+
+
 # ---------------------------------------------------------------------- presets
 #: preset -> published config.json numbers: 2 * layers * kv_heads * head_dim * dtype_bytes
 PRESET_BYTES_PER_TOKEN = {
@@ -257,6 +270,9 @@ BAD_INPUTS = [
     (["--model", "custom", "--layers", "32"], "--kv-heads"),
     (["--model", "custom", "--layers", "0", "--kv-heads", "8", "--head-dim", "128"], "--layers"),
     (["--model", "gpt2", "--dtype-bytes", "0"], "--dtype-bytes"),
+    (["--model", "gpt2", "--kv-dtype", "int4"], "--kv-dtype"),
+    (["--model", "gpt2", "--kv-dtype", "fp8", "--dtype-bytes", "1"], "--dtype-bytes"),
+    (["--kv-dtype", "fp8"], "--kv-dtype"),
     (["--budget-gb", "80", "--mean-len", "100"], "--budget-gb"),
     (["--model", "gpt2", "--budget-gb", "0", "--mean-len", "100"], "--budget-gb"),
     (["--model", "gpt2", "--budget-gb", "nan", "--mean-len", "100"], "--budget-gb"),

@@ -53,6 +53,11 @@ BAD_ARGUMENTS = [
     ["bench", "kernel", "--no-such-flag"],
     ["bench", "hf", "--no-such-flag"],
     ["bench", "engine", "--no-such-flag"],
+    ["generate", "--kv-cache-dtype", "fp16", "hi"],
+    ["serve", "--kv-cache-dtype", "int8"],
+    ["calc", "--model", "gpt2", "--kv-dtype", "int4"],
+    ["sim", "--kv-cache-dtype", "fp4"],
+    ["bench", "engine", "--kv-cache-dtype", "fp9"],
 ]
 
 

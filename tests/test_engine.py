@@ -55,13 +55,15 @@ def test_embedded_smollm2_greedy_equals_hf_generate_and_answers():
     assert chat.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_tiny_pool_preempts_and_matches_a_large_pool(mode):
+def test_tiny_pool_preempts_and_matches_a_large_pool(mode, kv_cache_dtype):
+    """FP8 too: fixed scales make a recomputed or swapped-in block hold the bytes it held before."""
     prompts = _prompts(8, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    large = _llm("tiny-llama").generate(prompts, params)
+    large = _llm("tiny-llama", kv_cache_dtype=kv_cache_dtype).generate(prompts, params)
     small_llm = _llm("tiny-llama", num_blocks=24, watermark=0.0, preemption_mode=mode, swap_space=64 * 2**10,
-                     max_num_batched_tokens=64)
+                     max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
     small = small_llm.generate(prompts, params)
     stats = small_llm.stats()
     assert stats["num_preemptions"] > 0
@@ -72,11 +74,12 @@ def test_tiny_pool_preempts_and_matches_a_large_pool(mode):
     small_llm.engine.check_integrity()
 
 
-def test_prefix_cache_hit_equals_miss():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_prefix_cache_hit_equals_miss(kv_cache_dtype):
     shared = _prompts(1, lengths=(40,))[0]
     prompts = [shared + [7, 8, 9], shared + [10, 11]]
-    cold = _llm("tiny-qwen3", enable_prefix_caching=False).generate(prompts, GREEDY)
-    llm = _llm("tiny-qwen3")
+    cold = _llm("tiny-qwen3", enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype).generate(prompts, GREEDY)
+    llm = _llm("tiny-qwen3", kv_cache_dtype=kv_cache_dtype)
     first = llm.generate(prompts[:1], GREEDY)
     second = llm.generate(prompts[1:], GREEDY)
     assert second[0].num_cached_tokens == 40  # 10 full blocks of 4 shared

@@ -140,6 +140,21 @@ def test_cli_is_deterministic(tmp_path, capsys):
     assert "| naive |" in first and "| paged | recompute | cheapest | 2% |" in first
 
 
+def test_fp8_kv_doubles_the_blocks_and_halves_the_kv_read_term(tmp_path, capsys):
+    base = ["sim", *SMALL, "--json", "--cost-model", str(_default_cost(tmp_path))]
+    assert main(base) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["pool"]["num_blocks"] == 2 * bf16["pool"]["num_blocks"] == 1024
+    assert fp8["pool"]["num_swap_blocks"] == 2 * bf16["pool"]["num_swap_blocks"]
+    assert fp8["cost_model"]["kv_s_per_token"] == bf16["cost_model"]["kv_s_per_token"] / 2
+    assert fp8["cost_model"]["c0_s"] == bf16["cost_model"]["c0_s"]
+    paged = [next(r for r in run["rows"] if r["mode"] == "paged") for run in (bf16, fp8)]
+    assert paged[1]["throughput_tokens_per_s"] > paged[0]["throughput_tokens_per_s"]
+    assert paged[1]["num_preemptions"] <= paged[0]["num_preemptions"]
+
+
 def test_cli_sweep_writes_json_and_png(tmp_path, capsys):
     args = ["sim", *SMALL, "--sweep", "--victim", "newest", "--workers", "2", "--out", str(tmp_path),
             "--cost-model", str(_default_cost(tmp_path))]
@@ -157,6 +172,7 @@ def test_cli_sweep_writes_json_and_png(tmp_path, capsys):
 
 @pytest.mark.parametrize("bad,needle", [
     (["--blocks", "0"], "--blocks"),
+    (["--kv-cache-dtype", "fp4"], "kv_cache_dtype 'fp4'"),
     (["--clients", "-3"], "--clients"),
     (["--victim", "oldest"], "--victim"),
     (["--preemption", "drop"], "--preemption"),

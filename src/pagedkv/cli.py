@@ -51,7 +51,8 @@ def parse_memory(text: str) -> int | float:
 
 
 def add_engine_arguments(group) -> None:
-    """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory, --max-model-len."""
+    """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
+    --max-model-len, --kv-cache-dtype."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -64,6 +65,12 @@ def add_engine_arguments(group) -> None:
                             "(default: 0.5 on CUDA, 256MiB on CPU)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output (default: the model's limit, capped by the pool)")
+    from pagedkv.core.memory import KV_CACHE_DTYPES
+
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="what the KV pool stores: the model's dtype (auto) or FP8, one byte per value "
+                            "(twice the tokens in the same budget; scales from the checkpoint or a calibration "
+                            "pass) (default %(default)s)")
 
 
 #: subcommand -> (module with `main(argv)`, one-line help)
@@ -83,6 +90,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("pagedkv.bench.engine", "engine throughput on nano-vllm's offline workload (GPU)"),
     "parallel": ("pagedkv.bench.parallel", "tensor parallel, data-parallel replicas and routing (2+ GPUs)"),
     "latency": ("pagedkv.bench.latency", "decode step time at batch 1..256 against the roofline (GPU)"),
+    "fp8": ("pagedkv.bench.fp8", "FP8 KV accuracy: perplexity and greedy agreement on SmolLM2 (CPU)"),
 }
 
 

@@ -17,6 +17,10 @@ It also:
 - records every engine step's shape and time on a separate calibration workload and fits
   the simulator's step-time cost model (`cost_model.json`);
 - writes the main run as a fidelity file (`engine_run.json`) for `pagedkv sim --fidelity`.
+
+`--kv-cache-dtype fp8_e4m3` runs every pagedkv variant on an FP8 KV pool. `--preset kv-bound`
+runs a different workload instead (`pagedkv.bench.engine_kv`): Llama-3-8B shape, 2,000-8,000
+token contexts, a pool that limits concurrency, once per KV dtype (bf16 against FP8).
 """
 
 from __future__ import annotations
@@ -134,7 +138,14 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
 
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="random-weight architecture (pagedkv.hf.RANDOM_CONFIGS)")
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--preset", default="nano-vllm", choices=("nano-vllm", "kv-bound"),
+                        help="nano-vllm: the offline workload above; kv-bound: FP8 vs bf16 KV where the pool limits "
+                             "concurrency (see pagedkv.bench.engine_kv)")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="KV pool dtype: auto, fp8_e4m3 or fp8_e5m2 (nano-vllm preset, default auto); "
+                             "comma-separated dtypes to compare (kv-bound preset, default auto,fp8_e4m3)")
+    parser.add_argument("--kv-budget-gib", type=float, default=10.0, help="kv-bound: KV pool bytes (default 10 GiB)")
+    parser.add_argument("--requests", type=int, default=None, help="requests (default 256; kv-bound: 64)")
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
@@ -147,6 +158,17 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--calibration-requests", type=int, default=96)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    from pagedkv.core.memory import check_kv_cache_dtype
+
+    if args.preset == "kv-bound":
+        from pagedkv.bench import engine_kv
+
+        args.kv_cache_dtype = args.kv_cache_dtype or "auto,fp8_e4m3"
+        for name in args.kv_cache_dtype.split(","):
+            check_kv_cache_dtype(name)
+        return engine_kv.run(args)
+    args.kv_cache_dtype = check_kv_cache_dtype(args.kv_cache_dtype or "auto")
+    args.requests = args.requests or 256
     if not torch.cuda.is_available():
         print("pagedkv bench engine needs a CUDA GPU")
         return 2
@@ -158,7 +180,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
 
     def make_llm(**options):
         return LLM(hf_model=model, kv_cache_memory=args.kv_cache_memory, max_model_len=4096,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, **options)
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   kv_cache_dtype=args.kv_cache_dtype, **options)
 
     start = time.perf_counter()
     llm = make_llm()
@@ -170,6 +193,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
                                                   "max_num_seqs": args.max_num_seqs,
                                                   "max_num_batched_tokens": args.max_num_batched_tokens,
                                                   "max_model_len": engine.max_model_len,
+                                                  "kv_cache_dtype": args.kv_cache_dtype,
                                                   "startup_s": startup_s,
                                                   "num_graphs": len(engine.runner.graphs)}}
 

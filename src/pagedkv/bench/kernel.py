@@ -13,11 +13,13 @@ then each grid case's schedules against the default schedule's output, and each 
 (`kernel_steps`: engine shapes, chunked prefill, a mixed step) against the reference on its
 own data. A contender that fails is reported and not timed.
 
-Order of work: validation, the decode grid (old and new decode schedules side by side),
-write_kv, prefill, the step cases, then `--variants` (launch configurations side by side,
-skipped past `--budget-s`). Timings are medians of CUDA-graph replays under
-`triton.testing.do_bench`, which flushes L2 before every call. It never asserts: each
-target is printed as met or MISSED with its measured figure, and recorded in the JSON.
+Order of work: validation, the FP8 decode cases when `--kv-dtype` names an FP8 format
+(`kernel_fp8`: FP8 against bf16 caches in the same run; `--fp8-only` stops there), the decode
+grid (old and new decode schedules side by side), write_kv, prefill, the step cases, then
+`--variants` (launch configurations side by side, skipped past `--budget-s`). Timings are
+medians of CUDA-graph replays under `triton.testing.do_bench`, which flushes L2 before every
+call. It never asserts: each target is printed as met or MISSED with its measured figure, and
+recorded in the JSON.
 """
 
 from __future__ import annotations
@@ -660,6 +662,7 @@ def target_summary(result: dict) -> list[dict]:
                     "measured": f"{_fmt(ratio)}x ({_fmt(best.get('tflops'), '.0f')} vs {_fmt(sdpa, '.0f')} TFLOP/s, "
                                 f"{best.get('label', best.get('kernel', 'prefill'))})"})
     summary += result.get("step_targets", [])
+    summary += result.get("fp8_targets", [])
     return summary
 
 
@@ -682,6 +685,11 @@ def write_markdown(path: Path, result: dict) -> Path:
             ["kernel", "contender", "case", "max abs err", "ok"],
             [[r["kernel"], r.get("contender", "default"), r["case"], f"{r['max_abs_err']:.2e}", str(r["ok"])]
              for r in result["validation"]]) + [""]
+    if result.get("fp8_decode"):
+        from pagedkv.bench.kernel_fp8 import table_rows
+
+        lines += ["## FP8 decode (against the model-dtype cache, same data, same run)", ""] + _markdown_table(
+            *table_rows(result["fp8_decode"])) + [""]
     header, body = _decode_table_rows(result["decode"])
     lines += ["## Decode", ""] + _markdown_table(header, body)
     w, p = result["write_kv"], result["prefill"]
@@ -731,6 +739,10 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes ~30 s)")
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="variants still waiting after this many seconds of the run are skipped")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+                        help="also time decode on an FP8 cache against the model-dtype one (B=64x4096, B=1x32768)")
+    parser.add_argument("--fp8-only", action="store_true",
+                        help="with --kv-dtype: run validation and the FP8 cases only")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU (checks the script, not the GPU): the torch path, or the Triton "
                              "kernels under the interpreter when TRITON_INTERPRET=1 is set")
@@ -777,6 +789,22 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
 
     result["copy_tbps"] = copy_bandwidth_tbps(device, 2 * 2**30 if device.type == "cuda" else 2**26)
     progress(f"copy bandwidth (read + write): {result['copy_tbps']:.2f} TB/s")
+    if args.kv_dtype != "auto":
+        from pagedkv.bench import kernel_fp8
+        from pagedkv.kernels import KernelWorkspace
+
+        result["fp8_decode"] = kernel_fp8.fp8_decode(device, dtype, backend, args.kv_dtype, result["copy_tbps"], smoke,
+                                                     KernelWorkspace(64 * NUM_KV_HEADS, device), progress)
+        _print_table(console, f"Paged decode, {args.kv_dtype} against {result['dtype']} caches, {device_name}",
+                     *kernel_fp8.table_rows(result["fp8_decode"]))
+        result["fp8_targets"] = kernel_fp8.target_rows(result["fp8_decode"])
+        if args.fp8_only:
+            result["target_summary"] = result["fp8_targets"]
+            _print_table(console, "Targets", ["target", "measured", "met"],
+                         [[t["target"], t["measured"], verdict(t["met"])] for t in result["target_summary"]])
+            result["elapsed_s"] = time.perf_counter() - started
+            console.print(f"wrote {write_json(args.out, 'kernel_fp8', result)} in {result['elapsed_s']:.0f} s")
+            return 0
     result["decode"] = decode_grid(device, dtype, backend, GRID if not smoke else SMOKE_GRID, result["copy_tbps"],
                                    not args.no_flex and device.type == "cuda", invalid, progress)
     _print_table(console, f"Paged decode, Llama-3-8B attention, {result['dtype']} on {device_name}",

@@ -5,6 +5,7 @@ Three sections, each printed when its arguments ask for it:
     no model args          the toy workload: naive vs paged, block-size sweep (PageFault's calculator)
     --model / --config     KV sizing of a real model
     + --budget-gb          concurrent sequences a KV budget holds, naive vs paged
+    + --kv-dtype fp8       the same with an FP8 KV cache (1 byte per value), beside the model dtype's figures
 
 Then the formulas used, with this run's numbers. `--json` prints one JSON object instead.
 Bad input raises `InvalidArgumentError` / `ConfigError` (argparse's own errors too), which
@@ -34,7 +35,7 @@ from pagedkv.calc.capacity import (
     sizing_formulas,
     workload_formulas,
 )
-from pagedkv.calc.sizing import PRESETS, KVSizing, custom_sizing, preset_sizing, spec_from_config_file
+from pagedkv.calc.sizing import DTYPE_BYTES, PRESETS, KVSizing, custom_sizing, preset_sizing, spec_from_config_file
 from pagedkv.core import DEFAULT_MIX, MemoryReport, generate_lengths, memory_report
 from pagedkv.cli import ArgumentParser
 from pagedkv.errors import InvalidArgumentError
@@ -69,6 +70,9 @@ def build_parser(prog: str = "pagedkv calc") -> argparse.ArgumentParser:
     model.add_argument("--head-dim", type=int, help="--model custom: head dimension")
     model.add_argument("--dtype-bytes", type=int, help="bytes per KV value (overrides the config's dtype; "
                        "default 2 for custom)")
+    model.add_argument("--kv-dtype", default="auto", metavar="DTYPE",
+                       help="the KV cache's dtype: auto (the model's), bf16, fp16, fp32, fp8, fp8_e4m3 or fp8_e5m2; "
+                            "another dtype than the model's is shown beside it (default auto)")
     budget = parser.add_argument_group("budget")
     budget.add_argument("--budget-gb", type=float, help="KV memory budget in GB (1e9 bytes)")
     budget.add_argument("--mean-len", type=int, help="mean sequence length for the paged estimate")
@@ -102,6 +106,14 @@ def _check_args(args: argparse.Namespace) -> None:
         if given:
             verb = "applies" if len(given) == 1 else "apply"
             raise InvalidArgumentError(f"{', '.join(given)} {verb} only with --model custom")
+    if args.kv_dtype != "auto":
+        if args.kv_dtype not in DTYPE_BYTES:
+            raise InvalidArgumentError(f"--kv-dtype {args.kv_dtype!r} is not a dtype calc knows; choose one of auto, "
+                                       f"{', '.join(KV_DTYPE_NAMES)}")
+        if not has_model:
+            raise InvalidArgumentError("--kv-dtype needs a model: pass --model or --config")
+        if args.dtype_bytes is not None:
+            raise InvalidArgumentError("--kv-dtype and --dtype-bytes both set the bytes per KV value; pass one")
     if args.budget_gb is not None:
         if not has_model:
             raise InvalidArgumentError("--budget-gb needs a model: pass --model or --config")
@@ -111,10 +123,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--mean-len applies only with --budget-gb")
 
 
-def sizing_from_args(args: argparse.Namespace) -> KVSizing | None:
-    """The model the arguments name, or None for the toy workload."""
+#: --kv-dtype names (besides auto), shortest first.
+KV_DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def sizing_from_args(args: argparse.Namespace, *, model_dtype: bool = False) -> KVSizing | None:
+    """The model the arguments name (with --kv-dtype's bytes unless `model_dtype`), or None for the toy workload."""
+    dtype_bytes = args.dtype_bytes
+    if args.kv_dtype != "auto" and not model_dtype:
+        dtype_bytes = DTYPE_BYTES[args.kv_dtype]
     if args.config is not None:
-        return spec_from_config_file(args.config, dtype_bytes=args.dtype_bytes)
+        return spec_from_config_file(args.config, dtype_bytes=dtype_bytes)
     if args.model is None:
         return None
     if args.model == "custom":
@@ -123,8 +142,13 @@ def sizing_from_args(args: argparse.Namespace) -> KVSizing | None:
         if missing:
             raise InvalidArgumentError(f"--model custom needs --layers, --kv-heads and --head-dim "
                                        f"(missing {', '.join(missing)})")
-        return custom_sizing(args.layers, args.kv_heads, args.head_dim, args.dtype_bytes or 2)
-    return preset_sizing(args.model, dtype_bytes=args.dtype_bytes)
+        return custom_sizing(args.layers, args.kv_heads, args.head_dim, dtype_bytes or 2)
+    return preset_sizing(args.model, dtype_bytes=dtype_bytes)
+
+
+def dtype_label(dtype_bytes: int) -> str:
+    """A column label for a KV dtype of `dtype_bytes` bytes: fp8, 16-bit (bf16 or fp16) or fp32."""
+    return {1: "fp8", 2: "16-bit", 4: "fp32"}.get(dtype_bytes, f"{dtype_bytes} B")
 
 
 # ---------------------------------------------------------------------- sections as JSON-ready dicts
@@ -178,7 +202,8 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     """Every section the arguments ask for, as one JSON-ready dict (what `--json` prints)."""
     _check_args(args)
     sizing = sizing_from_args(args)
-    result: dict[str, Any] = {"model": None, "budget": None, "workload": None, "formulas": [], "notes": []}
+    result: dict[str, Any] = {"model": None, "budget": None, "workload": None, "formulas": [], "notes": [],
+                              "kv_dtype": args.kv_dtype, "model_dtype": None, "model_dtype_budget": None}
     notes: list[str] = result["notes"]
     formulas: list[Formula] = []
     if sizing is None:
@@ -191,6 +216,11 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
                          f"{sizing.max_position_embeddings:,}")
         result["model"] = _sizing_dict(sizing, args.block_size, max_len)
         formulas = sizing_formulas(sizing, args.block_size)
+        baseline = sizing_from_args(args, model_dtype=True) if args.kv_dtype != "auto" else None
+        if baseline is not None and baseline.dtype_bytes == sizing.dtype_bytes:
+            baseline = None  # --kv-dtype names the model's own dtype: nothing to compare
+        if baseline is not None:
+            result["model_dtype"] = _sizing_dict(baseline, args.block_size, max_len)
         if args.budget_gb is not None:
             if max_len is None:
                 raise InvalidArgumentError("--budget-gb needs --max-len (the model gives no max_position_embeddings)")
@@ -200,6 +230,12 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
                 raise InvalidArgumentError(f"--mean-len {args.mean_len:,} is over {limit}")
             capacity = budget_capacity(sizing, round(args.budget_gb * GB), max_len, args.mean_len, args.block_size)
             result["budget"] = _capacity_dict(capacity)
+            if baseline is not None:
+                base = budget_capacity(baseline, round(args.budget_gb * GB), max_len, args.mean_len, args.block_size)
+                result["model_dtype_budget"] = _capacity_dict(base)
+                notes.append(f"KV dtype {args.kv_dtype}: {sizing.dtype_bytes} B per value against the model's "
+                             f"{baseline.dtype_bytes}; {capacity.num_paged_seqs} paged sequences against "
+                             f"{base.num_paged_seqs} ({capacity.num_paged_seqs / max(1, base.num_paged_seqs):.2f}x)")
             formulas += budget_formulas(sizing, capacity)
             if capacity.num_naive_seqs == 0:
                 notes.append("the budget cannot hold one sequence reserved at the max length")
@@ -252,7 +288,7 @@ def _print_workload(console, w: dict[str, Any]) -> None:
     console.print(sweep)
 
 
-def _print_model(console, m: dict[str, Any]) -> None:
+def _print_model(console, m: dict[str, Any], base: dict[str, Any] | None = None) -> None:
     table = _table(f"KV cache of {m['name']}", "", "value")
     layers = f"{m['num_layers']}"
     if m["num_sliding_layers"]:
@@ -265,6 +301,9 @@ def _print_model(console, m: dict[str, Any]) -> None:
         table.add_row("KV heads x head_dim", f"{m['num_kv_heads']} x {m['head_dim']}")
     table.add_row("dtype bytes", f"{m['dtype_bytes']}")
     table.add_row("KV per token", format_per_token(m["bytes_per_token"]))
+    if base is not None:
+        table.add_row(f"KV per token ({dtype_label(base['dtype_bytes'])}, the model's)",
+                      format_per_token(base["bytes_per_token"]))
     table.add_row(f"KV per block ({m['block_size']} tokens)", format_bytes(m["page_size_bytes"]))
     if m["max_position_embeddings"]:
         table.add_row("max_position_embeddings", f"{m['max_position_embeddings']:,}")
@@ -273,15 +312,33 @@ def _print_model(console, m: dict[str, Any]) -> None:
     console.print(table)
 
 
-def _print_budget(console, b: dict[str, Any]) -> None:
-    table = _table(f"KV budget {format_bytes(b['budget_bytes'])}: naive vs paged", "", "naive", "paged")
-    table.add_row("tokens per sequence", f"{b['max_len']:,} (max len)",
-                  f"{b['num_blocks_per_seq'] * b['block_size']:,} ({b['num_blocks_per_seq']:,} blocks of "
-                  f"{b['block_size']})")
-    table.add_row("KV per sequence", format_bytes(b["naive_bytes_per_seq"]), format_bytes(b["paged_bytes_per_seq"]))
-    table.add_row("concurrent sequences", f"{b['num_naive_seqs']:,}", f"{b['num_paged_seqs']:,}")
+def _budget_cells(b: dict[str, Any]) -> list[tuple[str, str]]:
+    """(naive, paged) cells of each row of the budget table."""
     gain = "-" if b["gain"] is None else f"{b['gain']:.1f}x"
-    table.add_row("vs naive", "1.0x" if b["num_naive_seqs"] else "-", gain)
+    return [(f"{b['max_len']:,} (max len)", f"{b['num_blocks_per_seq'] * b['block_size']:,} "
+             f"({b['num_blocks_per_seq']:,} blocks of {b['block_size']})"),
+            (format_bytes(b["naive_bytes_per_seq"]), format_bytes(b["paged_bytes_per_seq"])),
+            (f"{b['num_naive_seqs']:,}", f"{b['num_paged_seqs']:,}"),
+            ("1.0x" if b["num_naive_seqs"] else "-", gain)]
+
+
+def _print_budget(console, b: dict[str, Any], bytes_per_value: int, base: dict[str, Any] | None = None,
+                  base_bytes: int = 0) -> None:
+    """Naive vs paged; with `base` (the model dtype's figures) its two columns first, then this KV dtype's."""
+    labels = ("tokens per sequence", "KV per sequence", "concurrent sequences", "vs naive")
+    title = f"KV budget {format_bytes(b['budget_bytes'])}: naive vs paged"
+    if base is None:
+        table = _table(title, "", "naive", "paged")
+        for label, cells in zip(labels, _budget_cells(b)):
+            table.add_row(label, *cells)
+    else:
+        kv, model = dtype_label(bytes_per_value), dtype_label(base_bytes)
+        table = _table(title + f", {model} against {kv} KV", "", f"naive {model}", f"paged {model}",
+                       f"naive {kv}", f"paged {kv}")
+        for label, base_cells, cells in zip(labels, _budget_cells(base), _budget_cells(b)):
+            table.add_row(label, *base_cells, *cells)
+        ratio = b["num_paged_seqs"] / base["num_paged_seqs"] if base["num_paged_seqs"] else None
+        table.add_row(f"paged vs paged {model}", "", "1.0x", "", "-" if ratio is None else f"{ratio:.2f}x")
     console.print(table)
 
 
@@ -292,10 +349,12 @@ def render(result: dict[str, Any]) -> None:
     console = Console()
     if result["workload"]:
         _print_workload(console, result["workload"])
+    base = result.get("model_dtype")
     if result["model"]:
-        _print_model(console, result["model"])
+        _print_model(console, result["model"], base)
     if result["budget"]:
-        _print_budget(console, result["budget"])
+        _print_budget(console, result["budget"], result["model"]["dtype_bytes"], result.get("model_dtype_budget"),
+                      base["dtype_bytes"] if base else 0)
     block_size = (result["workload"] or result["model"])["block_size"]
     console.print(f"Core formulas (B = block size = {block_size}, GB = 1e9 B, MB = 1e6 B):", highlight=False)
     width = max(len(f["name"]) for f in result["formulas"])

@@ -39,7 +39,7 @@ MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_len
 DTYPE_BYTES = {
     "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
     "float32": 4, "float": 4, "fp32": 4,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
 }
 DEFAULT_DTYPE_BYTES = 2
 

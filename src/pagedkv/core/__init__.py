@@ -6,11 +6,19 @@ The allocator hands out block ids, block tables map a sequence's tokens onto the
 
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
-from pagedkv.core.memory import MemoryReport, ModelSpec, memory_report
+from pagedkv.core.memory import (
+    KV_CACHE_DTYPES,
+    MemoryReport,
+    ModelSpec,
+    check_kv_cache_dtype,
+    kv_cache_dtype_bytes,
+    memory_report,
+)
 from pagedkv.core.workload import DEFAULT_MIX, LengthBucket, SplitMix64, generate_lengths
 
 __all__ = [
     "DEFAULT_MIX",
+    "KV_CACHE_DTYPES",
     "BlockAllocator",
     "BlockCopy",
     "BlockTable",
@@ -18,7 +26,9 @@ __all__ = [
     "MemoryReport",
     "ModelSpec",
     "SplitMix64",
+    "check_kv_cache_dtype",
     "generate_lengths",
+    "kv_cache_dtype_bytes",
     "memory_report",
     "num_blocks_for",
 ]

@@ -15,7 +15,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.core.block_table import num_blocks_for
-from pagedkv.errors import InvalidArgumentError, require_positive_int
+from pagedkv.errors import ConfigError, InvalidArgumentError, require_positive_int
+
+#: The `kv_cache_dtype` option of every entry point: "auto" stores K/V in the model's dtype, the
+#: FP8 formats one byte per value (see `pagedkv.kernels.fp8`).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: object) -> str:
+    """`kv_cache_dtype` if it is one of `KV_CACHE_DTYPES`; else `ConfigError` naming it and the allowed set."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose one of "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes per stored K/V value: the model's for "auto", 1 for FP8; `ConfigError` naming an unknown option."""
+    return model_dtype_bytes if check_kv_cache_dtype(kv_cache_dtype) == "auto" else 1
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedkv.core.memory import check_kv_cache_dtype
 from pagedkv.errors import ConfigError, require_positive_int
 
 
@@ -17,6 +18,10 @@ class EngineConfig:
 
     max_model_len: the longest sequence (prompt + output). None: the model's limit, capped
     at what the pool holds. Given explicitly, startup fails if one such sequence cannot fit.
+
+    kv_cache_dtype: what the pool stores: "auto" (the model's dtype) or "fp8_e4m3" /
+    "fp8_e5m2" (one byte per value, so the same budget holds twice the bf16 blocks; scales
+    from the checkpoint or a startup calibration pass, see `pagedkv.hf.kv_scales`).
     """
 
     model: str | None = None
@@ -26,6 +31,7 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     num_blocks: int | None = None
     max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     watermark: float = 0.01
@@ -49,6 +55,7 @@ class EngineConfig:
         require_positive_int("max_num_seqs", self.max_num_seqs)
         require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         require_positive_int("swap_space", self.swap_space, allow_zero=True)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.num_blocks is not None:
             require_positive_int("num_blocks", self.num_blocks)
         if self.max_model_len is not None:

@@ -6,7 +6,9 @@
 
 The engine also picks the model path at startup (pagedkv's own decoder for the Llama family,
 HF's modules for everything else, logged), sizes the KV pool from a memory budget, and refuses
-configurations where one max-length request could not fit.
+configurations where one max-length request could not fit. With `kv_cache_dtype` FP8 the
+budget is counted in one-byte blocks, and the scales are fixed at startup (checkpoint or
+calibration, `pagedkv.hf.kv_scales`) before the model's HF copy is released.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, R
 from pagedkv.hf.cache import kv_shape_of
 from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
 from pagedkv.kernels import KVPool
+from pagedkv.kernels.fp8 import is_fp8, kv_cache_dtype_name, resolve_kv_cache_dtype
 
 logger = logging.getLogger("pagedkv")
 
@@ -194,7 +197,9 @@ class LLMEngine:
         self.vocab_size = model.config.get_text_config().vocab_size
         num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
         num_kv_heads //= config.tensor_parallel_size  # this rank's heads (the shard checks divisibility)
-        bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * self.kv_dtype.itemsize
+        kv_scales = self._kv_scales(model, tokenizer) if is_fp8(self.kv_dtype) else None
         self.model, self.model_impl = self._pick_model(model)
         # The HF model stays on CPU (the demo checks answers against its generate); on a GPU its
         # weights are freed once the own decoder holds its fused copy.
@@ -225,7 +230,7 @@ class LLMEngine:
         )
         # One block more than the allocator hands out: CUDA-graph padding rows write their K/V there.
         self.pool = KVPool(num_layers, num_blocks + 1, config.block_size, num_kv_heads, head_dim, self.dtype,
-                           self.device)
+                           self.device, kv_cache_dtype=config.kv_cache_dtype, scales=kv_scales)
         max_blocks_per_seq = num_blocks_for(max_model_len, config.block_size)
         num_table_rows = 2 * config.max_num_seqs + 1
         self.input_builder = StepInputBuilder(self.scheduler.block_manager, config.block_size, num_table_rows)
@@ -253,10 +258,21 @@ class LLMEngine:
         # (benchmarks record step times with it to calibrate the simulator's cost model).
         self.on_step = None
         self.step_timings: list[StepTiming] | None = None  # a list turns per-phase step timing on
+        kv_note = kv_cache_dtype_name(self.kv_dtype) + (f", scales from {kv_scales.source}" if kv_scales else "")
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; "
+            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, KV dtype %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
+<<<<<<< HEAD
             num_blocks * bytes_per_block / 2**20, self.dtype, max_model_len, capacity_tokens / max_model_len)
+=======
+            num_blocks * bytes_per_block / 2**20, kv_note, max_model_len, capacity_tokens / max_model_len)
+        if hasattr(self, "_run_torchrun_worker"):  # torchrun rank > 0: serve rank 0's steps, then leave
+            try:
+                self._run_torchrun_worker()
+            finally:
+                self.tp.shutdown()
+            raise SystemExit(0)
+>>>>>>> fp8
 
     # ------------------------------------------------------------------ tensor parallel
     @property
@@ -382,6 +398,17 @@ class LLMEngine:
         return own, "pagedkv"
 
     # ------------------------------------------------------------------ startup sizing
+    def _kv_scales(self, hf_model: torch.nn.Module, tokenizer):
+        """This rank's FP8 scales: the checkpoint's, else calibrated on the built-in text (every rank alike)."""
+        from pagedkv.hf.kv_scales import kv_scales_for
+
+        if tokenizer is None and not self.is_driver and self.config.model is not None:
+            tokenizer = load_tokenizer(self.config.model)  # the same calibration tokens as rank 0
+        scales = kv_scales_for(hf_model, self.kv_dtype, tokenizer=tokenizer)
+        if self.tp is not None:
+            scales = scales.shard(self.tp.rank, self.tp.size)
+        return scales
+
     def _num_blocks(self, bytes_per_block: int) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:

@@ -85,16 +85,19 @@ class LLM:
     """An engine plus a loop: `generate` and `chat` block until every request finishes."""
 
     def __init__(self, model: str | None = None, *, block_size: int = 16, kv_cache_memory: int | float | None = None,
-                 device: str | None = None, dtype: str | None = None, hf_model: torch.nn.Module | None = None,
-                 tokenizer=None, data_parallel_size: int = 1, **engine_options):
+                 device: str | None = None, dtype: str | None = None, kv_cache_dtype: str = "auto",
+                 hf_model: torch.nn.Module | None = None, tokenizer=None, data_parallel_size: int = 1,
+                 **engine_options):
         """`model`: None (embedded SmolLM2), an HF id or path, a .gguf file, or `random:NAME`.
+
+        `kv_cache_dtype`: "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2" (see `EngineConfig`).
 
         `hf_model`/`tokenizer` pass an already loaded model. `data_parallel_size` > 1 runs that
         many engine replicas (one process and device each) behind the prefix-aware router. Other
         keywords are `EngineConfig` fields (`tensor_parallel_size` among them).
         """
         config = EngineConfig(model=model, block_size=block_size, kv_cache_memory=kv_cache_memory, device=device,
-                              dtype=dtype, **engine_options)
+                              dtype=dtype, kv_cache_dtype=kv_cache_dtype, **engine_options)
         if data_parallel_size > 1:
             if hf_model is not None:
                 raise ConfigError("data_parallel_size > 1 loads the model by name in every replica: pass the model "

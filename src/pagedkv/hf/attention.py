@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from pagedkv.errors import ModelMismatchError, PagedKVError
-from pagedkv.kernels import paged_decode_attention, paged_prefill_attention
+from pagedkv.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 
 ATTN_IMPLEMENTATION = "pagedkv"
 STEP_ATTR = "_pagedkv_cache"  # attribute on the key tensor that carries the paged cache to this function
@@ -96,8 +96,8 @@ def _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
             f"this cache's pool was built for {pool.num_layers} layers x {pool.num_kv_heads} KV heads x head_dim "
             f"{pool.head_dim}, but layer {layer_idx} of the model has {num_kv_heads} KV heads x head_dim {head_dim}"
         )
-    if key.dtype != pool.dtype:
-        raise ModelMismatchError(f"the model's K/V are {key.dtype} but the pool stores {pool.dtype}")
+    if key.dtype != pool.model_dtype:
+        raise ModelMismatchError(f"the model's K/V are {key.dtype} but the pool was made for {pool.model_dtype}")
     meta = cache.attention_metadata(attention_mask, batch, q_len)
 
     num_rows = batch * q_len
@@ -112,10 +112,15 @@ def _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
             v.index_select(0, meta.token_index)
 
     k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
+    k_scale, v_scale = pool.kv_scales(layer_idx)
     # Pads were compacted away above, so every slot is real: write_kv's unpadded scatter, into slot-row
     # views the cache made once (a view per call costs as much host time as the copy's launch).
-    cache.k_rows[layer_idx].index_copy_(0, meta.slot_mapping, k)
-    cache.v_rows[layer_idx].index_copy_(0, meta.slot_mapping, v)
+    if k_scale is None:
+        cache.k_rows[layer_idx].index_copy_(0, meta.slot_mapping, k)
+        cache.v_rows[layer_idx].index_copy_(0, meta.slot_mapping, v)
+    else:  # FP8: quantized inside the write
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False, has_padding=False, k_scale=k_scale,
+                 v_scale=v_scale)
 
     scale = scaling if scaling is not None else head_dim ** -0.5
     window = _model_sliding_window(module, kwargs)
@@ -124,17 +129,17 @@ def _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
     if nd and nd == num_rows:  # a decode step: one launch over every row, nothing sliced or scattered back
         out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                      scale=scale, max_seq_len=meta.max_decode_seq_len, sliding_window=window,
-                                     soft_cap=soft_cap, validate=False)
+                                     soft_cap=soft_cap, validate=False, k_scale=k_scale, v_scale=v_scale)
         return out.view(batch, q_len, num_heads, head_dim), None
     out = torch.empty_like(q)
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                scale=scale, max_seq_len=meta.max_decode_seq_len, sliding_window=window,
-                               soft_cap=soft_cap, out=out[:nd], validate=False)
+                               soft_cap=soft_cap, out=out[:nd], validate=False, k_scale=k_scale, v_scale=v_scale)
     paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                             meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
                             max_seq_len=meta.max_prefill_seq_len, sliding_window=window, soft_cap=soft_cap,
-                            out=out[nd:], validate=False)
+                            out=out[nd:], validate=False, k_scale=k_scale, v_scale=v_scale)
     if meta.token_index is not None:
         full = out.new_zeros(num_rows, num_heads, head_dim)
         full.index_copy_(0, meta.token_index, out)

@@ -121,21 +121,41 @@ class PagedKVCacheBase(Cache):
 
 
 class PagePool:
-    """K/V pages for one model, shared by any number of `PagedCache`s (one allocator, one tensor pool)."""
+    """K/V pages for one model, shared by any number of `PagedCache`s (one allocator, one tensor pool).
+
+    `kv_cache_dtype="fp8_e4m3"` (or `"fp8_e5m2"`) stores one byte per value with the per-head
+    `scales` (`pagedkv.kernels.fp8.KVScales`); `for_model` takes them from the checkpoint or
+    calibrates them (`pagedkv.hf.kv_scales`).
+    """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu", *,
+                 kv_cache_dtype: str = "auto", scales=None):
         require_positive_int("num_blocks", num_blocks)
         require_positive_int("block_size", block_size)
-        self.kv = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        self.kv = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                         kv_cache_dtype=kv_cache_dtype, scales=scales)
         self.allocator = BlockAllocator(num_blocks)
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16) -> PagePool:
-        """A pool shaped like `model`'s KV, on its device and in its dtype (registers the attention too)."""
+    def for_model(cls, model, num_blocks: int, block_size: int = 16, *, kv_cache_dtype: str = "auto",
+                  scales=None, tokenizer=None) -> PagePool:
+        """A pool shaped like `model`'s KV, on its device and in its dtype (registers the attention too).
+
+        FP8 without `scales`: the checkpoint's, else calibrated on the built-in text (with
+        `tokenizer`, or byte ids without one).
+        """
+        from pagedkv.kernels.fp8 import resolve_kv_cache_dtype
+
         register()
         num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
-        return cls(num_layers, num_kv_heads, head_dim, num_blocks, block_size, model.dtype, model.device)
+        storage = resolve_kv_cache_dtype(kv_cache_dtype, model.dtype, model.device)
+        if scales is None and storage != model.dtype:
+            from pagedkv.hf.kv_scales import kv_scales_for
+
+            scales = kv_scales_for(model, storage, tokenizer=tokenizer)
+        return cls(num_layers, num_kv_heads, head_dim, num_blocks, block_size, model.dtype, model.device,
+                   kv_cache_dtype=kv_cache_dtype, scales=scales)
 
     @property
     def block_size(self) -> int:
@@ -427,7 +447,7 @@ class PagedCache(PagedKVCacheBase):
         if copies:
             src = torch.tensor([c.src for c in copies], device=self.pool.device)
             dst = torch.tensor([c.dst for c in copies], device=self.pool.device)
-            self.pool.kv.index_copy_(2, dst, self.pool.kv.index_select(2, src))
+            self.pool.kv_storage.index_copy_(2, dst, self.pool.kv_storage.index_select(2, src))
 
     def _pack(self, num_new: list[int] | None, q_len: int, copies: list[BlockCopy],
               token_index: torch.Tensor | None) -> PagedAttentionMetadata:
@@ -478,7 +498,7 @@ class PagedCache(PagedKVCacheBase):
         on_device = self._staging.to_device(packed)
 
         if copies:
-            kv = self.pool.kv  # [2, L, N, B, Hkv, D]: one block id addresses every layer's K and V
+            kv = self.pool.kv_storage  # [2, L, N, B, Hkv, D]: one block id addresses every layer's K and V
             src = on_device[copies_at:copies_at + num_copies]
             dst = on_device[copies_at + num_copies:copies_at + 2 * num_copies]
             kv.index_copy_(2, dst, kv.index_select(2, src))

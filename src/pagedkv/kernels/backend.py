@@ -21,6 +21,8 @@ and the slot mapping, which is a view of the runner's staging buffer. Three ways
 `forward(layer, q, k, v)` writes the new K/V into the pool (slot mapping) and runs paged decode
 attention over the decode rows and paged prefill attention over the rest. The model gets the
 backend bound to a step's metadata (`bind`) as an explicit argument: no globals, no tags.
+With an FP8 pool the write quantizes (`write_kv`'s fused kernel on CUDA) and attention gets
+the layer's `k_scale` / `v_scale`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.kernels.ops import paged_decode_attention, paged_prefill_attention
+from pagedkv.kernels.ops import paged_decode_attention, paged_prefill_attention, write_kv
 from pagedkv.kernels.pool import KVPool
 from pagedkv.kernels.tuning import choose_num_splits, num_sms
 
@@ -72,6 +74,10 @@ class BoundAttention:
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (k_cache, v_cache), for a fused kernel that writes K/V itself."""
         return self.backend.pool.k_caches[layer_idx], self.backend.pool.v_caches[layer_idx]
+
+    def kv_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's FP8 (k_scale, v_scale), `[num_kv_heads]` each; (None, None) unless the pool is FP8."""
+        return self.backend.pool.kv_scales(layer_idx)
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -172,20 +178,25 @@ class AttentionBackend:
         """
         pool = self.pool
         k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
+        k_scale, v_scale = pool.kv_scales(layer_idx)
         if k is not None:
-            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+            if k_scale is None:
+                num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+                k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+                v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+            else:
+                write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False, has_padding=False,
+                         k_scale=k_scale, v_scale=v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                    scale=scale, max_seq_len=meta.max_decode_seq_len, sliding_window=sliding_window,
                                    num_splits=meta.decode_num_splits if q.is_cuda else None, out=out[:nd],
-                                   validate=False)
+                                   validate=False, k_scale=k_scale, v_scale=v_scale)
         if nd < meta.num_tokens:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                                     meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
                                     max_seq_len=meta.max_prefill_seq_len, sliding_window=sliding_window,
-                                    out=out[nd:], validate=False)
+                                    out=out[nd:], validate=False, k_scale=k_scale, v_scale=v_scale)
         return out

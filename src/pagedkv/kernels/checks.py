@@ -22,6 +22,8 @@ from pagedkv.errors import KernelInputError
 
 #: Cache / query dtypes the kernels accept (fp32 is for CPU tests under the interpreter).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Cache dtypes: the above, or FP8 bytes with per-head scales (the query stays in its own dtype).
+CACHE_DTYPES = SUPPORTED_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Head dims the Triton kernels are built and tested for (non powers of two are padded and masked).
 TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 #: Block sizes (tokens per page) the Triton kernels accept.
@@ -51,8 +53,8 @@ def check_cache_pair(k_cache: object, v_cache: object) -> torch.device:
     if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
         _fail("k_cache and v_cache must be torch.Tensors")
     device = k_cache.device
-    check_tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES, device)
-    check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES, device)
+    check_tensor("k_cache", k_cache, 4, CACHE_DTYPES, device)
+    check_tensor("v_cache", v_cache, 4, CACHE_DTYPES, device)
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         _fail(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} "
               "must match in shape and dtype")
@@ -74,10 +76,10 @@ def check_triton_shapes(k_cache: torch.Tensor) -> None:
 
 
 def check_query(query: object, k_cache: torch.Tensor, device: torch.device) -> int:
-    """`query` is `[num_tokens, num_heads, head_dim]` in the cache's dtype; returns the GQA group size."""
+    """`query` is `[num_tokens, num_heads, head_dim]` in the cache's dtype (any, for FP8); returns the GQA group."""
     check_tensor("query", query, 3, SUPPORTED_DTYPES, device)
     _, _, num_kv_heads, head_dim = k_cache.shape
-    if query.dtype != k_cache.dtype:
+    if query.dtype != k_cache.dtype and k_cache.dtype in SUPPORTED_DTYPES:
         _fail(f"query dtype {query.dtype} differs from the KV cache dtype {k_cache.dtype}")
     if query.shape[2] != head_dim:
         _fail(f"query head_dim {query.shape[2]} differs from the KV cache head_dim {head_dim}")

@@ -14,6 +14,10 @@ about ten nodes:
 Rounding follows HF's modules op by op (each torch op on bf16/fp16 rounds its result), so the
 fused path computes the same bits HF's eager modules do wherever fp32 arithmetic inside one
 torch op allows: the kernels round to the model dtype exactly where HF does.
+
+With an FP8 pool, `qk_norm_rope_write_kv` quantizes K (after rotary, in the model dtype) and V
+with their heads' scales as it stores them (`triton_fp8.quantize`): the same bytes `write_kv`
+would store for the same K/V.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedkv.kernels.triton_fp8 import fp8_format, quantize
 
 
 @triton.jit
@@ -125,9 +131,10 @@ def _head_norm(x1, x2, w_ptr, half, halves, mask, eps, HEAD_DIM: tl.constexpr, d
 @triton.jit
 def _qk_norm_rope_write_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    eps, stride_qkv, stride_table, stride_cache_slot, stride_cache_head,
+    k_scale_ptr, v_scale_ptr, eps, stride_qkv, stride_table, stride_cache_slot, stride_cache_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
     QK_NORM: tl.constexpr, ROUND: tl.constexpr,
+    KV_FP8: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -159,30 +166,44 @@ def _qk_norm_rope_write_kernel(
         o1, o2 = _rope_half(x1, x2, c, s, dtype, ROUND)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         dst = slot * stride_cache_slot + kv_head * stride_cache_head
-        tl.store(k_cache_ptr + dst + halves, o1.to(dtype), mask=mask)
-        tl.store(k_cache_ptr + dst + half + halves, o2.to(dtype), mask=mask)
         v1 = tl.load(v_base + halves, mask=mask, other=0.0)
         v2 = tl.load(v_base + half + halves, mask=mask, other=0.0)
-        tl.store(v_cache_ptr + dst + halves, v1, mask=mask)
-        tl.store(v_cache_ptr + dst + half + halves, v2, mask=mask)
+        if KV_FP8:  # K as the model dtype holds it, then quantized: what write_kv stores for that K
+            k_scale = tl.load(k_scale_ptr + kv_head)
+            v_scale = tl.load(v_scale_ptr + kv_head)
+            o1 = quantize(o1.to(dtype), k_scale, MANT_BITS, MIN_EXP, FP8_MAX)
+            o2 = quantize(o2.to(dtype), k_scale, MANT_BITS, MIN_EXP, FP8_MAX)
+            v1 = quantize(v1, v_scale, MANT_BITS, MIN_EXP, FP8_MAX)
+            v2 = quantize(v2, v_scale, MANT_BITS, MIN_EXP, FP8_MAX)
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst + halves, o1.to(cache_dtype), mask=mask)
+        tl.store(k_cache_ptr + dst + half + halves, o2.to(cache_dtype), mask=mask)
+        tl.store(v_cache_ptr + dst + halves, v1.to(cache_dtype), mask=mask)
+        tl.store(v_cache_ptr + dst + half + halves, v2.to(cache_dtype), mask=mask)
 
 
 def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                          num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                          num_heads: int, num_kv_heads: int, head_dim: int, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate q in place in `qkv` [T, (H + 2 Hkv) D] and store rotated K and V at their slots; returns q [T, H, D].
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous per slot); slot_mapping [T] int64, all >= 0.
+    An FP8 cache takes its layer's `k_scale`/`v_scale` ([Hkv] float32) and stores quantized K/V.
     """
     num_tokens = qkv.shape[0]
     if num_tokens:
+        mant_bits, min_exp, fp8_max = fp8_format(k_cache.dtype)
+        kv_fp8 = k_scale is not None
         _qk_norm_rope_write_kernel[(num_tokens, num_heads + num_kv_heads)](
             qkv, positions, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
-            k_cache, v_cache, slot_mapping, eps, qkv.stride(0), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache, v_cache, slot_mapping, k_scale if kv_fp8 else qkv, v_scale if kv_fp8 else qkv, eps,
+            qkv.stride(0), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), QK_NORM=q_norm is not None,
-            ROUND=qkv.dtype != torch.float32, num_warps=1)
+            ROUND=qkv.dtype != torch.float32, KV_FP8=kv_fp8, MANT_BITS=mant_bits, MIN_EXP=min_exp,
+            FP8_MAX=fp8_max, num_warps=1)
     return qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 

@@ -20,6 +20,11 @@ tests ask for `backend="triton"` explicitly instead.
 
 Triton modules are imported on first use, so the torch path works where Triton is absent.
 Every tensor but the caches may be a strided view: the kernels take each tensor's strides.
+
+FP8 caches (float8_e4m3fn / float8_e5m2) take `k_scale` and `v_scale`, each `[num_kv_heads]`
+float32 (one layer's row of `KVPool.k_scale`): `write_kv` quantizes inside its one pass, and
+attention dequantizes in registers (see `pagedkv.kernels.fp8`). Queries and outputs stay in
+the model's dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from pagedkv.errors import KernelInputError
 from pagedkv.kernels import checks
+from pagedkv.kernels.fp8 import check_scales
 from pagedkv.kernels.torch_ops import (
     torch_decode_attention,
     torch_paged_attention,
@@ -63,7 +69,8 @@ def _check_triton_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, validate: bool = True, backend: str = "auto",
-             has_padding: bool = True) -> None:
+             has_padding: bool = True, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Store token i's `key[i]`/`value[i]` (`[num_kv_heads, head_dim]`) at pool slot `slot_mapping[i]`.
 
     slot = block_id * block_size + offset; a negative slot marks a padding token and is skipped.
@@ -75,24 +82,29 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     `has_padding=False` promises every slot is >= 0. Then two `index_copy_` calls do the
     scatter on any device: on the H200 host a Triton launch cost 38 us of CPU against about
     10 us per `index_copy_`, and a decode step writes a few KB, so launch cost is all there is.
+    An FP8 cache (`k_scale`/`v_scale` given) quantizes, so it takes the Triton kernel on CUDA
+    (the quantization fused into the one write) and the torch path elsewhere.
     """
-    if not has_padding:
+    is_fp8 = k_scale is not None
+    if not has_padding and not is_fp8:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
         return
     if not validate:
         if resolve_backend(backend, k_cache.device) == "torch":
-            torch_write_kv(key, value, k_cache, v_cache, slot_mapping)
+            torch_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, has_padding)
         else:
             from pagedkv.kernels.triton_write_kv import triton_write_kv
 
-            triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+            triton_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
     device = checks.check_cache_pair(k_cache, v_cache)
+    check_scales(k_cache, k_scale, v_scale)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    key_dtypes = checks.SUPPORTED_DTYPES if k_cache.dtype not in checks.SUPPORTED_DTYPES else (k_cache.dtype,)
     for name, tensor in (("key", key), ("value", value)):
-        checks.check_tensor(name, tensor, 3, (k_cache.dtype,), device)
+        checks.check_tensor(name, tensor, 3, key_dtypes, device)
         if tuple(tensor.shape[1:]) != (num_kv_heads, head_dim):
             raise KernelInputError(f"{name} is {tuple(tensor.shape)}; expected [num_tokens, {num_kv_heads}, "
                                    f"{head_dim}] to match the KV cache")
@@ -100,21 +112,23 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not key.shape[0] == value.shape[0] == slot_mapping.shape[0]:
         raise KernelInputError(f"key, value and slot_mapping disagree on num_tokens: {key.shape[0]}, "
                                f"{value.shape[0]}, {slot_mapping.shape[0]}")
-    if validate:
-        checks.check_slot_values(slot_mapping, num_blocks * block_size)
+    if key.dtype != value.dtype:
+        raise KernelInputError(f"key is {key.dtype} but value is {value.dtype}")
+    checks.check_slot_values(slot_mapping, num_blocks * block_size)
     if resolve_backend(backend, device) == "torch":
-        torch_write_kv(key, value, k_cache, v_cache, slot_mapping)
+        torch_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     _check_triton_layout(k_cache, v_cache)
     from pagedkv.kernels.triton_write_kv import triton_write_kv
 
-    triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    triton_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, soft_cap,
-                     backend, num_seqs: int | None) -> tuple[torch.device, str]:
+                     backend, num_seqs: int | None, k_scale=None, v_scale=None) -> tuple[torch.device, str]:
     """Metadata checks shared by every attention entry point; returns the device and the resolved backend."""
     device = checks.check_cache_pair(k_cache, v_cache)
+    check_scales(k_cache, k_scale, v_scale)
     checks.check_query(query, k_cache, device)
     checks.check_tables(block_tables, seq_lens, num_seqs, device)
     checks.check_out(out, query)
@@ -131,12 +145,12 @@ def _check_host_int(name: str, value: object, minimum: int) -> None:
 
 
 def _varlen_backend(validate: bool, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                    max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend) -> str:
+                    max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend, k_scale, v_scale) -> str:
     """The backend for a ragged batch (prefill or mixed), after every check, values included, when `validate`."""
     if not validate:
         return resolve_backend(backend, query.device)
     device, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
-                                        sliding_window, soft_cap, backend, num_seqs=None)
+                                        sliding_window, soft_cap, backend, None, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, checks.INDEX_DTYPES, device)
     if cu_seqlens_q.shape[0] != num_seqs + 1:
@@ -158,7 +172,8 @@ def _counters(workspace: KernelWorkspace | None, num_items: int) -> torch.Tensor
 
 
 def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len, sliding_window,
-                   soft_cap, num_splits, tuning: DecodeTuning, workspace: KernelWorkspace | None) -> torch.Tensor:
+                   soft_cap, num_splits, tuning: DecodeTuning, workspace: KernelWorkspace | None,
+                   k_scale=None, v_scale=None) -> torch.Tensor:
     """The Triton decode schedule `tuning` names, from host ints only (see `tuning`)."""
     num_seqs, _, _ = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -172,9 +187,11 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
             return triton_stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
                                           max_seq_len=span, sliding_window=sliding_window, soft_cap=soft_cap,
                                           tuning=tuning, sm_count=num_sms(query.device),
-                                          counters=_counters(workspace, num_seqs * num_kv_heads))
-    if tuning.schedule == "tiles" and not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device)):
-        tuning = _DEFAULT_DECODE  # a big batch: round 1's split kernel, at copy speed there
+                                          counters=_counters(workspace, num_seqs * num_kv_heads),
+                                          k_scale=k_scale, v_scale=v_scale)
+    if tuning.schedule == "tiles" and (k_scale is not None
+                                       or not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device))):
+        tuning = _DEFAULT_DECODE  # a big batch (round 1's split kernel is at copy speed there) or FP8 (split only)
     if tuning.schedule == "tiles":
         from pagedkv.kernels.triton_decode_tiles import triton_tiles_decode
 
@@ -189,7 +206,7 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
     counters = _counters(workspace, num_seqs * num_kv_heads) if tuning.merge == "in_kernel" else None
     return triton_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
                                    num_splits=num_splits, sliding_window=sliding_window, soft_cap=soft_cap,
-                                   tuning=tuning, counters=counters)
+                                   tuning=tuning, counters=counters, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -197,8 +214,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            max_seq_len: int | None = None, sliding_window: int | None = None,
                            soft_cap: float | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None, validate: bool = True, backend: str = "auto",
-                           tuning: DecodeTuning | None = None,
-                           workspace: KernelWorkspace | None = None) -> torch.Tensor:
+                           tuning: DecodeTuning | None = None, workspace: KernelWorkspace | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged K/V. Returns `[num_seqs, num_heads, head_dim]`.
 
     query `[num_seqs, num_heads, head_dim]`; block_tables `[num_seqs, max_blocks]` int32; seq_lens
@@ -206,14 +223,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     A row with seq_len 0 returns zeros. `max_seq_len` is a host-side upper bound of seq_lens used
     to choose the split-KV count without a device sync (default: the block tables' capacity);
     `num_splits` overrides the choice (split schedule only; the tiles schedule plans its own).
-    `tuning` overrides the Triton launch parameters and picks the schedule. `workspace` holds the
-    self-resetting counters of the in-kernel merge (allocated per call when None).
+    `tuning` overrides the Triton launch parameters and picks the schedule (FP8 caches run the
+    split schedule). `workspace` holds the self-resetting counters of the in-kernel merge
+    (allocated per call when None). `k_scale`/`v_scale`: an FP8 cache's `[num_kv_heads]` scales.
     `validate=False` trusts the caller and skips every check.
     """
     if validate:
         _, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
                                        sliding_window, soft_cap, backend,
-                                       num_seqs=query.shape[0] if isinstance(query, torch.Tensor) else None)
+                                       query.shape[0] if isinstance(query, torch.Tensor) else None, k_scale, v_scale)
         num_blocks, block_size, _, _ = k_cache.shape
         if max_seq_len is None:
             max_seq_len = block_tables.shape[1] * block_size
@@ -225,9 +243,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         resolved = resolve_backend(backend, query.device)
     if resolved == "torch":
         return torch_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap, out=out)
+                                      sliding_window=sliding_window, soft_cap=soft_cap, out=out, k_scale=k_scale,
+                                      v_scale=v_scale)
     return _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len, sliding_window,
-                          soft_cap, num_splits, tuning or _DEFAULT_DECODE, workspace)
+                          soft_cap, num_splits, tuning or _DEFAULT_DECODE, workspace, k_scale, v_scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -235,26 +254,29 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             scale: float, max_seqlen_q: int, max_seq_len: int | None = None,
                             sliding_window: int | None = None, soft_cap: float | None = None,
                             out: torch.Tensor | None = None, validate: bool = True, backend: str = "auto",
-                            tuning: PrefillTuning | None = None) -> torch.Tensor:
+                            tuning: PrefillTuning | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves.
 
     query `[total_q_tokens, num_heads, head_dim]`; cu_seqlens_q `[num_seqs + 1]` int32; sequence b's
     queries sit at kv positions seq_lens[b] - q_len_b .. seq_lens[b] - 1 and see kv positions <= their
     own. Their K/V must already be in the cache (`write_kv` first). Returns `[total_q_tokens, num_heads,
     head_dim]`. `max_seqlen_q` is the host-side longest chunk, which sizes the launch grid.
-    `validate=False` trusts the caller and skips every check.
+    `k_scale`/`v_scale`: an FP8 cache's scales. `validate=False` trusts the caller and skips every check.
     """
     resolved = _varlen_backend(validate, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                               max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend)
+                               max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend, k_scale, v_scale)
     if resolved == "torch":
         return torch_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
-                                       sliding_window=sliding_window, soft_cap=soft_cap, out=out)
+                                       sliding_window=sliding_window, soft_cap=soft_cap, out=out, k_scale=k_scale,
+                                       v_scale=v_scale)
     from pagedkv.kernels.triton_prefill import triton_prefill_attention
 
     out = torch.empty_like(query) if out is None else out
     return triton_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
                                     scale=scale, max_seqlen_q=max_seqlen_q, sliding_window=sliding_window,
-                                    soft_cap=soft_cap, tuning=tuning or _DEFAULT_PREFILL)
+                                    soft_cap=soft_cap, tuning=tuning or _DEFAULT_PREFILL, k_scale=k_scale,
+                                    v_scale=v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -262,7 +284,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     max_seq_len: int | None = None, sliding_window: int | None = None,
                     soft_cap: float | None = None, out: torch.Tensor | None = None, validate: bool = True,
                     backend: str = "auto", tuning: UnifiedTuning | None = None,
-                    workspace: KernelWorkspace | None = None) -> torch.Tensor:
+                    workspace: KernelWorkspace | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A mixed step in one launch: decode rows (1 query token) and prefill chunks (many) of any sequences.
 
     The contract of `paged_prefill_attention` (a decode row is a chunk of one token): query
@@ -275,23 +298,24 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     only (`max_seqlen_q == 1` and `num_tokens == num_seqs`, so cu_seqlens_q is 0, 1, .., num_seqs)
     runs the decode kernel of `tuning.decode` unless `tuning.decode_route` is off; `max_seq_len`
     (default: the tables' capacity) sizes its split, and `workspace` holds its counters.
-    `validate=False` trusts the caller and skips every check.
+    `k_scale`/`v_scale`: an FP8 cache's scales. `validate=False` trusts the caller and skips every check.
     """
     resolved = _varlen_backend(validate, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                               max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend)
+                               max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend, k_scale, v_scale)
     if resolved == "torch":
         return torch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
-                                     sliding_window=sliding_window, soft_cap=soft_cap, out=out)
+                                     sliding_window=sliding_window, soft_cap=soft_cap, out=out, k_scale=k_scale,
+                                     v_scale=v_scale)
     tuning = tuning or _DEFAULT_UNIFIED
     if tuning.decode_route and max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
         return _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len,
-                              sliding_window, soft_cap, None, tuning.decode, workspace)
+                              sliding_window, soft_cap, None, tuning.decode, workspace, k_scale, v_scale)
     from pagedkv.kernels.triton_unified import triton_unified_attention
 
     out = torch.empty_like(query) if out is None else out
     return triton_unified_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
                                     max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
-                                    tuning=tuning)
+                                    tuning=tuning, k_scale=k_scale, v_scale=v_scale)
 
 
 _DEFAULT_DECODE = DecodeTuning()

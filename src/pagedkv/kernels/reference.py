@@ -14,6 +14,10 @@ Semantics, shared by every backend:
 Decode: the one query of sequence b sits at position seq_lens[b] - 1. Prefill: sequence b's
 q_len new queries sit at positions seq_lens[b] - q_len .. seq_lens[b] - 1. A mixed step
 (`paged_attention`) is prefill where some chunks are one token long.
+
+An FP8 cache stores `fp8.quantize(x, scale)` and reads back `float(stored) * scale` per KV
+head (`k_scale`, `v_scale`, each `[num_kv_heads]`): here that dequantization is spelled out
+before the attention math, where the kernels fold it into the softmax scale and the output.
 """
 
 from __future__ import annotations
@@ -22,28 +26,42 @@ import math
 
 import torch
 
+from pagedkv.kernels.fp8 import dequantize, quantize
+
 
 def reference_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """Store token i's K/V `[num_kv_heads, head_dim]` at slot `slot_mapping[i]`; negative slots are skipped."""
+                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> None:
+    """Store token i's K/V `[num_kv_heads, head_dim]` at slot `slot_mapping[i]`; negative slots are skipped.
+
+    With scales (an FP8 cache) each token is stored as `quantize(x, scale)`.
+    """
     block_size = k_cache.shape[1]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // block_size, slot % block_size] = key[i]
-        v_cache[slot // block_size, slot % block_size] = value[i]
+        k, v = key[i], value[i]
+        if k_scale is not None:
+            k, v = quantize(k, k_scale, k_cache.dtype), quantize(v, v_scale, v_cache.dtype)
+        k_cache[slot // block_size, slot % block_size] = k
+        v_cache[slot // block_size, slot % block_size] = v
 
 
-def _gather_sequence(cache: torch.Tensor, block_table: list[int], seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Token rows 0 .. seq_len-1 of one sequence, block by block: `[seq_len, num_kv_heads, head_dim]`."""
+def _gather_sequence(cache: torch.Tensor, block_table: list[int], seq_len: int, dtype: torch.dtype,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Token rows 0 .. seq_len-1 of one sequence, block by block: `[seq_len, num_kv_heads, head_dim]`.
+
+    With a scale (an FP8 cache) the rows are dequantized.
+    """
     block_size = cache.shape[1]
     pieces = []
     for logical, start in enumerate(range(0, seq_len, block_size)):
         num_tokens = min(block_size, seq_len - start)  # the last block may be partly filled
         pieces.append(cache[block_table[logical], :num_tokens])
     if not pieces:
-        return cache.new_zeros((0, *cache.shape[2:]), dtype=dtype)
-    return torch.cat(pieces).to(dtype)
+        return torch.zeros((0, *cache.shape[2:]), dtype=dtype, device=cache.device)
+    rows = torch.cat(pieces)
+    return rows.to(dtype) if scale is None else dequantize(rows, scale, dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], scale: float,
@@ -69,7 +87,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[i
 def reference_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               float64: bool = False) -> torch.Tensor:
+                               float64: bool = False, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its cached K/V: `[num_seqs, num_heads, head_dim]`; seq_len 0 gives zeros."""
     dtype = torch.float64 if float64 else torch.float32
     out = torch.zeros(query.shape, dtype=dtype, device=query.device)
@@ -77,8 +96,8 @@ def reference_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
         if seq_len == 0:
             continue
         table = block_tables[b].tolist()
-        k = _gather_sequence(k_cache, table, seq_len, dtype)
-        v = _gather_sequence(v_cache, table, seq_len, dtype)
+        k = _gather_sequence(k_cache, table, seq_len, dtype, k_scale)
+        v = _gather_sequence(v_cache, table, seq_len, dtype, v_scale)
         out[b] = _attend(query[b : b + 1].to(dtype), k, v, [seq_len - 1], scale, sliding_window, soft_cap)[0]
     return out if float64 else out.to(query.dtype)
 
@@ -86,7 +105,8 @@ def reference_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
 def reference_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
                                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                                float64: bool = False) -> torch.Tensor:
+                                float64: bool = False, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached prefix and itself.
 
     Returns `[total_q_tokens, num_heads, head_dim]`.
@@ -99,8 +119,8 @@ def reference_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_ca
         if end == start:
             continue
         table = block_tables[b].tolist()
-        k = _gather_sequence(k_cache, table, seq_len, dtype)
-        v = _gather_sequence(v_cache, table, seq_len, dtype)
+        k = _gather_sequence(k_cache, table, seq_len, dtype, k_scale)
+        v = _gather_sequence(v_cache, table, seq_len, dtype, v_scale)
         positions = list(range(seq_len - (end - start), seq_len))
         out[start:end] = _attend(query[start:end].to(dtype), k, v, positions, scale, sliding_window, soft_cap)
     return out if float64 else out.to(query.dtype)
@@ -109,7 +129,9 @@ def reference_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_ca
 def reference_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
                               scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                              float64: bool = False) -> torch.Tensor:
+                              float64: bool = False, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A mixed step of decode rows and prefill chunks: prefill's semantics, a decode row being a one-token chunk."""
     return reference_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
-                                       sliding_window=sliding_window, soft_cap=soft_cap, float64=float64)
+                                       sliding_window=sliding_window, soft_cap=soft_cap, float64=float64,
+                                       k_scale=k_scale, v_scale=v_scale)

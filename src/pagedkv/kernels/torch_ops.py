@@ -15,6 +15,10 @@ last token: the padding then holds finite, owned data that the mask removes.
 The soft cap has no SDPA form; with a soft cap the scores are computed explicitly in fp32,
 a chunk of queries at a time.
 
+An FP8 cache (`k_scale` / `v_scale` given) is quantized on write with `fp8.quantize` and its
+gathered rows are dequantized into the query's dtype before SDPA (`fp8.dequantize`): the
+math of the reference, batched.
+
 NOTE: rows are moved with `index_select` / `index_copy_` only, never `tensor[index]`: on a
 small CPU machine, advanced indexing went through a thread-pool path measured at ~10 ms for
 64 rows (2 cores, torch 2.13), against ~10 us for `index_select`.
@@ -27,6 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagedkv.kernels.fp8 import as_bytes, dequantize, quantize
+
 #: Bytes of gathered K (and as many of V) one decode chunk may hold.
 _DECODE_CHUNK_BYTES = 16 * 2**20
 #: Query rows per chunk of the explicit (soft-capped) prefill.
@@ -34,16 +40,28 @@ _PREFILL_CHUNK_ROWS = 256
 
 
 def torch_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Scatter `key`/`value` `[num_tokens, Hkv, D]` into the caches at `slot_mapping`; negative slots skip."""
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None, has_padding: bool = True) -> None:
+    """Scatter `key`/`value` `[num_tokens, Hkv, D]` into the caches at `slot_mapping`; negative slots skip.
+
+    With scales (an FP8 cache) the tokens are quantized first. `has_padding=False` promises no
+    negative slot (no host read to look for one).
+    """
     num_kv_heads, head_dim = k_cache.shape[2:]
     slots = slot_mapping.to(torch.int64)
-    if bool((slots < 0).any()):
+    if has_padding and bool((slots < 0).any()):
         keep = (slots >= 0).nonzero().squeeze(1)
         slots, key, value = slots.index_select(0, keep), key.index_select(0, keep), value.index_select(0, keep)
+    if k_scale is not None:
+        key, value = quantize(key, k_scale, k_cache.dtype), quantize(value, v_scale, v_cache.dtype)
     # [num_blocks * block_size, Hkv, D] views: a slot is a row index.
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    as_bytes(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(key))
+    as_bytes(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(value))
+
+
+def _compute_rows(rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows `[..., Hkv, D]` in the compute dtype: dequantized when the cache is FP8."""
+    return rows if scale is None else dequantize(rows, scale, dtype)
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
@@ -63,7 +81,8 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visib
 def torch_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode attention by gathering pages and calling SDPA. Returns `[num_seqs, num_heads, head_dim]`."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -76,7 +95,8 @@ def torch_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_table_blocks = -(-max_len // block_size)
     table = block_tables[:, :num_table_blocks].to(torch.int64)
     positions = torch.arange(max_len, device=query.device)
-    chunk = max(1, _DECODE_CHUNK_BYTES // (max_len * num_kv_heads * head_dim * k_cache.element_size()))
+    row_bytes = max(k_cache.element_size(), query.element_size() if k_scale is not None else 0)
+    chunk = max(1, _DECODE_CHUNK_BYTES // (max_len * num_kv_heads * head_dim * row_bytes))
     chunk = min(chunk, num_seqs)
     # Reused across chunks: [chunk * max_len, Hkv, D] token rows.
     k_buffer = k_cache.new_empty((chunk * max_len, num_kv_heads, head_dim))
@@ -95,8 +115,10 @@ def torch_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         safe_positions = torch.where(visible, positions[None, :], last)  # [n, max_len]
         block_ids = table[rows].gather(1, safe_positions // block_size).clamp(0, num_blocks - 1)
         slots = (block_ids * block_size + safe_positions % block_size).view(-1)
-        k = torch.index_select(k_rows, 0, slots, out=k_buffer[: slots.numel()]).view(n, max_len, num_kv_heads, -1)
-        v = torch.index_select(v_rows, 0, slots, out=v_buffer[: slots.numel()]).view(n, max_len, num_kv_heads, -1)
+        k = torch.index_select(k_rows, 0, slots, out=k_buffer[: slots.numel()])
+        v = torch.index_select(v_rows, 0, slots, out=v_buffer[: slots.numel()])
+        k = _compute_rows(k, k_scale, query.dtype).view(n, max_len, num_kv_heads, -1)
+        v = _compute_rows(v, v_scale, query.dtype).view(n, max_len, num_kv_heads, -1)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [n, Hkv, max_len, D]
         if soft_cap is None:
             q = query[rows].unsqueeze(2)  # [n, H, 1, D]
@@ -112,7 +134,7 @@ def torch_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu, seqs, scale, sliding_window, soft_cap,
-                       out) -> None:
+                       out, k_scale=None, v_scale=None) -> None:
     """Causal attention of sequences `seqs`' chunks (rows cu[b] .. cu[b+1]-1) into `out`, one at a time, via SDPA."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -125,8 +147,10 @@ def _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu, seqs
             continue
         table = block_tables[b, : -(-seq_len // block_size)].to(torch.int64)
         # Only this sequence's own slots 0 .. seq_len-1 are gathered, so no NaN can enter.
-        k = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [Hkv, S, D]
-        v = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        k = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len]
+        k = _compute_rows(k, k_scale, query.dtype).transpose(0, 1)  # [Hkv, S, D]
+        v = _compute_rows(v, v_scale, query.dtype).transpose(0, 1)
         pos_q = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]  # [M, 1]
         pos_k = torch.arange(seq_len, device=query.device)[None, :]  # [1, S]
         visible = pos_k <= pos_q  # [M, S]
@@ -149,18 +173,20 @@ def _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu, seqs
 def torch_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
                             scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal varlen attention over cached prefix + new tokens, one sequence at a time, via SDPA."""
     out = torch.zeros_like(query) if out is None else out
     _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q.tolist(),
-                       range(seq_lens.shape[0]), scale, sliding_window, soft_cap, out)
+                       range(seq_lens.shape[0]), scale, sliding_window, soft_cap, out, k_scale, v_scale)
     return out
 
 
 def torch_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
                           scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A mixed step: one-token rows batched through the decode path, longer chunks one by one."""
     out = torch.zeros_like(query) if out is None else out
     cu = cu_seqlens_q.tolist()
@@ -170,9 +196,9 @@ def torch_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         rows = torch.tensor([cu[b] for b in decode], device=query.device)
         o = torch_decode_attention(query.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, seqs),
                                    seq_lens.index_select(0, seqs), scale=scale, sliding_window=sliding_window,
-                                   soft_cap=soft_cap)
+                                   soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
         out.index_copy_(0, rows, o)
     chunks = [b for b in range(len(cu) - 1) if cu[b + 1] - cu[b] > 1]
     _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu, chunks, scale, sliding_window, soft_cap,
-                       out)
+                       out, k_scale, v_scale)
     return out

@@ -20,6 +20,11 @@ resets. An empty split (a short sequence in a batch split for a long one) writes
 
 Every tensor but the caches is addressed through its strides, so views (a query sliced
 from a fused QKV projection, `block_tables[:, ::2]`, `seq_lens[::2]`) read the right memory.
+
+FP8 caches (`KV_FP8`): tiles are loaded as bytes and converted to the query's dtype in
+registers (exact); the program's one KV head has one K scale, folded into the softmax scale,
+and one V scale, applied to the normalised output (and so to every split's partial, which
+keeps the merge linear).
 """
 
 from __future__ import annotations
@@ -38,24 +43,29 @@ from pagedkv.kernels.triton_common import (
     online_softmax_step,
     tile_scores,
 )
+from pagedkv.kernels.triton_fp8 import to_compute
 from pagedkv.kernels.tuning import DecodeTuning
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, soft_cap, sliding_window, num_splits,
     stride_q_s, stride_q_h, stride_q_d, stride_out_s, stride_out_h, stride_out_d,
     stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     # The visible range [kv_start, seq_len), then this split's piece [lo, hi) of it.
     seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
@@ -86,12 +96,15 @@ def _decode_kernel(
         token_mask = tokens < hi
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
                             dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
         s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
 
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     out_rows = seq.to(tl.int64) * stride_out_s + heads * stride_out_h  # [GROUP_PAD]
     if IS_SPLIT:
         # partial_out [num_seqs, num_heads, num_splits, DIM_PAD] and partial_lse [num_seqs, num_heads, num_splits]
@@ -158,11 +171,12 @@ def group_padding(group: int, use_dot: bool) -> int:
 def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
                             scale: float, num_splits: int, sliding_window: int | None, soft_cap: float | None,
-                            tuning: DecodeTuning, counters: torch.Tensor | None = None) -> torch.Tensor:
+                            tuning: DecodeTuning, counters: torch.Tensor | None = None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the decode kernel (and the merge kernel when `num_splits > 1`) into `out`.
 
     `counters` (`merge="in_kernel"` only): at least `num_seqs * num_kv_heads` int32 zeros,
-    left zero by the kernel; allocated per call when None.
+    left zero by the kernel; allocated per call when None. `k_scale`/`v_scale`: FP8 caches.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -183,6 +197,7 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, counters if merge_in_kernel else seq_lens,
+        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
         scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
         num_splits,
         *query.stride(), *out.stride(),
@@ -191,7 +206,7 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim), USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
-        MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad),
+        MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad), KV_FP8=k_scale is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:

@@ -17,6 +17,9 @@ sliding window every tile is masked and the loop starts at the window's first vi
 GQA: the kv head of query head h is h // group; the group's programs read the same K/V tiles,
 which mostly hit L2. (`triton_unified` packs the group into the rows instead.) Every tensor
 but the caches is addressed through its strides.
+
+FP8 caches (`KV_FP8`): tiles are converted to the query's dtype in registers; the program's
+KV head's K scale is folded into `qk_scale` by the caller and its V scale into the output.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.triton_common import LOG2E, load_kv_tile, online_softmax_step, tile_scores
+from pagedkv.kernels.triton_fp8 import to_compute
 from pagedkv.kernels.tuning import PrefillTuning
 
 
@@ -37,6 +41,7 @@ def prefill_tiles(
     stride_cache_b, stride_cache_o,
     DIM_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Fold kv positions [lo, hi) into the rows of `q` at kv positions `pos_q`, causal (and windowed) when MASKED."""
     dims = tl.arange(0, DIM_PAD)
@@ -46,6 +51,7 @@ def prefill_tiles(
         token_mask = tokens < hi
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
                             dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
         s = tile_scores(q, k, qk_scale, soft_cap, True, USE_SOFT_CAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if MASKED:
             visible = token_mask[None, :] & (tokens[None, :] <= pos_q[:, None])
@@ -61,7 +67,8 @@ def causal_attend(acc, l_i, m_i, q, pos_q, first_pos, last_pos, sliding_window,
                   k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset, qk_scale, soft_cap,
                   stride_cache_b, stride_cache_o,
                   DIM_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+                  KV_FP8: tl.constexpr):
     """All the kv tiles a query tile with rows at kv positions first_pos .. last_pos sees.
 
     Keys before first_pos are visible to every row: those tiles run unmasked; the diagonal
@@ -73,29 +80,29 @@ def causal_attend(acc, l_i, m_i, q, pos_q, first_pos, last_pos, sliding_window,
         acc, l_i, m_i = prefill_tiles(
             acc, l_i, m_i, q, pos_q, lo, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset,
             qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
-            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, True, USE_SOFT_CAP)
+            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, True, USE_SOFT_CAP, KV_FP8)
     else:
         mid = first_pos // BLOCK_N * BLOCK_N  # unmasked tiles [0, mid), then masked tiles [mid, hi)
         acc, l_i, m_i = prefill_tiles(
             acc, l_i, m_i, q, pos_q, 0, mid, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset,
             qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
-            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, False, USE_SOFT_CAP)
+            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, False, USE_SOFT_CAP, KV_FP8)
         acc, l_i, m_i = prefill_tiles(
             acc, l_i, m_i, q, pos_q, mid, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset,
             qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
-            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, False, USE_SOFT_CAP)
+            DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, False, USE_SOFT_CAP, KV_FP8)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
-    qk_scale, soft_cap, sliding_window,
+    k_scale_ptr, v_scale_ptr, qk_scale, soft_cap, sliding_window,
     stride_q_t, stride_q_h, stride_q_d, stride_out_t, stride_out_h, stride_out_d,
     stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens, stride_cu,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Launch the last (longest, under the causal mask) query tiles first, so the short ones fill the tail.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -107,6 +114,10 @@ def _prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
     ctx = seq_len - q_len
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + head // GROUP)
+        v_scale = tl.load(v_scale_ptr + head // GROUP)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, DIM_PAD)
@@ -125,9 +136,11 @@ def _prefill_kernel(
         acc, l_i, m_i, q, pos_q, first_pos, tl.minimum(first_pos + BLOCK_M, seq_len) - 1, sliding_window,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_s, stride_bt_b,
         (head // GROUP).to(tl.int64) * stride_cache_h, qk_scale, soft_cap, stride_cache_b, stride_cache_o,
-        DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP)
+        DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     out_offsets = token_rows[:, None] * stride_out_t + head * stride_out_h + dims[None, :] * stride_out_d
     tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
@@ -135,7 +148,8 @@ def _prefill_kernel(
 def triton_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              out: torch.Tensor, *, scale: float, max_seqlen_q: int, sliding_window: int | None,
-                             soft_cap: float | None, tuning: PrefillTuning) -> torch.Tensor:
+                             soft_cap: float | None, tuning: PrefillTuning, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the prefill kernel into `out`; see `pagedkv.kernels.paged_prefill_attention`."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -148,6 +162,7 @@ def triton_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
         scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
         *query.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
@@ -155,7 +170,7 @@ def triton_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, KV_FP8=k_scale is not None,
         num_warps=num_warps, num_stages=tuning.num_stages,
     )
     return out

@@ -29,6 +29,10 @@ The split comes from device data (seq_lens, loaded whole by every program into a
 SEQS_PAD vector and prefix-summed in registers), and the grid from host ints only, so a
 step captures in a CUDA graph. An empty sequence is one tile of nothing (its rows come out
 as zeros), so every item has at least one tile.
+
+FP8 caches (`KV_FP8`): an item's KV head changes along the stream, so its K and V scales
+are loaded with its length at the top of each iteration (two cached scalar loads); the K
+scale multiplies the softmax scale, the V scale the rows finished at the item's end.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from pagedkv.kernels.triton_common import (
     tile_scores,
 )
 from pagedkv.kernels.triton_decode import group_padding
+from pagedkv.kernels.triton_fp8 import to_compute
 from pagedkv.kernels.tuning import DecodeTuning
 
 #: The longest batch stream-K takes (every program holds all seq_lens in registers); larger
@@ -99,14 +104,14 @@ def _finish_cut_item(partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, se
 @triton.jit
 def _stream_k_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    partial_out_ptr, partial_lse_ptr, counters_ptr,
+    partial_out_ptr, partial_lse_ptr, counters_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, soft_cap, sliding_window, num_seqs,
     stride_q_s, stride_q_h, stride_q_d, stride_out_s, stride_out_h, stride_out_d,
     stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -138,6 +143,11 @@ def _stream_k_decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
     for t in range(t_begin, t_end):
         seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
+        item_qk_scale = qk_scale
+        v_scale = 1.0
+        if KV_FP8:
+            item_qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+            v_scale = tl.load(v_scale_ptr + kv_head)
         num_tiles = _visible_tiles(seq_len, sliding_window, BLOCK_N, USE_WINDOW)
         kv_start = 0
         if USE_WINDOW:
@@ -150,7 +160,8 @@ def _stream_k_decode_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_s, stride_bt_b,
                             tokens, token_mask, kv_head.to(tl.int64) * stride_cache_h, dims, dim_mask,
                             stride_cache_b, stride_cache_o, BLOCK_SIZE)
-        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
+        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
+        s = tile_scores(q, k, item_qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
 
@@ -159,6 +170,8 @@ def _stream_k_decode_kernel(
         is_end = last_tile | (t == t_end - 1)
         whole = started_here & last_tile
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = o * v_scale
         out_rows = seq.to(tl.int64) * stride_out_s + heads * stride_out_h
         tl.store(out_ptr + out_rows[:, None] + dims[None, :] * stride_out_d, o.to(out_ptr.dtype.element_ty),
                  mask=out_mask & whole)
@@ -203,7 +216,8 @@ def stream_k_num_programs(num_seqs: int, num_kv_heads: int, max_tiles_per_item: 
 def triton_stream_k_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
                            scale: float, max_seq_len: int, sliding_window: int | None, soft_cap: float | None,
-                           tuning: DecodeTuning, sm_count: int, counters: torch.Tensor | None = None) -> torch.Tensor:
+                           tuning: DecodeTuning, sm_count: int, counters: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the stream-K decode kernel into `out`; see `pagedkv.kernels.paged_decode_attention`.
 
     `max_seq_len` (a host bound of seq_lens) only caps the grid for tiny steps. `counters`: at
@@ -226,6 +240,7 @@ def triton_stream_k_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
     _stream_k_decode_kernel[(num_programs,)](
         query, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, counters,
+        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
         scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0), num_seqs,
         *query.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
@@ -233,7 +248,7 @@ def triton_stream_k_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SEQS_PAD=max(64, triton.next_power_of_2(num_seqs)), MERGE_CHUNK=merge_chunk(group_p2, dim_pad),
         USE_DOT=use_dot, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, KV_FP8=k_scale is not None,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     return out

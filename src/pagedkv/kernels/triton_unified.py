@@ -23,6 +23,9 @@ fixed for a captured shape, never a device read, so a mixed step captures in a C
 Spare tiles (past a sequence's last token) return at once. Programs run from the last tile
 to the first: the engine puts prefill chunks after the decode rows, so the long programs
 start first and the short decode ones fill in behind them.
+
+FP8 caches (`KV_FP8`): as in the prefill kernel, the program's one KV head's K scale goes
+into `qk_scale` and its V scale onto the output; tiles convert in registers.
 """
 
 from __future__ import annotations
@@ -57,12 +60,12 @@ def _find_sequence(cu_seqlens_q_ptr, stride_cu, tile, num_seqs, search_steps, BL
 @triton.jit
 def _unified_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
-    qk_scale, soft_cap, sliding_window, num_seqs, search_steps,
+    k_scale_ptr, v_scale_ptr, qk_scale, soft_cap, sliding_window, num_seqs, search_steps,
     stride_q_t, stride_q_h, stride_q_d, stride_out_t, stride_out_h, stride_out_d,
     stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens, stride_cu,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,6 +77,10 @@ def _unified_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
     ctx = seq_len - q_len
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, DIM_PAD)
@@ -94,9 +101,11 @@ def _unified_kernel(
         acc, l_i, m_i, q, ctx + q_tokens, first_pos, tl.minimum(first_pos + BLOCK_Q, seq_len) - 1, sliding_window,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_s, stride_bt_b,
         kv_head.to(tl.int64) * stride_cache_h, qk_scale, soft_cap, stride_cache_b, stride_cache_o,
-        DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP)
+        DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     out_offsets = token_rows[:, None] * stride_out_t + heads[:, None] * stride_out_h + dims[None, :] * stride_out_d
     tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -109,7 +118,8 @@ def unified_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int
 def triton_unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              out: torch.Tensor, *, scale: float, max_seqlen_q: int, sliding_window: int | None,
-                             soft_cap: float | None, tuning: UnifiedTuning) -> torch.Tensor:
+                             soft_cap: float | None, tuning: UnifiedTuning, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the unified kernel into `out`; see `pagedkv.kernels.paged_attention`."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -121,6 +131,7 @@ def triton_unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     block_q = block_m // group
     _unified_kernel[unified_grid(num_tokens, num_seqs, num_kv_heads, block_q)](
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
         scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
         num_seqs, (num_seqs - 1).bit_length(),
         *query.stride(), *out.stride(),
@@ -129,7 +140,7 @@ def triton_unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, KV_FP8=k_scale is not None,
         num_warps=num_warps, num_stages=tuning.num_stages,
     )
     return out

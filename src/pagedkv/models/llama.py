@@ -192,10 +192,12 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(normed)  # [T, (H + 2 Hkv) D]
         if fused:  # q/k norm, rotary and the K/V store in one kernel; q is rotated in place in qkv
             k_cache, v_cache = attn.kv_cache(self.layer_idx)
+            k_scale, v_scale = attn.kv_scales(self.layer_idx)  # FP8 pools: the store quantizes
             q = fused_ops.qk_norm_rope_write_kv(
                 qkv, positions, rotary.cos, rotary.sin, self.q_norm.weight if cfg.qk_norm else None,
                 self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, k_cache, v_cache, attn.slot_mapping,
-                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, k_scale=k_scale,
+                v_scale=v_scale)
             k = v = None
         else:
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)

@@ -5,6 +5,9 @@
                                         writes <out>/sim_sweep.json and <out>/sim_sweep.png
     pagedkv sim --fidelity RUN.json     predict a measured engine run's throughput
     pagedkv sim --cluster               replicas behind the data-parallel router (see sim.cluster_cli)
+    pagedkv sim --kv-cache-dtype fp8_e4m3
+                                        the same memory as --blocks bf16 blocks holds twice the FP8
+                                        blocks, and the cost model's KV-read and swap terms halve
 
 Standard output depends only on the arguments and the cost model, never on the machine or
 the clock (wall time and provenance go to the JSON files only). Bad input raises
@@ -19,6 +22,7 @@ import json
 import time
 
 from pagedkv.cli import ArgumentParser
+from pagedkv.core.memory import KV_CACHE_DTYPES, kv_cache_dtype_bytes
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError, require_positive_int
 from pagedkv.sim.cluster_cli import add_cluster_arguments, run_cluster
@@ -46,6 +50,8 @@ DEFAULT_NUM_BLOCKS = 4096
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_SWAP_BLOCKS = 1024
+#: Bytes per K/V value of the model the cost model describes (bf16), which --blocks counts in.
+MODEL_DTYPE_BYTES = 2
 
 
 def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
@@ -60,7 +66,12 @@ def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
     work.add_argument("--prompt-fraction", type=float, default=DEFAULT_PROMPT_FRACTION,
                       help="share of each job's length that is prompt; the rest is generated (default %(default)s)")
     pool = parser.add_argument_group("pool and scheduler")
-    pool.add_argument("--blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV pool blocks (default %(default)s)")
+    pool.add_argument("--blocks", type=int, default=DEFAULT_NUM_BLOCKS,
+                      help="KV pool blocks at the model's 16-bit dtype (default %(default)s)")
+    pool.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                      help="FP8 stores 1 byte per value: the memory of --blocks (and --swap-blocks) holds "
+                           f"{MODEL_DTYPE_BYTES}x the blocks, and the cost model's KV-read and swap terms scale "
+                           "by 1/2 (default %(default)s)")
     pool.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block (default %(default)s)")
     pool.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
                       help="tokens per sequence; naive reserves this much (default %(default)s)")
@@ -122,9 +133,30 @@ def check_runs_serve_jobs(runs: list[Run], jobs) -> None:
                                        f"{errors[0]}); raise --blocks or --block-size")
 
 
+def kv_blocks_factor(kv_cache_dtype: str) -> int:
+    """How many blocks of `kv_cache_dtype` fit in the memory of one 16-bit block (1 for auto, 2 for FP8)."""
+    return MODEL_DTYPE_BYTES // kv_cache_dtype_bytes(kv_cache_dtype, MODEL_DTYPE_BYTES)
+
+
+def apply_kv_cache_dtype(args: argparse.Namespace, cost_model: CostModel) -> CostModel:
+    """Scale --blocks / --swap-blocks (in place) and the cost model to the KV cache dtype of the arguments."""
+    factor = kv_blocks_factor(args.kv_cache_dtype)
+    if factor == 1:
+        return cost_model
+    args.blocks *= factor
+    args.swap_blocks *= factor
+    return cost_model.with_kv_bytes(1 / factor, f"KV {args.kv_cache_dtype} (kv and swap terms x1/{factor})")
+
+
 def _base_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(num_blocks=args.blocks, block_size=args.block_size, max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def kv_note(args: argparse.Namespace) -> str:
+    """'KV bf16' or 'KV fp8_e4m3, 2x the blocks of the same memory'."""
+    factor = kv_blocks_factor(args.kv_cache_dtype)
+    return "KV bf16" if factor == 1 else f"KV {args.kv_cache_dtype}, {factor}x the blocks of the same memory"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -170,7 +202,7 @@ def _describe_workload(args: argparse.Namespace, jobs) -> str:
     clients = f"{args.clients} closed-loop clients"
     return (f"workload: {len(jobs)} jobs (seed {args.seed}, PageFault mix, prompt {args.prompt_fraction:g} of each "
             f"length), {total:,} tokens, {outputs:,} generated; {clients}; pool {args.blocks} blocks x "
-            f"{args.block_size} tokens, max_model_len {args.max_model_len}")
+            f"{args.block_size} tokens ({kv_note(args)}), max_model_len {args.max_model_len}")
 
 
 def _file_name(stem: str, tag: str) -> str:
@@ -212,7 +244,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
     """`pagedkv sim`: naive vs paged, a watermark sweep, or a fidelity check against a measured engine run."""
     args = build_parser(prog).parse_args(argv)
     _check_args(args)
-    cost_model = resolve_cost_model(args.cost_model)
+    cost_model = apply_kv_cache_dtype(args, resolve_cost_model(args.cost_model))
     if args.cluster:
         return run_cluster(args, cost_model)
     if args.fidelity:
@@ -238,7 +270,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
         "workload": {"jobs": args.jobs, "clients": args.clients, "seed": args.seed,
                      "prompt_fraction": args.prompt_fraction, "num_tokens": sum(j.num_tokens for j in jobs),
                      "num_output_tokens": sum(j.num_output_tokens for j in jobs)},
-        "pool": {"num_blocks": args.blocks, "block_size": args.block_size, "max_model_len": args.max_model_len,
+        "pool": {"num_blocks": args.blocks, "kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size,
+                 "max_model_len": args.max_model_len,
                  "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                  "num_swap_blocks": args.swap_blocks},
         "cost_model": cost_model.constants(),

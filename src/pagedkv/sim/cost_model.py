@@ -47,7 +47,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
@@ -96,6 +96,17 @@ class CostModel:
         """Simulated seconds of one step of this shape."""
         return (self.c0_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
                 + self.kv_s_per_token * kv_tokens + self.swap_s_per_token * swapped_tokens)
+
+    def with_kv_bytes(self, ratio: float, what: str) -> CostModel:
+        """This model for a KV cache of `ratio` times the bytes per token (FP8 over bf16: 0.5).
+
+        Only the terms that move K/V bytes scale: reading the context (`kv_s_per_token`, decode
+        being bound by memory) and swapping blocks over PCIe (`swap_s_per_token`).
+        """
+        if not ratio > 0:
+            raise InvalidArgumentError(f"the KV bytes ratio must be > 0, got {ratio}")
+        return replace(self, kv_s_per_token=self.kv_s_per_token * ratio,
+                       swap_s_per_token=self.swap_s_per_token * ratio, source=f"{self.source}, {what}")
 
     def constants(self) -> dict[str, float]:
         """The constants under their file names."""

@@ -1,0 +1,69 @@
+"""Triton FP8 helpers: quantize on the way into the pool, dequantize on the way into registers.
+
+`quantize` computes `pagedkv.kernels.fp8.quantize` bit for bit: an IEEE division by the head's
+scale (`div_rn`: Triton's `/` is an approximate division on NVIDIA GPUs), a clamp to the
+format's max, then rounding to the nearest FP8 value, ties to even, done on the fp32 bits:
+
+    normal range     drop 23 - MANT_BITS mantissa bits, round half to even (a carry moves
+                     into the exponent, which is what rounding 1.1111b up to 10.000b means)
+    below 2**MIN_EXP the FP8 subnormals: multiples of 2**(MIN_EXP - MANT_BITS), same rounding
+
+after which the cast to FP8 is exact. On a GPU the hardware conversion (cvt.rn.satfinite) would
+round the same way; the explicit rounding is there because Triton's interpreter rounds an
+fp32 -> fp8 cast half-up and drops the carry into the exponent (1.97 -> 1.0 in e4m3), so with
+it the interpreter runs the Triton write path on CPU and matches torch exactly. It costs a few
+integer operations per value in a kernel that is bound by memory.
+
+`to_compute` converts a loaded FP8 tile to the compute dtype through fp32: exact for every
+value, where the interpreter's direct e5m2 -> fp16 conversion loses subnormals.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def fp8_format(dtype: torch.dtype) -> tuple[int, int, float]:
+    """(MANT_BITS, MIN_EXP, MAX) of an FP8 storage dtype, the constexprs of `quantize`."""
+    if dtype == torch.float8_e4m3fn:
+        return 3, -6, 448.0
+    if dtype == torch.float8_e5m2:
+        return 2, -14, 57344.0
+    return 0, 0, 0.0  # not FP8: the kernels never quantize
+
+
+@triton.jit
+def round_to_fp8(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 `x` (|x| <= the format's max) rounded to the nearest FP8 value, ties to even; still fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23) - 127
+    DROP: tl.constexpr = 23 - MANT_BITS
+    normal = (mag + ((1 << (DROP - 1)) - 1) + ((mag >> DROP) & 1)) & ~((1 << DROP) - 1)
+    # Subnormal: |x| = significand * 2**(exp - 23); count multiples of 2**(MIN_EXP - MANT_BITS).
+    significand = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(DROP + MIN_EXP - exp, 1), 31)
+    count = (significand + ((1 << (shift - 1)) - 1) + ((significand >> shift) & 1)) >> shift
+    small = (count.to(tl.float32) * (2.0 ** (MIN_EXP - MANT_BITS))).to(tl.int32, bitcast=True)
+    out = tl.where(exp >= MIN_EXP, normal, tl.where(mag == 0, 0, small))
+    return (out | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize(x, scale, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp8(clamp(x / scale, +-FP8_MAX)) as fp32 on the FP8 grid (cast it to the cache dtype: exact)."""
+    x, scale = tl.broadcast(x.to(tl.float32), scale)  # div_rn does not broadcast its operands
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    return round_to_fp8(y, MANT_BITS, MIN_EXP)
+
+
+@triton.jit
+def to_compute(tile, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    """A loaded K or V tile in the compute dtype: FP8 through fp32 (exact), anything else as loaded."""
+    if KV_FP8:
+        tile = tile.to(tl.float32).to(dtype)
+    return tile
