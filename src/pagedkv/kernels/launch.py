@@ -63,10 +63,10 @@ def _hooks_installed(runtime) -> bool:
     return False
 
 
-def specialization_key(device: int, tensors: TensorArgs, scalars: ScalarArgs) -> tuple:
-    """The binding key of a call: at least as fine as Triton's specialization (see the module docstring)."""
-    return (device, tuple([t.dtype for t in tensors]), tuple([t.data_ptr() & 15 for t in tensors]),
-            tuple(map(type, scalars)), scalars)
+def specialization_key(device: int, tensors: TensorArgs, pointers: list[int], scalars: ScalarArgs) -> tuple:
+    """The binding key of a call (`pointers`: the tensors' data_ptr()): at least as fine as Triton's specialization."""
+    return (device, tuple([t.dtype for t in tensors]), tuple([p & 15 for p in pointers]), tuple(map(type, scalars)),
+            scalars)
 
 
 class _Binding:
@@ -116,6 +116,9 @@ class BoundConfig:
         self.num_runtime_args = len(names) - len(constexprs)
         self.constexpr_values = tuple(kwargs[name] for name in constexprs)
         self._bindings: dict[tuple, _Binding | object] = {}
+        # Launches so far by path: a benchmark reads these to see that no timed step paid Triton's launch.
+        self.num_bound_launches = 0
+        self.num_triton_launches = 0
         if bindable:
             from triton import knobs
 
@@ -135,14 +138,17 @@ class BoundConfig:
         key = None
         if self.bindable and not _hooks_installed(self._runtime):
             device = self._current_device()
-            key = specialization_key(device, tensors, scalars)
+            pointers = [t.data_ptr() for t in tensors]
+            key = specialization_key(device, tensors, pointers, scalars)
             binding = self._bindings.get(key)
             if binding is not None and binding is not _UNBINDABLE:
                 binding.c_launch(grid[0], grid[1], grid[2], self._current_stream(device),
                                  binding.function, binding.cooperative, binding.pdl, None, None,
                                  binding.packed_metadata, None, None, None,
-                                 *[t.data_ptr() for t in tensors], *scalars, *self.constexpr_values)
+                                 *pointers, *scalars, *self.constexpr_values)
+                self.num_bound_launches += 1
                 return
+        self.num_triton_launches += 1
         compiled = self.fn[grid](*tensors, *scalars, **self.kwargs)
         if key is not None and key not in self._bindings:
             self._bindings[key] = _Binding.of(compiled) or _UNBINDABLE
@@ -159,6 +165,12 @@ class BoundKernel:
         self.fn = fn
         self.bindable = _is_compiled(fn) if bindable is None else bindable
         self._configs: dict[tuple, BoundConfig] = {}
+
+    @property
+    def launch_counts(self) -> tuple[int, int]:
+        """(bound launches, launches through Triton) over every config so far."""
+        configs = self._configs.values()
+        return sum(c.num_bound_launches for c in configs), sum(c.num_triton_launches for c in configs)
 
     def config(self, **kwargs) -> BoundConfig:
         """The launcher for these constexprs and options (num_warps, num_stages, ...), made once per set."""
