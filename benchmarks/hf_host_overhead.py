@@ -9,13 +9,16 @@ shape (12 layers, 12 heads of 64), from a 10-token prompt. Three paths:
     PagedCache, fused        one fused K/V write + decode launch, bound (`kernels.launch`)
 
 On CUDA everything runs as is (host time measured, the GPU synchronized once per step as
-generate does). Without CUDA the kernels cannot run, so the launches are stubbed where they
-leave Python: the unfused path up to Triton's `kernel[grid](...)` (whose own Python costs
-~58 us more per launch on the H200 host), the fused path up to the C launcher call. With
-`--device meta` (the default without CUDA) tensors carry no data, so the torch ops cost their
-dispatch only, the closest CPU analogue of a host-bound GPU step.
+generate does). Without CUDA nothing can be launched, so host time is approximated:
 
-    PYTHONPATH=src python benchmarks/hf_host_overhead.py [--batch 1 32] [--device cuda|meta|cpu]
+- the launches are stubbed where they leave Python: the unfused path's at Triton's
+  `kernel[grid](...)` (Triton's own Python then costs ~58 us more per launch on the H200 host),
+  the fused path's at the C launcher call (which costs a few us there);
+- DynamicCache's tensors are dispatch-sized (1 KV head of 8 dims, same layers and steps):
+  on CPU `torch.cat` and SDPA run synchronously, so full-size tensors would time the copy
+  and the math, which on a GPU run behind the host; what is left is each op's dispatch.
+
+    PYTHONPATH=src python benchmarks/hf_host_overhead.py [--batch 1 32] [--device cuda|cpu]
 """
 
 import argparse
@@ -118,16 +121,20 @@ def per_step_us(batch: int, device: str, steps: int = 200, rounds: int = 5) -> d
     mask = torch.ones(batch, PROMPT_LEN, device=device)
     results = {}
 
+    # Off CUDA, DynamicCache's tensors are dispatch-sized (see the module docstring).
+    heads, dim = (NUM_HEADS, HEAD_DIM) if device == "cuda" else (1, 8)
+    dq, dk, dv = (t[:, :heads, :, :dim] for t in (q, k, v))
+
     def dynamic_step(cache):
         if cache is None:
             cache = DynamicCache()
-            prompt = torch.randn(batch, NUM_HEADS, PROMPT_LEN, HEAD_DIM, dtype=dtype, device=device)
+            prompt = torch.randn(batch, heads, PROMPT_LEN, dim, dtype=dtype, device=device)
             for layer in layers:
                 cache.update(prompt, prompt, layer.layer_idx)
             return cache
         for layer in layers:
-            key, value = cache.update(k, v, layer.layer_idx)
-            sdpa_attention_forward(layer, q, key, value, None, dropout=0.0, scaling=0.125)
+            key, value = cache.update(dk, dv, layer.layer_idx)
+            sdpa_attention_forward(layer, dq, key, value, None, dropout=0.0, scaling=0.125)
         return cache
 
     pool = PagePool(NUM_LAYERS, NUM_HEADS, HEAD_DIM, num_blocks=batch * (steps + 64) // 16 + 64, block_size=16,
@@ -149,7 +156,8 @@ def per_step_us(batch: int, device: str, steps: int = 200, rounds: int = 5) -> d
         return step
 
     with torch.no_grad():
-        results["DynamicCache + sdpa"] = _time_steps(dynamic_step, steps, rounds, sync)
+        dynamic = "DynamicCache + sdpa" + ("" if device == "cuda" else " (dispatch-sized)")
+        results[dynamic] = _time_steps(dynamic_step, steps, rounds, sync)
         results["PagedCache, unfused"] = _time_steps(paged_step(False), steps, rounds, sync)
         results["PagedCache, fused + bound"] = _time_steps(paged_step(True), steps, rounds, sync)
         pool.check_integrity()
@@ -159,7 +167,7 @@ def per_step_us(batch: int, device: str, steps: int = 200, rounds: int = 5) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "meta")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     print(f"device {args.device}; host us per decode step (cache + attention of {NUM_LAYERS} layers)")
     print("| batch | path | us / step | us / layer |\n|---:|---|---:|---:|")

@@ -198,3 +198,9 @@ def test_constexprs_must_be_the_last_parameters():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter fallback")
 def test_interpreted_kernel_is_not_bound():
     assert not BoundKernel(_decode_write_kernel).bindable
+
+
+def test_a_call_with_the_wrong_argument_count_is_refused():
+    config = _config(_FakeJit())
+    with pytest.raises(InvalidArgumentError, match="4 runtime arguments"):
+        config.launch((1, 1, 1), (torch.zeros(4),), (0.5, 7))

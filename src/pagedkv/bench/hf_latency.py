@@ -1,4 +1,4 @@
-"""`pagedkv bench hf` latency: PagedCache against DynamicCache per decode step of `model.generate`, and where the tail goes.
+"""`pagedkv bench hf` latency: PagedCache against DynamicCache per decode step of `model.generate`, and its tail.
 
 The target (issue 15): PagedCache's decode latency is at most 1.0x DynamicCache's, at P50
 and at P99, at batch 1 and at batch 32, for GPT-2 124M in fp16 and for a Llama-3.2-1B shape
@@ -251,7 +251,8 @@ def table_lines(latency: dict, labels: dict[str, str]) -> list[str]:
                 gc_counts = "/".join(map(str, row["gc_collections"]))
                 lines.append(
                     f"| {labels[model_name]} | {batch} | {name} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
-                    f"{row['p50_ms'] / dynamic['p50_ms']:.2f}x / {row['p99_ms'] / dynamic['p99_ms']:.2f}x | {verdict} | "
+                    f"{row['p50_ms'] / dynamic['p50_ms']:.2f}x / {row['p99_ms'] / dynamic['p99_ms']:.2f}x | "
+                    f"{verdict} | "
                     f"{busy} | {gc_counts} ({row['gc_max_pause_ms']:.1f}) | "
                     f"{row['tail_in_gc']} / {row['tail_at_block_boundary']} of {len(row['tail_steps'])} | "
                     f"{row['allocs_per_step']:.0f} ({row['cuda_mallocs']}) | {syncs} | {launches} |")

@@ -72,9 +72,10 @@ def specialization_key(device: int, tensors: TensorArgs, pointers: list[int], sc
 class _Binding:
     """What one compiled specialization needs to be launched again: the C launcher and its fixed arguments."""
 
-    __slots__ = ("c_launch", "function", "packed_metadata", "cooperative", "pdl")
+    __slots__ = ("compiled", "c_launch", "function", "packed_metadata", "cooperative", "pdl")
 
-    def __init__(self, c_launch, function: int, packed_metadata: tuple, cooperative: bool, pdl: bool):
+    def __init__(self, compiled, c_launch, function: int, packed_metadata: tuple, cooperative: bool, pdl: bool):
+        self.compiled = compiled  # held, so the module that `function` lives in stays loaded
         self.c_launch = c_launch
         self.function = function
         self.packed_metadata = packed_metadata
@@ -93,7 +94,7 @@ class _Binding:
         # Per-launch scratch is allocated by Triton's Python launcher; such a kernel stays unbound.
         if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
             return None
-        return cls(c_launch, compiled.function, compiled.packed_metadata,
+        return cls(compiled, c_launch, compiled.function, compiled.packed_metadata,
                    bool(launcher.launch_cooperative_grid), bool(launcher.launch_pdl))
 
 
@@ -148,6 +149,9 @@ class BoundConfig:
                                  *pointers, *scalars, *self.constexpr_values)
                 self.num_bound_launches += 1
                 return
+        if len(tensors) + len(scalars) != self.num_runtime_args:
+            raise InvalidArgumentError(f"{self.fn} takes {self.num_runtime_args} runtime arguments, got "
+                                       f"{len(tensors)} tensors and {len(scalars)} scalars")
         self.num_triton_launches += 1
         compiled = self.fn[grid](*tensors, *scalars, **self.kwargs)
         if key is not None and key not in self._bindings:

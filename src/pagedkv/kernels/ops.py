@@ -184,6 +184,32 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
                                    tuning=tuning, counters=counters)
 
 
+def _check_decode(query, key, value, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len,
+                  sliding_window, soft_cap, num_splits, backend) -> tuple[str, int]:
+    """Every check of a decode call, values included; `key`/`value` (the new token's K/V) when not None.
+
+    Returns the backend and `max_seq_len` (the tables' capacity when None).
+    """
+    device, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window,
+                                        soft_cap, backend,
+                                        num_seqs=query.shape[0] if isinstance(query, torch.Tensor) else None)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor is None:
+            continue
+        checks.check_tensor(name, tensor, 3, (k_cache.dtype,), device)
+        if tuple(tensor.shape) != (query.shape[0], num_kv_heads, head_dim):
+            raise KernelInputError(f"{name} is {tuple(tensor.shape)}; expected [num_seqs = {query.shape[0]}, "
+                                   f"{num_kv_heads}, {head_dim}] (the new token's K/V of each sequence)")
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    _check_host_int("max_seq_len", max_seq_len, 0)
+    if num_splits is not None:
+        _check_host_int("num_splits", num_splits, 1)
+    checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+    return resolved, max_seq_len
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                            max_seq_len: int | None = None, sliding_window: int | None = None,
@@ -203,16 +229,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     every check.
     """
     if validate:
-        _, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
-                                       sliding_window, soft_cap, backend,
-                                       num_seqs=query.shape[0] if isinstance(query, torch.Tensor) else None)
-        num_blocks, block_size, _, _ = k_cache.shape
-        if max_seq_len is None:
-            max_seq_len = block_tables.shape[1] * block_size
-        _check_host_int("max_seq_len", max_seq_len, 0)
-        if num_splits is not None:
-            _check_host_int("num_splits", num_splits, 1)
-        checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+        resolved, max_seq_len = _check_decode(query, None, None, k_cache, v_cache, block_tables, seq_lens, out, scale,
+                                              max_seq_len, sliding_window, soft_cap, num_splits, backend)
     else:
         resolved = resolve_backend(backend, query.device)
     if resolved == "torch":
@@ -309,21 +327,8 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
     holds their counters). `validate=False` trusts the caller and skips every check.
     """
     if validate:
-        device, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
-                                            sliding_window, soft_cap, backend,
-                                            num_seqs=query.shape[0] if isinstance(query, torch.Tensor) else None)
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        for name, tensor in (("key", key), ("value", value)):
-            checks.check_tensor(name, tensor, 3, (k_cache.dtype,), device)
-            if tuple(tensor.shape) != (query.shape[0], num_kv_heads, head_dim):
-                raise KernelInputError(f"{name} is {tuple(tensor.shape)}; expected [num_seqs = {query.shape[0]}, "
-                                       f"{num_kv_heads}, {head_dim}] (the new token's K/V of each sequence)")
-        if max_seq_len is None:
-            max_seq_len = block_tables.shape[1] * block_size
-        _check_host_int("max_seq_len", max_seq_len, 0)
-        if num_splits is not None:
-            _check_host_int("num_splits", num_splits, 1)
-        checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+        resolved, max_seq_len = _check_decode(query, key, value, k_cache, v_cache, block_tables, seq_lens, out, scale,
+                                              max_seq_len, sliding_window, soft_cap, num_splits, backend)
     else:
         resolved = resolve_backend(backend, query.device)
     if resolved == "torch":

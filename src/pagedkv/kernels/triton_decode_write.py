@@ -51,7 +51,8 @@ def _fold_tile(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, start, hi, n
                dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap, m_i, l_i, acc,
                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                USE_SOFT_CAP: tl.constexpr, TAKE_NEW: tl.constexpr):
-    """Fold kv positions [start, min(start + BLOCK_N, hi)) into the softmax state; TAKE_NEW: `new_pos` from registers."""
+    """Fold kv positions [start, min(start + BLOCK_N, hi)) into the softmax state (TAKE_NEW: `new_pos` from
+    registers, not from the cache)."""
     tokens = start + tl.arange(0, BLOCK_N)
     token_mask = tokens < hi
     k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
@@ -166,7 +167,7 @@ def _strides3(tensor: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _out_strides(out: torch.Tensor) -> tuple[int, int, int]:
-    """(sequence, head, dim) strides of `[num_seqs, num_heads, head_dim]` or of HF's `[num_seqs, 1, num_heads, head_dim]`."""
+    """(sequence, head, dim) strides of `[num_seqs, num_heads, head_dim]` or HF's `[num_seqs, 1, heads, head_dim]`."""
     stride = out.stride()
     return stride[0], stride[-2], stride[-1]
 
@@ -196,13 +197,11 @@ def triton_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value:
                                   k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                                   seq_lens: torch.Tensor, out: torch.Tensor, *, scale: float, num_splits: int,
                                   sliding_window: int | None, soft_cap: float | None, tuning: DecodeTuning,
-                                  counters: torch.Tensor | None = None,
-                                  kernel: BoundKernel | None = None) -> torch.Tensor:
+                                  counters: torch.Tensor | None = None) -> torch.Tensor:
     """Write the new K/V and attend, in one launch into `out`; see `pagedkv.kernels.paged_decode_write_attention`.
 
-    `counters` (split steps only): at least `num_seqs * num_kv_heads` int32 zeros, left zero;
-    allocated per call when None. `kernel`: a `BoundKernel` of this module's kernel to launch
-    through (None: Triton's own launch).
+    Triton's own launch (`DecodeWriteStep` is the bound one). `counters` (split steps only): at
+    least `num_seqs * num_kv_heads` int32 zeros, left zero; allocated per call when None.
     """
     num_seqs, num_heads, head_dim = query.shape[0], query.shape[1], query.shape[-1]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -220,12 +219,11 @@ def triton_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value:
     constexprs = launch_constexprs(num_heads, num_kv_heads, head_dim, block_size, query.dtype,
                                    use_window=sliding_window is not None, use_soft_cap=soft_cap is not None,
                                    is_split=is_split, tuning=tuning)
-    kernel = kernel or BoundKernel(_decode_write_kernel, bindable=False)
-    kernel.config(**constexprs).launch(
-        (num_seqs, num_kv_heads, num_splits),
-        (query, key, value, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, counters),
-        _scalars(scale, sliding_window, soft_cap, num_splits, query, key, value, out, k_cache, block_tables,
-                 seq_lens))
+    _decode_write_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key, value, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, counters,
+        *_scalars(scale, sliding_window, soft_cap, num_splits, query, key, value, out, k_cache, block_tables,
+                  seq_lens),
+        **constexprs)
     return out
 
 
