@@ -13,9 +13,9 @@ from pagedkv.bench import hf_latency
 from pagedkv.hf import PagePool, random_model
 
 
-@pytest.mark.parametrize("gc_mode", ["on", "off"])
-def test_measure_reports_every_cache_and_diagnostic(gc_mode, monkeypatch):
-    monkeypatch.delenv("PAGEDKV_KERNEL_BACKEND", raising=False)  # the torch path on CPU
+@pytest.mark.parametrize("gc_mode, backend", [("on", "torch"), ("off", "triton")])
+def test_measure_reports_every_cache_and_diagnostic(gc_mode, backend, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", backend)  # triton: the fused decode kernel, interpreted
     model = random_model("tiny-gpt2", torch.float32)
     pool = PagePool.for_model(model, num_blocks=64, block_size=16)
     steps, repeats = 6, 2
@@ -29,7 +29,10 @@ def test_measure_reports_every_cache_and_diagnostic(gc_mode, monkeypatch):
         assert row["num_samples"] == repeats * (steps - 2) and row["p50_ms"] <= row["p99_ms"]
         assert len(row["tail_steps"]) >= 1 and row["tail_in_gc"] <= len(row["tail_steps"])
         assert len(row["gc_collections"]) == 3 and row["cuda_mallocs"] == 0  # no allocator off CUDA
-    assert rows["PagedCache"]["bound_launches"] == rows["PagedCache"]["triton_launches"] == 0  # torch path
+    # Timed decode steps: (steps - 1) forwards after the prefill per generate call, one fused launch per layer;
+    # the interpreter cannot bind, so every one goes through Triton.
+    expected = repeats * (steps - 1) * model.config.n_layer if backend == "triton" else 0
+    assert (rows["PagedCache"]["bound_launches"], rows["PagedCache"]["triton_launches"]) == (0, expected)
     assert pool.num_used_blocks == 0
     goals = hf_latency.targets(latency)
     assert set(goals["tiny"]) == {"1", "2"} and all(isinstance(g["met"], bool) for g in goals["tiny"].values())

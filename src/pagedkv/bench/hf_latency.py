@@ -208,10 +208,10 @@ def measure(model, pool, batch: int, prompt_len: int, steps: int, repeats: int, 
     for name, (attn, make) in _cache_makers(model, pool, prompt_len + steps + 1, with_static).items():
         model.set_attn_implementation(attn)
         counts = (lambda: kernel.launch_counts) if name == "PagedCache" else (lambda: (0, 0))
-        row = _summary(_timed_runs(model, ids, make, steps, repeats, gc_mode, counts), prompt_len, pool.block_size)
-        launches = row.pop("launches", None)
+        timed = _timed_runs(model, ids, make, steps, repeats, gc_mode, counts)
+        row = _summary(timed, prompt_len, pool.block_size)
         if name == "PagedCache":
-            row["bound_launches"], row["triton_launches"] = launches or (0, 0)
+            row["bound_launches"], row["triton_launches"] = timed["launches"]
         if diagnose and model.device.type == "cuda":
             row["gpu_busy_ms_per_step"] = _gpu_busy_ms_per_step(model, ids, make, min(steps, 32))
             row["syncs"] = _syncs(model, ids, make, min(steps, 32))

@@ -12,9 +12,11 @@ The new token sits at position `seq_len - 1`; its slot comes from the block tabl
 
 The ordering hazard: the program that attends over that position must see the new K/V, and
 in a grid there is no order between one program's store and another's load. So nobody loads
-it: the one split whose range covers `seq_len - 1` stores the new K/V into the slot (for later
-steps) and, in its last tile, takes that row from registers instead of from the cache. The
-other splits never read that position. A row with seq_len 0 (padding) writes nothing.
+it: the one split whose range covers `seq_len - 1` reads the cache only below it, folds the
+new token into its softmax from registers (one more column, a multiply-sum), and then stores
+it into the slot for later steps. The other splits never read that position. A row with
+seq_len 0 (padding) writes nothing. The tile loop is the decode kernel's own, and so is its
+register use (a tile patched with the new row held twice the registers).
 
 Splits merge inside the launch (the last split program of each (sequence, kv head) to arrive
 merges, see `triton_common`), so a split step is still one launch. `DecodeWriteStep` is the
@@ -47,23 +49,10 @@ from pagedkv.kernels.workspace import KernelWorkspace
 
 
 @triton.jit
-def _fold_tile(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, start, hi, new_pos, k_new, v_new, head_offset,
-               dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap, m_i, l_i, acc,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               USE_SOFT_CAP: tl.constexpr, TAKE_NEW: tl.constexpr):
-    """Fold kv positions [start, min(start + BLOCK_N, hi)) into the softmax state (TAKE_NEW: `new_pos` from
-    registers, not from the cache)."""
-    tokens = start + tl.arange(0, BLOCK_N)
-    token_mask = tokens < hi
-    k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
-                        dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
-    if TAKE_NEW:
-        is_new = (tokens == new_pos)[:, None]
-        k = tl.where(is_new, k_new[None, :], k)
-        v = tl.where(is_new, v_new[None, :], v)
-    s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
-    s = tl.where(token_mask[None, :], s, float("-inf"))
-    return online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
+def _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
+    """Fold one kv position held in registers (`k_new`, `v_new`: `[DIM_PAD]`) into the softmax state."""
+    s = tile_scores(q, k_new[None, :], qk_scale, soft_cap, False, USE_SOFT_CAP, "ieee")  # [GROUP_PAD, 1]
+    return online_softmax_step(s, v_new[None, :], m_i, l_i, acc, False, "ieee")
 
 
 @triton.jit
@@ -91,18 +80,16 @@ def _decode_write_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    # The splits partition [kv_start, seq_len): exactly one covers the new token (none when seq_len is 0). It
+    # reads the cache below the new token only and takes the new token from registers.
     new_pos = seq_len - 1
+    covers_new = (lo <= new_pos) & (new_pos < hi)
+    read_hi = tl.where(covers_new, new_pos, hi)
 
-    dims = tl.arange(0, DIM_PAD)
-    dim_mask = dims < HEAD_DIM
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    head_offset = kv_head.to(tl.int64) * stride_cache_h
-    k_new = tl.load(k_new_ptr + seq.to(tl.int64) * stride_k_s + kv_head * stride_k_h + dims * stride_k_d,
-                    mask=dim_mask, other=0.0)  # [DIM_PAD]
-    v_new = tl.load(v_new_ptr + seq.to(tl.int64) * stride_v_s + kv_head * stride_v_h + dims * stride_v_d,
-                    mask=dim_mask, other=0.0)
     rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
     row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
     out_mask = row_mask[:, None] & dim_mask[None, :]
     heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this kv head
     q_offsets = seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d
@@ -111,23 +98,26 @@ def _decode_write_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-    # Every tile but the last reads the cache only; the last one is where the new token can be (hi - 1).
-    last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_N) - 1, 0) * BLOCK_N
-    for start in range(lo, last, BLOCK_N):
-        m_i, l_i, acc = _fold_tile(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, start, hi, new_pos, k_new,
-                                   v_new, head_offset, dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale,
-                                   soft_cap, m_i, l_i, acc, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION,
-                                   USE_SOFT_CAP, False)
-    if last < hi:
-        m_i, l_i, acc = _fold_tile(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, last, hi, new_pos, k_new,
-                                   v_new, head_offset, dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale,
-                                   soft_cap, m_i, l_i, acc, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION,
-                                   USE_SOFT_CAP, True)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
+    head_offset = kv_head.to(tl.int64) * stride_cache_h
 
-    # The splits partition [kv_start, seq_len): exactly one covers the new token (none when seq_len is 0), and
-    # it stores it for later steps. After its own reads, so that the interpreter, which runs a program's
-    # statements in order, would read the poisoned slot if the tile above did not take the registers' copy.
-    if (lo <= new_pos) & (new_pos < hi):
+    for start in range(lo, read_hi, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < read_hi
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
+                            dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
+
+    if covers_new:
+        k_new = tl.load(k_new_ptr + seq.to(tl.int64) * stride_k_s + kv_head * stride_k_h + dims * stride_k_d,
+                        mask=dim_mask, other=0.0)  # [DIM_PAD]
+        v_new = tl.load(v_new_ptr + seq.to(tl.int64) * stride_v_s + kv_head * stride_v_h + dims * stride_v_d,
+                        mask=dim_mask, other=0.0)
+        m_i, l_i, acc = _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, USE_SOFT_CAP)
+        # Stored for later steps after this program's reads, so that under the interpreter, which runs a
+        # program's statements in order, a loop that read the slot would read the poison the tests put there.
         block_id = tl.load(table_row + (new_pos // BLOCK_SIZE) * stride_bt_b).to(tl.int64)
         slot_row = block_id * stride_cache_b + (new_pos % BLOCK_SIZE) * stride_cache_o + head_offset
         tl.store(k_cache_ptr + slot_row + dims, k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_mask)
