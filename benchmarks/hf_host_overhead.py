@@ -16,7 +16,8 @@ generate does). Without CUDA nothing can be launched, so host time is approximat
   the fused path's at the C launcher call (which costs a few us there);
 - DynamicCache's tensors are dispatch-sized (1 KV head of 8 dims, same layers and steps):
   on CPU `torch.cat` and SDPA run synchronously, so full-size tensors would time the copy
-  and the math, which on a GPU run behind the host; what is left is each op's dispatch.
+  and the math, which on a GPU run behind the host; what is left is each op's dispatch;
+- torch runs one CPU thread, so no op pays for an intra-op parallel region a GPU run lacks.
 
     PYTHONPATH=src python benchmarks/hf_host_overhead.py [--batch 1 32] [--device cuda|cpu]
 """
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    if args.device != "cuda":
+        torch.set_num_threads(1)
     print(f"device {args.device}; host us per decode step (cache + attention of {NUM_LAYERS} layers)")
     print("| batch | path | us / step | us / layer |\n|---:|---|---:|---:|")
     for batch in args.batch:

@@ -204,3 +204,21 @@ def test_a_call_with_the_wrong_argument_count_is_refused():
     config = _config(_FakeJit())
     with pytest.raises(InvalidArgumentError, match="4 runtime arguments"):
         config.launch((1, 1, 1), (torch.zeros(4),), (0.5, 7))
+
+
+def test_fixed_arguments_are_keyed_once_and_passed_after_the_calls_own():
+    """`FixedArgs` (a decode step's metadata): in the launch after the call's tensors and scalars respectively."""
+    fn = _FakeJit()  # parameters x_ptr, y_ptr, scale, n: the call gives x_ptr and scale, the fixed part y_ptr and n
+    config = _config(fn)
+    buffer = torch.zeros(64)
+    x = torch.zeros(8)
+    step_a = config.fix((buffer,), (7,))
+    config.launch((1, 1, 1), (x,), (0.5,), step_a)
+    assert fn.triton_calls[0][1] == (x, buffer, 0.5, 7)
+    step_b = config.fix((buffer[4:],), (7,))  # another step whose metadata has the same key: no new binding
+    config.launch((2, 1, 1), (x,), (0.5,), step_b)
+    assert len(fn.triton_calls) == 1
+    assert fn.launcher.calls[0][13:] == (x.data_ptr(), buffer[4:].data_ptr(), 0.5, 7, 64, True)
+    for changed in (config.fix((buffer[1:],), (7,)), config.fix((buffer,), (1,))):  # misaligned; an int that is 1
+        config.launch((1, 1, 1), (x,), (0.5,), changed)
+    assert len(fn.triton_calls) == 3 and config.num_bindings == 3

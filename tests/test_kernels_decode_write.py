@@ -138,8 +138,8 @@ def test_step_launcher_over_layers_equals_unfused(dtype, heads, min_split_tokens
     assert fused.num_splits == num_splits
     for layer in range(num_layers):
         query, key, value = _hf_views(len(seq_lens), heads, head_dim, dtype, generator)
-        out = torch.empty(len(seq_lens), 1, heads[0], head_dim, dtype=dtype)
-        fused(layer, query, key, value, out, 0.125, None, None)
+        out = fused(layer, query, key, value, 0.125)  # the step's own output buffer, HF's layout
+        assert out.shape == (len(seq_lens), 1, heads[0], head_dim)
         k_cache, v_cache = pools[1].k_caches[layer], pools[1].v_caches[layer]
         write_kv(key.squeeze(2), value.squeeze(2), k_cache, v_cache, new_token_slots(block_tables, lens, block_size),
                  backend="triton")

@@ -65,8 +65,7 @@ class _Case:
 
 
 def _bound(step, layer, query, key, value, scale, window, soft_cap):
-    out = torch.empty(query.shape[0], 1, query.shape[1], query.shape[-1], dtype=query.dtype, device="cuda")
-    return step(layer, query, key, value, out, scale, window, soft_cap).squeeze(1)
+    return step(layer, query, key, value, scale, window, soft_cap).squeeze(1)
 
 
 @pytest.mark.parametrize("dtype, heads, head_dim, block_size, batch, max_len, window, soft_cap", SHAPES,
@@ -111,6 +110,10 @@ def test_bound_launch_rebinds_when_the_specialization_changes():
         assert torch.equal(got, expected)
     (config,) = kernel._configs.values()
     assert config.num_bindings == 4  # the last variant is the first one again
+    padded_out = torch.full((4, 8, 80), float("nan"), dtype=torch.float16, device="cuda")[..., :64]  # row 80 apart
+    for _ in range(2):
+        step(0, case.query, case.key, case.value, 0.125, out=padded_out)
+    assert torch.equal(padded_out, expected) and config.num_bindings == 5
     wide = torch.zeros(4, 2 * case.block_tables.shape[1], dtype=torch.int64, device="cuda")
     wide[:, :case.block_tables.shape[1]] = case.block_tables
     wide_step = kernel.step(wide, case.seq_lens, case.max_len)
@@ -118,7 +121,7 @@ def test_bound_launch_rebinds_when_the_specialization_changes():
     case.block_tables = wide
     assert torch.equal(got, case.triton_launch(0, case.query, case.key, case.value, wide_step.num_splits, 0.125,
                                                None, None))
-    assert config.num_bindings == 5
+    assert config.num_bindings == 6
 
 
 @pytest.mark.parametrize("name, dtype", [("gpt2", torch.float16), ("llama3.2-1b", torch.bfloat16)])

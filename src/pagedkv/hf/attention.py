@@ -108,8 +108,7 @@ def _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
     meta = cache.attention_metadata(attention_mask, batch, q_len)
     step = meta.decode_step
     if step is not None:  # one launch: this layer's new K/V into their pages, and attention over them
-        out = query.new_empty((batch, 1, num_heads, head_dim))
-        return step(layer_idx, query, key, value, out, scaling if scaling is not None else head_dim ** -0.5,
+        return step(layer_idx, query, key, value, scaling if scaling is not None else head_dim ** -0.5,
                     _model_sliding_window(module, kwargs), kwargs.get("softcap") or None), None
 
     num_rows = batch * q_len

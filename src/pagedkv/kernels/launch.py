@@ -63,10 +63,31 @@ def _hooks_installed(runtime) -> bool:
     return False
 
 
-def specialization_key(device: int, tensors: TensorArgs, pointers: list[int], scalars: ScalarArgs) -> tuple:
-    """The binding key of a call (`pointers`: the tensors' data_ptr()): at least as fine as Triton's specialization."""
-    return (device, tuple([t.dtype for t in tensors]), tuple([p & 15 for p in pointers]), tuple(map(type, scalars)),
-            scalars)
+def specialization_key(device: int, tensors: TensorArgs, pointers: list[int], scalars: ScalarArgs,
+                       fixed_id: int = -1) -> tuple:
+    """The binding key of a call (`pointers`: the tensors' data_ptr()): at least as fine as Triton's specialization.
+
+    `fixed_id` stands for the key of the call's `FixedArgs` (-1: none).
+    """
+    return (device, fixed_id, tuple([t.dtype for t in tensors]), tuple([p & 15 for p in pointers]),
+            tuple(map(type, scalars)), scalars)
+
+
+class FixedArgs:
+    """Arguments that many launches share (a decode step's metadata), with their part of the key made once.
+
+    Made by `BoundConfig.fix`; `launch(..., fixed=)` then keys only the call's own arguments.
+    In the kernel's signature the fixed tensors follow the call's tensors, and the fixed
+    scalars follow the call's scalars.
+    """
+
+    __slots__ = ("tensors", "scalars", "pointers", "key_id")
+
+    def __init__(self, tensors: TensorArgs, scalars: ScalarArgs, pointers: list[int], key_id: int):
+        self.tensors = tensors
+        self.scalars = scalars
+        self.pointers = pointers
+        self.key_id = key_id  # one small int per distinct (dtypes, alignments, scalar types and values)
 
 
 class _Binding:
@@ -117,6 +138,7 @@ class BoundConfig:
         self.num_runtime_args = len(names) - len(constexprs)
         self.constexpr_values = tuple(kwargs[name] for name in constexprs)
         self._bindings: dict[tuple, _Binding | object] = {}
+        self._fixed_ids: dict[tuple, int] = {}
         # Launches so far by path: a benchmark reads these to see that no timed step paid Triton's launch.
         self.num_bound_launches = 0
         self.num_triton_launches = 0
@@ -134,21 +156,38 @@ class BoundConfig:
         """Specializations bound so far (each was launched once through Triton)."""
         return sum(binding is not _UNBINDABLE for binding in self._bindings.values())
 
-    def launch(self, grid: tuple[int, int, int], tensors: TensorArgs, scalars: ScalarArgs) -> None:
-        """Launch on `grid` (three ints) with the runtime arguments `tensors` then `scalars`, on the current stream."""
+    def fix(self, tensors: TensorArgs, scalars: ScalarArgs) -> FixedArgs:
+        """`FixedArgs` of these tensors and scalars (their key part computed here, once)."""
+        pointers = [t.data_ptr() for t in tensors]
+        key = specialization_key(0, tensors, pointers, scalars)[2:]
+        key_id = self._fixed_ids.setdefault(key, len(self._fixed_ids))
+        return FixedArgs(tuple(tensors), tuple(scalars), pointers, key_id)
+
+    def launch(self, grid: tuple[int, int, int], tensors: TensorArgs, scalars: ScalarArgs,
+               fixed: FixedArgs | None = None) -> None:
+        """Launch on `grid` (three ints) on the current stream.
+
+        The kernel's runtime arguments are `tensors`, then `fixed.tensors`, then `scalars`, then
+        `fixed.scalars` (no `fixed`: `tensors`, then `scalars`).
+        """
         key = None
         if self.bindable and not _hooks_installed(self._runtime):
             device = self._current_device()
             pointers = [t.data_ptr() for t in tensors]
-            key = specialization_key(device, tensors, pointers, scalars)
+            key = specialization_key(device, tensors, pointers, scalars, -1 if fixed is None else fixed.key_id)
             binding = self._bindings.get(key)
             if binding is not None and binding is not _UNBINDABLE:
+                if fixed is not None:
+                    pointers += fixed.pointers
+                    scalars += fixed.scalars
                 binding.c_launch(grid[0], grid[1], grid[2], self._current_stream(device),
                                  binding.function, binding.cooperative, binding.pdl, None, None,
                                  binding.packed_metadata, None, None, None,
                                  *pointers, *scalars, *self.constexpr_values)
                 self.num_bound_launches += 1
                 return
+        if fixed is not None:
+            tensors, scalars = tensors + fixed.tensors, scalars + fixed.scalars
         if len(tensors) + len(scalars) != self.num_runtime_args:
             raise InvalidArgumentError(f"{self.fn} takes {self.num_runtime_args} runtime arguments, got "
                                        f"{len(tensors)} tensors and {len(scalars)} scalars")

@@ -57,12 +57,14 @@ def _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, USE_SOFT
 
 @triton.jit
 def _decode_write_kernel(
-    q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
-    qk_scale, soft_cap, sliding_window, num_splits,
+    # a layer's own tensors, then the step's (`DecodeWriteStep` passes the latter as `FixedArgs`)
+    q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    # the same for the scalars
+    qk_scale, soft_cap, sliding_window,
     stride_q_s, stride_q_h, stride_q_d, stride_k_s, stride_k_h, stride_k_d, stride_v_s, stride_v_h, stride_v_d,
     stride_out_s, stride_out_h, stride_out_d,
-    stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens,
+    num_splits, stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
@@ -175,12 +177,16 @@ def launch_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_si
                 num_warps=tuning.num_warps, num_stages=tuning.num_stages)
 
 
-def _scalars(scale: float, sliding_window: int | None, soft_cap: float | None, num_splits: int, query, key, value,
-             out, k_cache, block_tables, seq_lens) -> tuple:
-    """The kernel's runtime scalars, in signature order (floats as floats: an int 1 would become a constant)."""
-    return (float(scale if soft_cap is not None else scale * LOG2E), float(soft_cap or 1.0), int(sliding_window or 0),
-            num_splits, *_strides3(query), *_strides3(key), *_strides3(value), *_out_strides(out),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0))
+def _layer_scalars(scale: float, sliding_window: int | None, soft_cap: float | None) -> tuple[float, float, int]:
+    """The kernel's first scalars (floats as floats: an int 1 would be compiled in as a constant)."""
+    return float(scale if soft_cap is not None else scale * LOG2E), float(soft_cap or 1.0), int(sliding_window or 0)
+
+
+def _step_scalars(num_splits: int, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor) -> tuple:
+    """The kernel's last scalars: what a decode step's layers share."""
+    return num_splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), \
+        seq_lens.stride(0)
 
 
 def triton_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -210,10 +216,9 @@ def triton_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value:
                                    use_window=sliding_window is not None, use_soft_cap=soft_cap is not None,
                                    is_split=is_split, tuning=tuning)
     _decode_write_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key, value, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, counters,
-        *_scalars(scale, sliding_window, soft_cap, num_splits, query, key, value, out, k_cache, block_tables,
-                  seq_lens),
-        **constexprs)
+        query, key, value, k_cache, v_cache, out, block_tables, seq_lens, partial_out, partial_lse, counters,
+        *_layer_scalars(scale, sliding_window, soft_cap), *_strides3(query), *_strides3(key), *_strides3(value),
+        *_out_strides(out), *_step_scalars(num_splits, k_cache, block_tables, seq_lens), **constexprs)
     return out
 
 
@@ -242,8 +247,6 @@ class DecodeWriteKernel:
         self.pool = pool
         self.tuning = tuning
         self.kernel = BoundKernel(_decode_write_kernel, bindable=bindable)
-        k_cache = pool.k_caches[0]
-        self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))  # every layer's, K's and V's
         self._workspace: KernelWorkspace | None = None
         self._configs: dict[tuple, BoundConfig] = {}
 
@@ -279,13 +282,14 @@ class DecodeWriteStep:
     """One decode step's fused launches: what every layer shares is fixed here, once.
 
     Per layer, `__call__` hands the layer's tensors and strides to the bound kernel and does
-    nothing else: the grid, the split count, the split scratch, the constexprs and the
-    metadata are the step's. The split count is rounded down to a power of two, so a growing
-    sequence changes it (and with it the binding key) only a few times in a generation.
+    nothing else: the grid, the split count, the split scratch, the constexprs, the metadata
+    (as `FixedArgs`, keyed once) and the output buffer are the step's. The split count is
+    rounded down to a power of two, so a growing sequence changes it (and with it the binding
+    key) only a few times in a generation.
     """
 
     __slots__ = ("owner", "k_caches", "v_caches", "block_tables", "seq_lens", "num_seqs", "num_splits", "grid",
-                 "_tail", "_layers")
+                 "_layers")
 
     def __init__(self, owner: DecodeWriteKernel, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  max_seq_len: int):
@@ -300,43 +304,47 @@ class DecodeWriteStep:
                                    owner.tuning)
         self.num_splits = 1 << (splits.bit_length() - 1)
         self.grid = (num_seqs, pool.num_kv_heads, self.num_splits)
-        self._tail = (*owner.cache_strides, *block_tables.stride(), seq_lens.stride(0))
-        # Per (num_heads, dtype, scale, window, soft cap): (config, leading scalars, split scratch).
+        # Per (num_heads, dtype, scale, window, soft cap): (config, fixed args, leading scalars, outputs).
         self._layers: dict[tuple, tuple] = {}
 
     def _prepare(self, layer_key: tuple, query: torch.Tensor) -> tuple:
         num_heads, dtype, scale, sliding_window, soft_cap = layer_key
+        pool = self.owner.pool
         is_split = self.num_splits > 1
         config = self.owner.config(num_heads, dtype, sliding_window is not None, soft_cap is not None, is_split)
-        head = (float(scale if soft_cap is not None else scale * LOG2E), float(soft_cap or 1.0),
-                int(sliding_window or 0), self.num_splits)
         if is_split:
-            dim_pad = triton.next_power_of_2(query.shape[-1])
+            dim_pad = triton.next_power_of_2(pool.head_dim)
             partial_out = torch.empty(self.num_seqs, num_heads, self.num_splits, dim_pad, dtype=torch.float32,
-                                      device=query.device)
+                                      device=pool.device)
             partial_lse = torch.empty(self.num_seqs, num_heads, self.num_splits, dtype=torch.float32,
-                                      device=query.device)
+                                      device=pool.device)
             scratch = (partial_out, partial_lse, self.owner.counters(self.num_seqs * self.grid[1]))
         else:
             scratch = (self.seq_lens,) * 3  # unused by the kernel when IS_SPLIT is False
-        prepared = self._layers[layer_key] = (config, head, scratch)
+        fixed = config.fix((self.block_tables, self.seq_lens, *scratch),
+                           _step_scalars(self.num_splits, self.k_caches[0], self.block_tables, self.seq_lens))
+        # Every layer's output in one allocation: out[layer] is a layer's [num_seqs, 1, num_heads, head_dim].
+        outputs = torch.empty(pool.num_layers, self.num_seqs, 1, num_heads, pool.head_dim, dtype=dtype,
+                              device=pool.device)
+        prepared = self._layers[layer_key] = (config, fixed, _layer_scalars(scale, sliding_window, soft_cap), outputs)
         return prepared
 
-    def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 out: torch.Tensor, scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
-        """Write layer `layer_idx`'s new K/V (`key`, `value`) into their slots and attend; returns `out`.
+    def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write layer `layer_idx`'s new K/V (`key`, `value`) into their slots and attend; returns the output.
 
-        query/out `[num_seqs, num_heads, head_dim]` and key/value `[num_seqs, num_kv_heads, head_dim]`,
-        or HF's layouts: query/key/value `[num_seqs, heads, 1, head_dim]` and out `[num_seqs, 1,
-        num_heads, head_dim]`. Any strides (read per call), in the pool's dtype.
+        query `[num_seqs, num_heads, head_dim]` and key/value `[num_seqs, num_kv_heads, head_dim]`, or
+        HF's `[num_seqs, heads, 1, head_dim]`: any strides (read per call), the pool's dtype. The
+        output is `out` when given (`[num_seqs, num_heads, head_dim]` or `[num_seqs, 1, num_heads,
+        head_dim]`), else the layer's `[num_seqs, 1, num_heads, head_dim]` slice of one buffer the
+        step allocates for all layers.
         """
         layer_key = (query.shape[1], query.dtype, scale, sliding_window, soft_cap)
-        prepared = self._layers.get(layer_key) or self._prepare(layer_key, query)
-        config, head, scratch = prepared
+        config, fixed, head, outputs = self._layers.get(layer_key) or self._prepare(layer_key, query)
+        if out is None:
+            out = outputs[layer_idx]
         q, k, v, o = query.stride(), key.stride(), value.stride(), out.stride()
-        config.launch(self.grid,
-                      (query, key, value, self.k_caches[layer_idx], self.v_caches[layer_idx], self.block_tables,
-                       self.seq_lens, out, *scratch),
-                      head + (q[0], q[1], q[-1], k[0], k[1], k[-1], v[0], v[1], v[-1], o[0], o[-2], o[-1])
-                      + self._tail)
+        config.launch(self.grid, (query, key, value, self.k_caches[layer_idx], self.v_caches[layer_idx], out),
+                      head + (q[0], q[1], q[-1], k[0], k[1], k[-1], v[0], v[1], v[-1], o[0], o[-2], o[-1]), fixed)
         return out
