@@ -1,61 +1,168 @@
-"""Host time of PagedCache's drop-in path per decode step, the attention kernel stubbed out. Prints only.
+"""Host time per decode step of the cache + attention path, PagedCache against DynamicCache. Prints a table.
 
-What is left is what the cache adds on the host around the launch: `update` tagging the key,
-the step's metadata (built once, on layer 0: block-table growth, slots, one host-to-device
-copy), the K/V write (two `index_copy_`) and the attention function's own Python. GPT-2 124M
-shape (12 layers, 12 heads of 64), on CUDA when there is one.
+Only what the cache choice changes is timed: per layer, `cache.update` and the attention
+function (the model's projections, norms and MLP are the same for every cache). GPT-2 124M
+shape (12 layers, 12 heads of 64), from a 10-token prompt. Three paths:
 
-    PYTHONPATH=src python benchmarks/hf_host_overhead.py [--batch 1 32] [--device cpu]
+    DynamicCache + sdpa      torch.cat of K and V, then SDPA
+    PagedCache, unfused      index_copy_ of K and V into pages, then the paged decode kernel
+    PagedCache, fused        one fused K/V write + decode launch, bound (`kernels.launch`)
+
+On CUDA everything runs as is (host time measured, the GPU synchronized once per step as
+generate does). Without CUDA nothing can be launched, so host time is approximated:
+
+- the launches are stubbed where they leave Python: the unfused path's at Triton's
+  `kernel[grid](...)` (Triton's own Python then costs ~58 us more per launch on the H200 host),
+  the fused path's at the C launcher call (which costs a few us there);
+- DynamicCache's tensors are dispatch-sized (1 KV head of 8 dims, same layers and steps):
+  on CPU `torch.cat` and SDPA run synchronously, so full-size tensors would time the copy
+  and the math, which on a GPU run behind the host; what is left is each op's dispatch;
+- torch runs one CPU thread, so no op pays for an intra-op parallel region a GPU run lacks.
+
+    PYTHONPATH=src python benchmarks/hf_host_overhead.py [--batch 1 32] [--device cuda|cpu]
 """
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
-import pagedkv.hf.attention as attention
-from pagedkv.hf import PagedCache, PagePool
+os.environ.setdefault("PAGEDKV_KERNEL_BACKEND", "triton")  # the Triton paths also off CUDA (launches stubbed)
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+import pagedkv.hf.attention as attention  # noqa: E402
+from pagedkv.hf import PagedCache, PagePool  # noqa: E402
+
+NUM_LAYERS, NUM_HEADS, HEAD_DIM, PROMPT_LEN = 12, 12, 64, 10
 
 
 class _Layer:
-    """What the attention function reads of an HF attention module."""
+    """What the attention functions read of an HF attention module."""
 
     def __init__(self, layer_idx: int):
         self.layer_idx = layer_idx
         self.sliding_window = None
+        self.is_causal = True
+        self.num_key_value_groups = 1
 
 
-def _stub_decode(query, *args, out=None, **kwargs):
-    return torch.empty_like(query) if out is None else out
+class _NoLaunch:
+    """Stands in for a JIT function off CUDA: `fn[grid](...)` returns a compiled kernel whose C launch does nothing."""
+
+    class _Launcher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        @staticmethod
+        def launch(*args):
+            return None
+
+    class _Compiled:
+        function = 1
+        packed_metadata = (4, 1, 0)
+
+    def __init__(self):
+        self._compiled = self._Compiled()
+        self._compiled.run = self._Launcher()
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._compiled
 
 
-def per_step_us(batch: int, device: str, num_layers: int = 12, num_heads: int = 12, head_dim: int = 64,
-                steps: int = 300, rounds: int = 7) -> float:
-    """The best over `rounds` of the median host time of one decode step."""
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    pool = PagePool(num_layers, num_heads, head_dim, num_blocks=batch * (steps + 32) // 16 + 64, block_size=16,
-                    dtype=dtype, device=device)
-    layers = [_Layer(i) for i in range(num_layers)]
-    q, k, v = (torch.randn(batch, num_heads, 1, head_dim, dtype=dtype, device=device) for _ in range(3))
-    mask = torch.ones(batch, 11, device=device)
+def _stub_launches(pool: PagePool) -> None:
+    """Off CUDA: the unfused path's Triton launch and the fused path's C launch become no-ops (see the docstring)."""
+    from triton import knobs
+
+    import pagedkv.kernels.triton_decode as triton_decode
+    from pagedkv.kernels.launch import BoundConfig
+
+    triton_decode._decode_kernel = _NoLaunch()
+    bound = pool.decode_write_kernel().kernel
+    make = bound.config
+
+    def config(**kwargs) -> BoundConfig:
+        made = make(**kwargs)
+        if not isinstance(made.fn, _NoLaunch):
+            made.bindable, made.fn, made._runtime = True, _NoLaunch(), knobs.runtime
+            made._current_device, made._current_stream = (lambda: 0), (lambda device: 0)
+        return made
+
+    bound.config = config
+
+
+def _time_steps(run_step, steps: int, rounds: int, sync) -> float:
+    """The best over `rounds` of the median host time of one decode step (us)."""
     best = []
-    with torch.no_grad():
-        for _ in range(rounds):
-            cache = PagedCache(pool)
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
+    for _ in range(rounds):
+        state = run_step(None)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            state = run_step(state)
+            times.append(time.perf_counter() - start)
+            sync()
+        if isinstance(state, PagedCache):
+            state.free()
+        best.append(statistics.median(times[20:]) * 1e6)
+    return min(best)
+
+
+def per_step_us(batch: int, device: str, steps: int = 200, rounds: int = 5) -> dict[str, float]:
+    """Median host us per decode step of each path."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    layers = [_Layer(i) for i in range(NUM_LAYERS)]
+    # GPT-2's q/k/v: [batch, heads, 1, head_dim] views of one fused projection.
+    fused = torch.randn(batch, 1, 3 * NUM_HEADS * HEAD_DIM, dtype=dtype, device=device)
+    q, k, v = (t.view(batch, 1, NUM_HEADS, HEAD_DIM).transpose(1, 2) for t in fused.split(NUM_HEADS * HEAD_DIM, 2))
+    mask = torch.ones(batch, PROMPT_LEN, device=device)
+    results = {}
+
+    # Off CUDA, DynamicCache's tensors are dispatch-sized (see the module docstring).
+    heads, dim = (NUM_HEADS, HEAD_DIM) if device == "cuda" else (1, 8)
+    dq, dk, dv = (t[:, :heads, :, :dim] for t in (q, k, v))
+
+    def dynamic_step(cache):
+        if cache is None:
+            cache = DynamicCache()
+            prompt = torch.randn(batch, heads, PROMPT_LEN, dim, dtype=dtype, device=device)
+            for layer in layers:
+                cache.update(prompt, prompt, layer.layer_idx)
+            return cache
+        for layer in layers:
+            key, value = cache.update(dk, dv, layer.layer_idx)
+            sdpa_attention_forward(layer, dq, key, value, None, dropout=0.0, scaling=0.125)
+        return cache
+
+    pool = PagePool(NUM_LAYERS, NUM_HEADS, HEAD_DIM, num_blocks=batch * (steps + 64) // 16 + 64, block_size=16,
+                    dtype=dtype, device=device)
+    if device != "cuda":
+        _stub_launches(pool)
+
+    def paged_step(fuse: bool):
+        def step(cache):
+            if cache is not None:
                 for layer in layers:
                     key, value = cache.update(k, v, layer.layer_idx)
-                    attention.paged_attention_forward(layer, q, key, value, mask, scaling=0.125, dropout=0.0,
-                                                      sliding_window=None)
-                times.append(time.perf_counter() - start)
-                if device == "cuda":
-                    torch.cuda.synchronize()  # as generate's stop check does once per step
-            cache.free()
-            best.append(statistics.median(times[20:]) * 1e6)
-    return min(best)
+                    attention.paged_attention_forward(layer, q, key, value, mask, scaling=0.125, dropout=0.0)
+                return cache
+            cache = PagedCache(pool)
+            if not fuse:
+                cache._decode_kernel = None  # write_kv's index_copy_, then the paged decode kernel
+            return cache
+        return step
+
+    with torch.no_grad():
+        dynamic = "DynamicCache + sdpa" + ("" if device == "cuda" else " (dispatch-sized)")
+        results[dynamic] = _time_steps(dynamic_step, steps, rounds, sync)
+        results["PagedCache, unfused"] = _time_steps(paged_step(False), steps, rounds, sync)
+        results["PagedCache, fused + bound"] = _time_steps(paged_step(True), steps, rounds, sync)
+        pool.check_integrity()
+    return results
 
 
 def main() -> None:
@@ -63,11 +170,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    attention.paged_decode_attention = _stub_decode  # measure everything but the kernel
-    print("| batch | host us / decode step | us / layer |\n|---:|---:|---:|")
+    if args.device != "cuda":
+        torch.set_num_threads(1)
+    print(f"device {args.device}; host us per decode step (cache + attention of {NUM_LAYERS} layers)")
+    print("| batch | path | us / step | us / layer |\n|---:|---|---:|---:|")
     for batch in args.batch:
-        us = per_step_us(batch, args.device)
-        print(f"| {batch} | {us:.0f} | {us / 12:.1f} |")
+        for path, us in per_step_us(batch, args.device).items():
+            print(f"| {batch} | {path} | {us:.0f} | {us / NUM_LAYERS:.1f} |")
 
 
 if __name__ == "__main__":

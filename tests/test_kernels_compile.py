@@ -36,7 +36,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert not failed, failed
     kernels = {row["kernel"] for row in compiled}
     assert {"_decode_kernel", "_merge_kernel", "_stream_k_decode_kernel", "_prefill_kernel", "_unified_kernel",
-            "_write_kv_kernel"} <= kernels
+            "_write_kv_kernel", "_decode_write_kernel"} <= kernels
     # The decode loops are software-pipelined (cp.async into shared memory), not plain loads.
     assert all(row["async_copies"] > 0 for row in compiled if "decode" in row["kernel"] and "merge" not in
                row["kernel"])
@@ -52,3 +52,9 @@ def test_stream_k_default_grid_is_resident(compiled):
 def test_in_kernel_merge_keeps_the_split_kernels_occupancy(compiled):
     residency = {row["case"]: row["residency"] for row in compiled if row["kernel"] == "_decode_kernel"}
     assert residency["decode in-kernel merge llama3"] == residency["decode split llama3"] == 4
+
+
+def test_fused_decode_write_keeps_the_decode_kernels_occupancy(compiled):
+    """Writing the new token costs no programs per SM (a tile patched with the new row once held twice the registers)."""
+    residency = {row["case"]: row["residency"] for row in compiled}
+    assert residency["decode+write split llama3"] == residency["decode in-kernel merge llama3"] == 4

@@ -1,129 +1,36 @@
 """`pagedkv bench hf`: PagedCache against DynamicCache and StaticCache inside `model.generate`.
 
-PageForge's setting: GPT-2 124M (random weights of the real shape), fp16, 32 sequences,
-a 512-token budget, pages of 16 tokens.
+PageForge's setting for memory: GPT-2 124M (random weights of the real shape), fp16, 32
+sequences, a 512-token budget, pages of 16 tokens.
 
 - Memory at decode steps 5, 50 and 200: naive pre-allocation (32 x 512 tokens), DynamicCache
   (its tensors' bytes, left padding included), StaticCache (what it allocates), and
   PagedCache, both as the blocks the allocator holds and as the max_memory_allocated delta
   of the whole generate call (PagedCache's pool is allocated once, before the call, as a
   server would; the delta is what generate itself adds on top).
-- Decode latency P50/P99 per generated token at batch 1 and batch 32, for all three caches.
+- Decode latency P50/P99 per generated token at batch 1 and batch 32, for every cache, for
+  GPT-2 124M fp16 and a Llama-3.2-1B shape bf16, with the diagnostics of `bench.hf_latency`
+  (GPU busy time, syncs, allocations, GC, launch path) and each target met or missed.
 - Plots: KV memory against decode step; the two-batch lifecycle (batch 2 lands on batch 1's
   pages and the pool ends at 0).
 - Sharing (`bench.hf_sharing`): beam search, parallel sampling and prompt reuse with blocks
   shared by reference count, against DynamicCache's per-sequence copies; a table, a plot and
-  hf_sharing.json. `--only sharing` runs just this part, on CPU too (`--quick` for a small model).
+  hf_sharing.json. `--only sharing` runs just this part, on CPU too (`--quick` for a small model);
+  `--only latency` just the latency part.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from pagedkv.bench import hf_latency
 from pagedkv.bench.common import provenance, write_json
+from pagedkv.bench.hf_latency import generate_tokens, prompts
 from pagedkv.cli import ArgumentParser
 
 STEPS = (5, 50, 200)
-
-
-class _Clock:
-    """A stopping criterion that only records when generate finished each step (after its sync)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, prompt_len), generator=gen)
-
-
-def _generate(model, ids, cache, steps: int, clock=None, **kwargs):
-    from transformers import StoppingCriteriaList
-
-    criteria = StoppingCriteriaList([clock]) if clock is not None else None
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-                          do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None,
-                          stopping_criteria=criteria, disable_compile=True, **kwargs)
-
-
-class _GcWatch:
-    """Python garbage collections (count per generation, longest pause) while `active` is set."""
-
-    def __init__(self):
-        self.active = False
-        self.collections = [0, 0, 0]
-        self.max_pause_ms = 0.0
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if not self.active:
-            return
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.collections[info["generation"]] += 1
-            self.max_pause_ms = max(self.max_pause_ms, (time.perf_counter() - self._start) * 1e3)
-
-
-def _latency(model, pool, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
-    """Per-token decode latency (ms) for each cache: P50 and P99 over `repeats` runs of `steps` tokens.
-
-    Also where the tail sits: the decode steps (counted from the first) of the slowest 1% of
-    samples and how many of those cross a 16-token block boundary (when a row claims a block
-    and the block tables widen), and the garbage collections that ran while timing.
-    """
-    import gc
-
-    from transformers import DynamicCache, StaticCache
-
-    from pagedkv.hf.cache import PagedCache
-
-    ids = _prompts(batch, prompt_len, model.config.vocab_size).to(model.device)
-    makers = {
-        "DynamicCache": ("sdpa", lambda: DynamicCache()),
-        "StaticCache": ("sdpa", lambda: StaticCache(config=model.config, max_cache_len=prompt_len + steps + 1)),
-        "PagedCache": ("pagedkv", lambda: PagedCache(pool)),
-    }
-    result = {}
-    for name, (attn, make) in makers.items():
-        model.set_attn_implementation(attn)
-        samples: list[tuple[float, int]] = []  # (ms, decode step)
-        watch = _GcWatch()
-        gc.callbacks.append(watch)
-        try:
-            for repeat in range(repeats + 1):
-                cache = make()
-                clock = _Clock()
-                watch.active = bool(repeat)
-                _generate(model, ids, cache, steps, clock)
-                torch.cuda.synchronize()
-                watch.active = False
-                if isinstance(cache, PagedCache):
-                    cache.free()
-                if repeat:  # the first run warms up kernels and allocator
-                    samples += [((b - a) * 1e3, step) for step, (a, b) in
-                                enumerate(zip(clock.times[1:], clock.times[2:]), start=2)]
-        finally:
-            gc.callbacks.remove(watch)
-        samples.sort()
-        times = [ms for ms, _ in samples]
-        tail = samples[int(0.99 * (len(samples) - 1)):]
-        result[name] = {"p50_ms": statistics.median(times), "p99_ms": times[int(0.99 * (len(times) - 1))],
-                        "mean_ms": statistics.fmean(times), "num_samples": len(times),
-                        "tail_steps": [step for _, step in tail],
-                        "tail_at_block_boundary": sum((prompt_len + step) % 16 == 1 for _, step in tail),
-                        "gc_collections": watch.collections, "gc_max_pause_ms": watch.max_pause_ms}
-    model.set_attn_implementation("pagedkv")
-    return result
 
 
 def _memory(model, pool, batch: int, prompt_len: int, budget: int) -> dict:
@@ -133,7 +40,7 @@ def _memory(model, pool, batch: int, prompt_len: int, budget: int) -> dict:
     from pagedkv.hf.cache import PagedCache
 
     bytes_per_token = pool.bytes_per_token
-    ids = _prompts(batch, prompt_len, model.config.vocab_size, seed=1).to(model.device)
+    ids = prompts(batch, prompt_len, model.config.vocab_size, seed=1).to(model.device)
     rows = {step: {"naive_bytes": batch * budget * bytes_per_token} for step in STEPS}
     for step in STEPS:
         model.set_attn_implementation("sdpa")
@@ -143,7 +50,7 @@ def _memory(model, pool, batch: int, prompt_len: int, budget: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             cache = make()
-            _generate(model, ids, cache, step)
+            generate_tokens(model, ids, cache, step)
             torch.cuda.synchronize()
             held = sum(t.numel() * t.element_size() for layer in cache.layers
                        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
@@ -155,7 +62,7 @@ def _memory(model, pool, batch: int, prompt_len: int, budget: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         cache = PagedCache(pool, max_cache_len=budget)
-        _generate(model, ids, cache, step)
+        generate_tokens(model, ids, cache, step)
         torch.cuda.synchronize()
         memory = cache.memory()
         rows[step]["paged_bytes"] = memory.paged_bytes
@@ -172,7 +79,7 @@ def _curve(model, pool, batch: int, prompt_len: int, steps: int, seed: int) -> t
     """Blocks held after each forward of one generate call, and the sorted block ids it used."""
     from pagedkv.hf.cache import PagedCache
 
-    ids = _prompts(batch, prompt_len, model.config.vocab_size, seed=seed).to(model.device)
+    ids = prompts(batch, prompt_len, model.config.vocab_size, seed=seed).to(model.device)
     used: list[int] = []
     cache = PagedCache(pool)
 
@@ -265,6 +172,29 @@ def _sharing_report(model, label: str, args) -> dict:
     return result
 
 
+def _latency_report(args) -> tuple[dict, list[str]]:
+    """Run the latency part (`bench.hf_latency`) on every --latency-models model; print its table."""
+    gc_mode = "freeze" if args.gc_freeze else args.gc
+    models = [name.strip() for name in args.latency_models.split(",") if name.strip()]
+    unknown = [name for name in models if name not in hf_latency.LATENCY_MODELS]
+    if unknown:
+        raise SystemExit(f"unknown latency model(s) {unknown}; choose from {', '.join(hf_latency.LATENCY_MODELS)}")
+    latency, labels = hf_latency.run(models, [1, args.batch], args.prompt_len, args.latency_steps, args.repeats,
+                                     gc_mode, args.budget, with_static=not args.no_static,
+                                     diagnose=not args.no_diagnose)
+    goals = hf_latency.targets(latency)
+    lines = [f"Decode latency per token: {args.latency_steps} steps x {args.repeats} runs after a warm-up run, "
+             f"{args.prompt_len}-token prompts, GC {gc_mode}. Target: PagedCache <= 1.0x DynamicCache at P50 and P99.",
+             "", *hf_latency.table_lines(latency, labels), ""]
+    for model_name, batches in goals.items():
+        for batch, goal in batches.items():
+            lines.append(f"- {labels[model_name]}, batch {batch}: P50 {goal['p50_ratio']:.2f}x, P99 "
+                         f"{goal['p99_ratio']:.2f}x -> {'met' if goal['met'] else 'MISSED'}")
+    print("\n".join(lines))
+    return {"gc_mode": gc_mode, "steps": args.latency_steps, "repeats": args.repeats, "labels": labels,
+            "results": latency, "targets": goals}, lines
+
+
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     """Run the benchmark; print tables; write hf.json, hf.md, hf_sharing.json/.md and PNG plots."""
     from rich.console import Console
@@ -274,30 +204,51 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     from pagedkv.hf.models import load_model, parse_dtype, random_model
 
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("all", "sharing"), default="all",
-                        help="sharing: only the beam / parallel-sampling memory part (runs on CPU too)")
-    parser.add_argument("--model", default="random:gpt2", help="what load_model takes (default random:gpt2)")
+    parser.add_argument("--only", choices=("all", "sharing", "latency"), default="all",
+                        help="sharing: only the beam / parallel-sampling memory part (runs on CPU too); latency: "
+                             "only the latency part (writes hf_latency.json/.md)")
+    parser.add_argument("--model", default="random:gpt2",
+                        help="the memory and sharing parts' model, what load_model takes (default random:gpt2)")
+    parser.add_argument("--latency-models", default=",".join(hf_latency.LATENCY_MODELS),
+                        help=f"comma-separated, from {', '.join(hf_latency.LATENCY_MODELS)} (random weights, each "
+                             f"in its own dtype)")
     parser.add_argument("--dtype", default=None, help="default float16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--quick", action="store_true",
                         help="a 2-layer, 128-wide GPT-2 shape instead of --model (for CPU; the sharing ratios "
                              "count blocks, which do not depend on the model's width)")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="the memory part's batch, and the latency part's "
+                                                              "second batch (after 1)")
     parser.add_argument("--budget", type=int, default=512, help="tokens per sequence (naive reservation)")
     parser.add_argument("--prompt-len", type=int, default=10)
     parser.add_argument("--latency-steps", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gc-freeze", action="store_true",
-                        help="gc.freeze() before timing (both caches), to test whether GC makes the P99 tail")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generate calls per cache (>= 1)")
+    parser.add_argument("--gc", choices=hf_latency.GC_MODES, default="on",
+                        help="Python GC while timing: on, freeze (gc.freeze() after loading, as servers do), or off "
+                             "(disabled during the timed calls); to test whether GC makes the P99 tail")
+    parser.add_argument("--gc-freeze", action="store_true", help="the same as --gc freeze")
+    parser.add_argument("--no-static", action="store_true", help="leave StaticCache out of the latency part")
+    parser.add_argument("--no-diagnose", action="store_true",
+                        help="skip the profiler and sync-debug runs (GPU busy time, syncs per step)")
     parser.add_argument("--sharing-batches", default="1,8")
     parser.add_argument("--sharing-prompt-len", type=int, default=512)
     parser.add_argument("--sharing-new-tokens", type=int, default=128)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.only == "all" and not device.startswith("cuda"):
+    if args.only != "sharing" and not device.startswith("cuda"):
         print("pagedkv bench hf needs a CUDA GPU (on CPU: --only sharing)")
         return 2
+    if args.only == "latency":
+        latency, lines = _latency_report(args)
+        write_json(args.out, "hf_latency", {"benchmark": "hf_latency",
+                                            "provenance": provenance(torch.cuda.get_device_name()), **latency})
+        prov = provenance(torch.cuda.get_device_name())
+        Path(args.out, "hf_latency.md").write_text("\n".join(
+            [f"# HF decode latency ({prov['device']}, {prov['date']}, commit {prov['commit']})", "", *lines]) + "\n")
+        return 0
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
     if args.quick:
         model = random_model("gpt2", dtype, device, n_layer=2, n_embd=128, n_head=4)
@@ -314,13 +265,6 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     naive_bytes = args.batch * args.budget * pool.bytes_per_token
 
     memory = _memory(model, pool, args.batch, args.prompt_len, args.budget)
-    if args.gc_freeze:
-        import gc
-
-        gc.collect()
-        gc.freeze()  # what a server does after start-up (vLLM does): collections then skip the model's objects
-    latency = {str(b): _latency(model, pool, b, args.prompt_len, args.latency_steps, args.repeats)
-               for b in (1, args.batch)}
     curve1, ids1 = _curve(model, pool, 8, args.prompt_len, 120, seed=5)
     curve2, ids2 = _curve(model, pool, 8, args.prompt_len, 120, seed=6)
     lifecycle = {"batch1_blocks": curve1, "batch2_blocks": curve2, "same_block_ids": ids1 == ids2,
@@ -328,10 +272,11 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     result = {"benchmark": "hf", "model": f"{label} {str(model.dtype).removeprefix('torch.')}",
               "provenance": provenance(torch.cuda.get_device_name()), "sharing": "hf_sharing.json",
               "batch": args.batch, "budget_tokens": args.budget, "prompt_len": args.prompt_len, "block_size": 16,
-              "bytes_per_token": pool.bytes_per_token, "gc_frozen": args.gc_freeze, "memory": memory,
-              "latency": latency, "lifecycle": lifecycle}
+              "bytes_per_token": pool.bytes_per_token, "memory": memory, "lifecycle": lifecycle}
     result["plots"] = _plots(args.out, memory, curve1, curve2, pool.kv.bytes_per_block, naive_bytes, pool,
                              args.batch, args.prompt_len, args.budget)
+    del model, pool
+    torch.cuda.empty_cache()
 
     table = Table(title="KV memory (MB), GPT-2 124M fp16, 32 sequences, 512-token budget, page 16")
     for column in ("step", "naive", "DynamicCache", "StaticCache", "PagedCache (blocks)", "PagedCache peak delta",
@@ -342,23 +287,12 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
                       f"{row['static_bytes'] / 1e6:.2f}", f"{row['paged_bytes'] / 1e6:.2f}",
                       f"{row['paged_peak_delta_bytes'] / 1e6:.2f}", f"{row['naive_bytes'] / row['paged_bytes']:.1f}x")
     console.print(table)
-    lat = Table(title="Decode latency per token (ms)")
-    for column in ("batch", "cache", "P50", "P99", "vs DynamicCache P50/P99", "tail: steps at a block boundary",
-                   "GC gen0/1/2 (max pause ms)"):
-        lat.add_column(column, justify="right")
-    for batch, rows in latency.items():
-        dyn = rows["DynamicCache"]
-        for name, row in rows.items():
-            lat.add_row(batch, name, f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}",
-                        f"{row['p50_ms'] / dyn['p50_ms']:.2f}x / {row['p99_ms'] / dyn['p99_ms']:.2f}x",
-                        f"{row['tail_at_block_boundary']} of {len(row['tail_steps'])}",
-                        "/".join(map(str, row["gc_collections"])) + f" ({row['gc_max_pause_ms']:.1f})")
-    console.print(lat)
+    latency, latency_lines = _latency_report(args)
+    result["latency"] = latency
     step50 = memory["50"]
     targets = {
-        "paged_p50_p99_le_dynamic": all(r["PagedCache"]["p50_ms"] <= r["DynamicCache"]["p50_ms"] and
-                                        r["PagedCache"]["p99_ms"] <= r["DynamicCache"]["p99_ms"]
-                                        for r in latency.values()),
+        "paged_p50_p99_le_dynamic": all(goal["met"] for batches in latency["targets"].values()
+                                        for goal in batches.values()),
         "paged_8x_less_than_naive_at_step_50": step50["naive_bytes"] / step50["paged_bytes"] >= 8.0,
     }
     result["targets"] = targets
@@ -372,10 +306,6 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
         md.append(f"| {step} | {row['naive_bytes'] / 1e6:.2f} | {row['dynamic_bytes'] / 1e6:.2f} | "
                   f"{row['static_bytes'] / 1e6:.2f} | {row['paged_bytes'] / 1e6:.2f} | "
                   f"{row['paged_peak_delta_bytes'] / 1e6:.2f} | {row['naive_bytes'] / row['paged_bytes']:.1f}x |")
-    md += ["", "| batch | cache | P50 ms | P99 ms |", "|---:|---|---:|---:|"]
-    for batch, rows in latency.items():
-        for name, row in rows.items():
-            md.append(f"| {batch} | {name} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} |")
-    md += ["", f"Targets: {targets}"]
+    md += ["", *latency_lines, "", f"Targets: {targets}"]
     Path(args.out, "hf.md").write_text("\n".join(md) + "\n")
     return 0

@@ -17,6 +17,10 @@ untouched), the function:
 2. writes the new tokens' K/V into their slots (`write_kv`'s unpadded scatter; pads were compacted away);
 3. runs paged decode attention over the rows with one query token and paged prefill
    attention over the rest, reading K/V through the block tables, never gathering them.
+
+A decode step of `PagedCache` on the Triton backend does 2 and 3 in one launch: the
+metadata carries a `DecodeWriteStep` (the fused kernel with everything the layers share
+fixed once per step), and the layer only hands it its tensors.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class PagedAttentionMetadata:
         0                   num_decode_tokens                     num_tokens
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64; negative = skip the write
+    slot_mapping: torch.Tensor | None  # [num_tokens] int64; negative = skip the write (None with decode_step)
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decode_seqs, max_blocks] int32
     decode_seq_lens: torch.Tensor | None  # [num_decode_seqs] int32, kv length including the new token
@@ -55,6 +59,8 @@ class PagedAttentionMetadata:
     max_prefill_seq_len: int
     # Rows of the model's flattened [batch * q_len] tokens that are real (None: all are).
     token_index: torch.Tensor | None = None
+    # A decode step's fused K/V write + attention launcher (`kernels.triton_decode_write`); None: write, then attend.
+    decode_step: object | None = None
 
 
 def _model_sliding_window(module: torch.nn.Module, kwargs: dict) -> int | None:
@@ -96,9 +102,14 @@ def _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
             f"this cache's pool was built for {pool.num_layers} layers x {pool.num_kv_heads} KV heads x head_dim "
             f"{pool.head_dim}, but layer {layer_idx} of the model has {num_kv_heads} KV heads x head_dim {head_dim}"
         )
-    if key.dtype != pool.model_dtype:
-        raise ModelMismatchError(f"the model's K/V are {key.dtype} but the pool was made for {pool.model_dtype}")
+    if key.dtype != pool.model_dtype or key.get_device() != cache.pool_device_index:
+        raise ModelMismatchError(f"the model's K/V are {key.dtype} on {key.device} but the pool was made for "
+                                 f"{pool.model_dtype} on {pool.device}")
     meta = cache.attention_metadata(attention_mask, batch, q_len)
+    step = meta.decode_step
+    if step is not None:  # one launch: this layer's new K/V into their pages, and attention over them
+        return step(layer_idx, query, key, value, scaling if scaling is not None else head_dim ** -0.5,
+                    _model_sliding_window(module, kwargs), kwargs.get("softcap") or None), None
 
     num_rows = batch * q_len
     if q_len == 1:  # decode: dropping the length-1 axis is a view, where transpose + reshape costs more host time

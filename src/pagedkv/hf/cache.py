@@ -37,7 +37,10 @@ from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable
 from pagedkv.errors import InvalidArgumentError, PagedKVError, require_positive_int
 from pagedkv.hf.attention import ATTN_IMPLEMENTATION, STEP_ATTR, PagedAttentionMetadata, register
-from pagedkv.kernels import KVPool
+from pagedkv.kernels import KVPool, resolve_backend
+
+#: The narrowest block-table width of a decode step's metadata (256 tokens at 16-token pages).
+_MIN_TABLE_WIDTH = 16
 
 
 def kv_shape_of(config) -> tuple[int, int, int]:
@@ -66,6 +69,7 @@ class PagedKVCacheBase(Cache):
         # Made once here, so the attention function's write is one index_copy_ each, with no view per call.
         self.k_rows = [k.view(-1, pool.num_kv_heads, pool.head_dim) for k in pool.k_caches]
         self.v_rows = [v.view(-1, pool.num_kv_heads, pool.head_dim) for v in pool.v_caches]
+        self.pool_device_index = pool.kv.get_device()  # what `Tensor.get_device()` of the model's K/V must equal
         self._metadata: PagedAttentionMetadata | None = None
         self._attention_ran = True
 
@@ -136,6 +140,16 @@ class PagePool:
         self.kv = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
                          kv_cache_dtype=kv_cache_dtype, scales=scales)
         self.allocator = BlockAllocator(num_blocks)
+        self._decode_write_kernel = None  # made on first use (it imports Triton)
+
+    def decode_write_kernel(self):
+        """The fused decode + K/V write kernel bound to this pool's pages, shared by its caches (made once):
+        its compiled launches outlive any one cache."""
+        if self._decode_write_kernel is None:
+            from pagedkv.kernels.triton_decode_write import DecodeWriteKernel
+
+            self._decode_write_kernel = DecodeWriteKernel(self.kv)
+        return self._decode_write_kernel
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, *, kv_cache_dtype: str = "auto",
@@ -238,34 +252,44 @@ def _align(packed: list[int]) -> None:
 
 
 class _HostStaging:
-    """The per-step metadata's way to the device: one host buffer, one copy.
+    """The per-step metadata's way to the device: one host buffer, one device buffer, one copy.
 
-    On CUDA the buffer is pinned and reused, so the copy is truly asynchronous: a copy from
-    pageable memory makes the host wait for the stream, i.e. for every kernel queued before
-    it. An event guards the reuse (the previous step's copy is long done by then).
+    On CUDA both buffers are made once (and regrown, doubling, when a step needs more), so a
+    step allocates nothing. The host buffer is pinned, so the copy is truly asynchronous: a
+    copy from pageable memory makes the host wait for the stream, i.e. for every kernel queued
+    before it. An event guards the host buffer's reuse (the previous step's copy is long done
+    by then: generate reads its tokens back every step). The device buffer needs no guard: the
+    copy into it is queued on the stream behind every kernel that read the previous step's.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._host: torch.Tensor | None = None  # pinned int64 buffer (CUDA only)
         self._host_values = None  # a numpy view of it: filling it from a list is one C loop
+        self._on_device: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
     def to_device(self, values: list[int]) -> torch.Tensor:
-        """`values` as an int64 tensor on the device (without waiting for the device on CUDA)."""
+        """`values` as an int64 tensor on the device (without waiting for the device on CUDA).
+
+        On CUDA the result is a view of the reused device buffer: valid until the next call.
+        """
         if self.device.type != "cuda":
             return torch.tensor(values, dtype=torch.int64, device=self.device)
         n = len(values)
         if self._host is None or self._host.numel() < n:
-            # A dropped buffer stays alive until its pending copy ends (the caching host allocator tracks it).
-            self._host = torch.empty(max(4096, 2 * n), dtype=torch.int64, pin_memory=True)
+            # A dropped buffer stays alive until its pending copy ends (the caching allocators track both).
+            capacity = max(4096, 2 * n)
+            self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
             self._host_values = self._host.numpy()
+            self._on_device = torch.empty(capacity, dtype=torch.int64, device=self.device)
             self._copied = torch.cuda.Event()
         else:
             self._copied.synchronize()
         self._host_values[:n] = values
-        on_device = self._host[:n].to(self.device, non_blocking=True)
-        self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
+        on_device = self._on_device[:n]
+        on_device.copy_(self._host[:n], non_blocking=True)
+        self._copied.record()  # on the current stream, where the copy was queued
         return on_device
 
 
@@ -289,6 +313,11 @@ class PagedCache(PagedKVCacheBase):
         # which is what lets `crop` drop columns per row without a per-column record.
         self._left_aligned = True
         self._staging = _HostStaging(self.pool.device)
+        # Decode steps on the Triton backend run the fused decode + K/V write kernel (one launch per
+        # layer). It stores the model's dtype: an FP8 pool takes the quantizing write + decode pair.
+        self._decode_kernel = pool.decode_write_kernel() \
+            if resolve_backend("auto", self.pool.device) == "triton" and not pool.kv.is_fp8 else None
+        self._table_width = _MIN_TABLE_WIDTH  # block-table columns of a decode step's metadata; only grows
 
     @property
     def max_batch_size(self) -> int | None:
@@ -422,23 +451,26 @@ class PagedCache(PagedKVCacheBase):
                 self.tables = None  # a failed first forward leaves the cache as it was: unsized
             raise
         self._seq_length += q_len
+        if q_len == 1 and self._decode_kernel is not None:
+            return self._pack_decode(copies)
         return self._pack(num_new, q_len, copies, token_index)
 
     def _append(self, num_new: list[int] | None, q_len: int) -> list[BlockCopy]:
         """Grow every row, all rows or none (a shortfall raises with nothing claimed); returns the CoW copies."""
         copies: list[BlockCopy] = []
-        done = []
+        tables = self.tables
+        counts = [q_len] * len(tables) if num_new is None else num_new
+        num_done = 0  # a counter, not a list of done rows: this loop runs once per row on every decode step
         try:
-            for row, table in enumerate(self.tables):
-                n = q_len if num_new is None else num_new[row]
+            for table, n in zip(tables, counts):
                 row_copies = table.append_tokens(n)
                 if row_copies:
                     copies += row_copies
-                done.append((table, n))
+                num_done += 1
         except PagedKVError:
             # A rolled-back row keeps its private copy of a shared block: fill it before anyone reads it.
             self._copy_blocks(copies)
-            for table, n in done:
+            for table, n in zip(tables[:num_done], counts):
                 table.truncate(table.num_tokens - n)
             raise
         return copies
@@ -448,6 +480,51 @@ class PagedCache(PagedKVCacheBase):
             src = torch.tensor([c.src for c in copies], device=self.pool.device)
             dst = torch.tensor([c.dst for c in copies], device=self.pool.device)
             self.pool.kv_storage.index_copy_(2, dst, self.pool.kv_storage.index_select(2, src))
+
+    def _copy_on_write(self, on_device: torch.Tensor, copies_at: int, num_copies: int) -> None:
+        """Copy each (src, dst) block pair packed at `copies_at` (srcs, then dsts), every layer's K and V at once."""
+        if num_copies:
+            kv = self.pool.kv_storage  # [2, L, N, B, Hkv, D]: one block id addresses every layer's K and V
+            src = on_device[copies_at:copies_at + num_copies]
+            dst = on_device[copies_at + num_copies:copies_at + 2 * num_copies]
+            kv.index_copy_(2, dst, kv.index_select(2, src))
+
+    def _pack_decode(self, copies: list[BlockCopy]) -> PagedAttentionMetadata:
+        """A decode step's metadata for the fused kernel, in one host-to-device copy:
+
+            | seq_lens (batch) | cow src | cow dst | block tables (batch x width) |
+
+        every segment starting on 16 bytes. No slot mapping: the kernel finds the new token's
+        slot through the block table. The table width is a power of two that only grows, so
+        its stride, one of the kernel's launch arguments, changes a few times in a generation
+        instead of every block_size tokens (each change is one launch through Triton per
+        configuration; the rest replay the bound launch).
+        """
+        tables = self.tables
+        batch = len(tables)
+        packed = [table.num_tokens for table in tables]
+        max_len = max(packed)
+        max_blocks = max([len(table.block_ids) for table in tables])
+        width = self._table_width
+        if max_blocks > width:
+            width = self._table_width = 1 << (max_blocks - 1).bit_length()
+        _align(packed)
+        copies_at = len(packed)
+        packed += [c.src for c in copies]
+        packed += [c.dst for c in copies]
+        _align(packed)
+        tables_at = len(packed)
+        padding = [0] * width
+        for table in tables:
+            block_ids = table.block_ids
+            packed += block_ids
+            packed += padding[len(block_ids):]
+        on_device = self._staging.to_device(packed)
+        self._copy_on_write(on_device, copies_at, len(copies))
+        seq_lens = on_device[:batch]
+        block_tables = on_device[tables_at:tables_at + batch * width].view(batch, width)
+        return PagedAttentionMetadata(None, batch, block_tables, seq_lens, max_len, None, None, None, 0, 0, None,
+                                      self._decode_kernel.step(block_tables, seq_lens, max_len))
 
     def _pack(self, num_new: list[int] | None, q_len: int, copies: list[BlockCopy],
               token_index: torch.Tensor | None) -> PagedAttentionMetadata:
@@ -496,12 +573,7 @@ class PagedCache(PagedKVCacheBase):
             if table.num_blocks < max_blocks:
                 packed += [0] * (max_blocks - table.num_blocks)
         on_device = self._staging.to_device(packed)
-
-        if copies:
-            kv = self.pool.kv_storage  # [2, L, N, B, Hkv, D]: one block id addresses every layer's K and V
-            src = on_device[copies_at:copies_at + num_copies]
-            dst = on_device[copies_at + num_copies:copies_at + 2 * num_copies]
-            kv.index_copy_(2, dst, kv.index_select(2, src))
+        self._copy_on_write(on_device, copies_at, num_copies)
         slot_mapping = on_device[:num_slots]
         seq_lens_t = on_device[seq_lens_at:seq_lens_at + batch]
         block_tables = on_device[tables_at:tables_at + batch * max_blocks].view(batch, max_blocks)

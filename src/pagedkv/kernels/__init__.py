@@ -6,6 +6,7 @@
   or stream-K over persistent programs (`DecodeTuning(schedule="stream_k")`).
 - `paged_prefill_attention`: causal varlen attention over a cached prefix plus the new chunk.
 - `paged_attention`: a mixed step (decode rows and prefill chunks) in one launch.
+- `paged_decode_write_attention`: a decode step's K/V write and attention in one launch.
 - `KernelWorkspace`: the self-resetting counters of the kernels that merge split-KV in-kernel.
 
 Each kernel has a Triton implementation (CUDA, or CPU under TRITON_INTERPRET=1), a fast torch
@@ -15,6 +16,7 @@ path (gather + SDPA, what CPU runs) and a plain looped reference that defines th
 from pagedkv.kernels.ops import (
     paged_attention,
     paged_decode_attention,
+    paged_decode_write_attention,
     paged_prefill_attention,
     resolve_backend,
     write_kv,
@@ -38,6 +40,7 @@ __all__ = [
     "choose_num_splits",
     "paged_attention",
     "paged_decode_attention",
+    "paged_decode_write_attention",
     "paged_prefill_attention",
     "reference_decode_attention",
     "reference_paged_attention",

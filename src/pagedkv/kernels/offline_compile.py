@@ -104,6 +104,7 @@ def _cases():
         UnifiedTuning,
         paged_attention,
         paged_decode_attention,
+        paged_decode_write_attention,
         paged_prefill_attention,
         write_kv,
     )
@@ -129,6 +130,13 @@ def _cases():
         return lambda: call(query, k_cache, v_cache, table, lens, cu, scale=0.1, max_seqlen_q=2048, validate=False,
                             backend="triton", tuning=tuning, **options)
 
+    def decode_write(heads, num_splits, dtype=torch.bfloat16):
+        query, k_cache, v_cache, table, lens = paged(8, 4096, heads, dtype=dtype)
+        key = torch.zeros(8, heads[1], heads[2], dtype=dtype)
+        return lambda: paged_decode_write_attention(query, key, key.clone(), k_cache, v_cache, table, lens, scale=0.1,
+                                                    max_seq_len=4096, num_splits=num_splits, validate=False,
+                                                    backend="triton")
+
     def write():
         key = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
         k_cache = torch.zeros(10, 16, 8, 128, dtype=torch.bfloat16)
@@ -146,6 +154,8 @@ def _cases():
         ("decode stream-K gpt2", decode((12, 12, 64), stream_k), {"head_dim": 64, "masked": False}),
         ("decode stream-K d96 window+cap", decode((8, 2, 96), stream_k, **masked), {"head_dim": 96, "masked": True}),
         ("decode stream-K d256", decode((8, 2, 256), stream_k), {"head_dim": 256, "masked": False}),
+        ("decode+write gpt2 fp16", decode_write((12, 12, 64), 1, torch.float16), {"head_dim": 64, "masked": False}),
+        ("decode+write split llama3", decode_write(llama, 4), {"head_dim": 128, "masked": False}),
         ("prefill llama3", varlen(paged_prefill_attention, llama, None), {}),
         ("unified m64 llama3", varlen(paged_attention, llama, UnifiedTuning()), {}),
         ("unified m16 llama3", varlen(paged_attention, llama, UnifiedTuning(block_m=16)), {}),

@@ -4,6 +4,7 @@
     paged_decode_attention    one query token per sequence
     paged_prefill_attention   causal chunks over a cached prefix, one program per query head
     paged_attention           a mixed step (decode rows and prefill chunks) in one launch
+    paged_decode_write_attention   write_kv of each sequence's new token + decode, in one launch
 
 Backends (the `backend` keyword):
 
@@ -209,6 +210,32 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
                                    tuning=tuning, counters=counters, k_scale=k_scale, v_scale=v_scale)
 
 
+def _check_decode(query, key, value, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len,
+                  sliding_window, soft_cap, num_splits, backend, k_scale=None, v_scale=None) -> tuple[str, int]:
+    """Every check of a decode call, values included; `key`/`value` (the new token's K/V) when not None.
+
+    Returns the backend and `max_seq_len` (the tables' capacity when None).
+    """
+    device, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window,
+                                        soft_cap, backend,
+                                        query.shape[0] if isinstance(query, torch.Tensor) else None, k_scale, v_scale)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor is None:
+            continue
+        checks.check_tensor(name, tensor, 3, (k_cache.dtype,), device)
+        if tuple(tensor.shape) != (query.shape[0], num_kv_heads, head_dim):
+            raise KernelInputError(f"{name} is {tuple(tensor.shape)}; expected [num_seqs = {query.shape[0]}, "
+                                   f"{num_kv_heads}, {head_dim}] (the new token's K/V of each sequence)")
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    _check_host_int("max_seq_len", max_seq_len, 0)
+    if num_splits is not None:
+        _check_host_int("num_splits", num_splits, 1)
+    checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+    return resolved, max_seq_len
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                            max_seq_len: int | None = None, sliding_window: int | None = None,
@@ -229,16 +256,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     `validate=False` trusts the caller and skips every check.
     """
     if validate:
-        _, resolved = _check_attention(query, k_cache, v_cache, block_tables, seq_lens, out, scale,
-                                       sliding_window, soft_cap, backend,
-                                       query.shape[0] if isinstance(query, torch.Tensor) else None, k_scale, v_scale)
-        num_blocks, block_size, _, _ = k_cache.shape
-        if max_seq_len is None:
-            max_seq_len = block_tables.shape[1] * block_size
-        _check_host_int("max_seq_len", max_seq_len, 0)
-        if num_splits is not None:
-            _check_host_int("num_splits", num_splits, 1)
-        checks.check_table_values(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+        resolved, max_seq_len = _check_decode(query, None, None, k_cache, v_cache, block_tables, seq_lens, out, scale,
+                                              max_seq_len, sliding_window, soft_cap, num_splits, backend,
+                                              k_scale, v_scale)
     else:
         resolved = resolve_backend(backend, query.device)
     if resolved == "torch":
@@ -316,6 +336,51 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return triton_unified_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
                                     max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
                                     tuning=tuning, k_scale=k_scale, v_scale=v_scale)
+
+
+def new_token_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each sequence's slot of position seq_len - 1 through its block table (-1 where seq_len is 0), on the device."""
+    positions = seq_lens.to(torch.int64) - 1
+    blocks = block_tables.gather(1, positions.clamp(min=0).div(block_size, rounding_mode="floor")[:, None])[:, 0]
+    return torch.where(positions >= 0, blocks.to(torch.int64) * block_size + positions % block_size, -1)
+
+
+def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                 seq_lens: torch.Tensor, *, scale: float, max_seq_len: int | None = None,
+                                 sliding_window: int | None = None, soft_cap: float | None = None,
+                                 num_splits: int | None = None, out: torch.Tensor | None = None,
+                                 validate: bool = True, backend: str = "auto", tuning: DecodeTuning | None = None,
+                                 workspace: KernelWorkspace | None = None) -> torch.Tensor:
+    """A decode step's layer in one launch: store each sequence's new K/V, then `paged_decode_attention`.
+
+    key/value `[num_seqs, num_kv_heads, head_dim]` are the new token's; it sits at position
+    seq_lens[b] - 1 (seq_lens count it), so its slot comes from the block table, which must
+    already hold that block. A row with seq_len 0 writes nothing and returns zeros. The rest
+    is `paged_decode_attention`'s contract (splits always merge in the launch; `workspace`
+    holds their counters). `validate=False` trusts the caller and skips every check.
+    """
+    if validate:
+        resolved, max_seq_len = _check_decode(query, key, value, k_cache, v_cache, block_tables, seq_lens, out, scale,
+                                              max_seq_len, sliding_window, soft_cap, num_splits, backend)
+    else:
+        resolved = resolve_backend(backend, query.device)
+    if resolved == "torch":
+        torch_write_kv(key, value, k_cache, v_cache, new_token_slots(block_tables, seq_lens, k_cache.shape[1]))
+        return torch_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                      sliding_window=sliding_window, soft_cap=soft_cap, out=out)
+    from pagedkv.kernels.triton_decode_write import triton_decode_write_attention
+
+    tuning = tuning or _DEFAULT_DECODE
+    num_seqs, num_kv_heads = query.shape[0], k_cache.shape[2]
+    if num_splits is None:
+        capacity = block_tables.shape[1] * k_cache.shape[1]
+        span = min(max_seq_len if max_seq_len is not None else capacity, capacity, sliding_window or capacity)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, span, num_sms(query.device), tuning)
+    return triton_decode_write_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
+                                         torch.empty_like(query) if out is None else out, scale=scale,
+                                         num_splits=num_splits, sliding_window=sliding_window, soft_cap=soft_cap,
+                                         tuning=tuning, counters=_counters(workspace, num_seqs * num_kv_heads))
 
 
 _DEFAULT_DECODE = DecodeTuning()

@@ -1,0 +1,166 @@
+"""The fused decode + K/V write kernel on CUDA: bound launches against Triton's own, and the decode step in generate.
+
+A bound launch replays a compiled kernel's C launcher; if its key missed a specialization
+Triton makes (16-byte alignment of a pointer, an int equal to 1 or divisible by 16, a dtype),
+it would run a kernel compiled for other inputs and compute garbage without an error. So
+every bound launch here is compared bit for bit with Triton's own launch of the same inputs
+(`paged_decode_write_attention`), over shapes and over inputs that change specialization.
+"""
+
+import pytest
+import torch
+
+from pagedkv.hf import PagedCache, PagePool, random_model
+from pagedkv.kernels import DecodeTuning, KVPool, paged_decode_write_attention
+from pagedkv.kernels.triton_decode_write import DecodeWriteKernel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+#: dtype, (q heads, kv heads), head_dim, block_size, batch, max kv length, sliding window, soft cap
+SHAPES = [
+    (torch.float16, (12, 12), 64, 16, 1, 140, None, None),  # GPT-2 124M, batch 1
+    (torch.float16, (12, 12), 64, 16, 32, 140, None, None),  # GPT-2 124M, batch 32
+    (torch.bfloat16, (32, 8), 64, 16, 1, 140, None, None),  # Llama-3.2-1B, batch 1
+    (torch.bfloat16, (32, 8), 64, 16, 32, 140, None, None),  # Llama-3.2-1B, batch 32
+    (torch.bfloat16, (32, 8), 128, 32, 3, 3000, None, None),  # long: split, merged in the launch
+    (torch.float16, (16, 2), 128, 16, 5, 700, 256, None),  # window
+    (torch.bfloat16, (8, 1), 256, 16, 7, 300, None, 30.0),  # soft cap, head_dim 256
+    (torch.float16, (28, 4), 80, 8, 2, 900, None, None),  # head_dim padded, small pages
+]
+SHAPE_IDS = [f"{str(d)[6:]}-h{h}:{kv}-d{hd}-bs{bs}-b{b}-len{n}-w{w}-cap{c}"
+             for d, (h, kv), hd, bs, b, n, w, c in SHAPES]
+
+
+class _Case:
+    """Two identical pools and one decode step's inputs over them: one pool for each launch path."""
+
+    def __init__(self, dtype, heads, head_dim, block_size, batch, max_len, seed=0, num_layers=2):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        num_heads, num_kv_heads = heads
+        max_blocks = -(-max_len // block_size)
+        num_blocks = batch * max_blocks + 4
+        self.pools = [KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cuda")
+                      for _ in range(2)]
+        self.pools[0].kv.copy_(torch.randn(self.pools[0].kv.shape, generator=generator, device="cuda").to(dtype))
+        self.pools[1].kv.copy_(self.pools[0].kv)
+        lens = torch.randint(1, max_len + 1, (batch,), generator=generator, device="cuda")
+        lens[0] = max_len
+        self.seq_lens = lens.to(torch.int64)
+        width = 1 << (max_blocks - 1).bit_length()
+        order = torch.randperm(num_blocks, generator=generator, device="cuda")[:batch * max_blocks]
+        self.block_tables = torch.zeros(batch, width, dtype=torch.int64, device="cuda")
+        self.block_tables[:, :max_blocks] = order.view(batch, max_blocks)
+        self.query = torch.randn(batch, num_heads, 1, head_dim, generator=generator, device="cuda").to(dtype)
+        self.key = torch.randn(batch, num_kv_heads, 1, head_dim, generator=generator, device="cuda").to(dtype)
+        self.value = torch.randn(batch, num_kv_heads, 1, head_dim, generator=generator, device="cuda").to(dtype)
+        self.max_len = max_len
+
+    def triton_launch(self, layer, query, key, value, num_splits, scale, window, soft_cap):
+        """Triton's own launch (through `paged_decode_write_attention`, every check on), into pool 1."""
+        pool = self.pools[1]
+        return paged_decode_write_attention(query.squeeze(2), key.squeeze(2), value.squeeze(2), pool.k_caches[layer],
+                                            pool.v_caches[layer], self.block_tables, self.seq_lens, scale=scale,
+                                            sliding_window=window, soft_cap=soft_cap, num_splits=num_splits,
+                                            max_seq_len=self.max_len, backend="triton")
+
+
+def _bound(step, layer, query, key, value, scale, window, soft_cap):
+    return step(layer, query, key, value, scale, window, soft_cap).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype, heads, head_dim, block_size, batch, max_len, window, soft_cap", SHAPES,
+                         ids=SHAPE_IDS)
+def test_bound_launch_equals_triton_launch(dtype, heads, head_dim, block_size, batch, max_len, window, soft_cap):
+    case = _Case(dtype, heads, head_dim, block_size, batch, max_len)
+    kernel = DecodeWriteKernel(case.pools[0])
+    assert kernel.kernel.bindable
+    scale = head_dim ** -0.5
+    for layer in range(2):
+        step = kernel.step(case.block_tables, case.seq_lens, case.max_len)
+        for _ in range(2):  # the first call of a key goes through Triton and binds; the second replays
+            got = _bound(step, layer, case.query, case.key, case.value, scale, window, soft_cap)
+        expected = case.triton_launch(layer, case.query, case.key, case.value, step.num_splits, scale, window,
+                                      soft_cap)
+        assert torch.equal(got, expected), (got - expected).abs().max()
+    assert torch.equal(case.pools[0].kv, case.pools[1].kv)
+    bound, through_triton = kernel.kernel.launch_counts
+    assert through_triton == 1 and bound == 3  # one key for both layers: bound once, replayed after
+
+
+def test_bound_launch_rebinds_when_the_specialization_changes():
+    """Misaligned pointers, strides that become 1 or stop being divisible by 16, a wider table: each its own key."""
+    case = _Case(torch.float16, (8, 2), 64, 16, 4, 120, seed=1)
+    kernel = DecodeWriteKernel(case.pools[0])
+    step = kernel.step(case.block_tables, case.seq_lens, case.max_len)
+    base = torch.empty(4 * 8 * 64 + 8, dtype=torch.float16, device="cuda")
+    misaligned = base[1:1 + 4 * 8 * 64].view(4, 8, 1, 64)  # 2 bytes past a 16-byte boundary
+    misaligned.copy_(case.query)
+    spread = torch.zeros(4, 2, 1, 64, 2, dtype=torch.float16, device="cuda")
+    spread[..., 0] = case.key
+    strided_key = spread[..., 0]  # head_dim stride 2, no longer the constant 1
+    fused_qkv = torch.zeros(4, 1, 12 * 64, dtype=torch.float16, device="cuda")
+    fused_qkv[..., :512] = case.query.transpose(1, 2).reshape(4, 1, 512)
+    strided_query = fused_qkv[..., :512].view(4, 1, 8, 64).transpose(1, 2)  # sequence stride 768
+    variants = [(case.query, case.key), (misaligned, case.key), (case.query, strided_key),
+                (strided_query, case.key), (case.query, case.key)]
+    for query, key in variants:
+        for _ in range(2):
+            got = _bound(step, 0, query, key, case.value, 0.125, None, None)
+        expected = case.triton_launch(0, query, key, case.value, step.num_splits, 0.125, None, None)
+        assert torch.equal(got, expected)
+    (config,) = kernel._configs.values()
+    assert config.num_bindings == 4  # the last variant is the first one again
+    padded_out = torch.full((4, 8, 80), float("nan"), dtype=torch.float16, device="cuda")[..., :64]  # row 80 apart
+    for _ in range(2):
+        step(0, case.query, case.key, case.value, 0.125, out=padded_out)
+    assert torch.equal(padded_out, expected) and config.num_bindings == 5
+    wide = torch.zeros(4, 2 * case.block_tables.shape[1], dtype=torch.int64, device="cuda")
+    wide[:, :case.block_tables.shape[1]] = case.block_tables
+    wide_step = kernel.step(wide, case.seq_lens, case.max_len)
+    got = _bound(wide_step, 0, case.query, case.key, case.value, 0.125, None, None)
+    case.block_tables = wide
+    assert torch.equal(got, case.triton_launch(0, case.query, case.key, case.value, wide_step.num_splits, 0.125,
+                                               None, None))
+    assert config.num_bindings == 6
+
+
+@pytest.mark.parametrize("name, dtype", [("gpt2", torch.float16), ("llama3.2-1b", torch.bfloat16)])
+def test_generate_decode_steps_replay_bound_launches(name, dtype):
+    """After one warm-up generate, every decode step's fused launch is bound, and the tokens do not change."""
+    model = random_model(name, dtype, "cuda", num_hidden_layers=2) if name != "gpt2" else \
+        random_model(name, dtype, "cuda", n_layer=2)
+    ids = torch.randint(0, 1000, (3, 10), generator=torch.Generator().manual_seed(0)).cuda()
+    pool = PagePool.for_model(model, num_blocks=64, block_size=16)
+
+    def generate(fused: bool):
+        with PagedCache(pool) as cache:
+            if not fused:
+                cache._decode_kernel = None  # write_kv, then the unfused decode kernel
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                  past_key_values=cache, pad_token_id=0, eos_token_id=None,
+                                  output_logits=True, return_dict_in_generate=True)
+
+    first = generate(True)
+    before = pool.decode_write_kernel().kernel.launch_counts
+    second = generate(True)
+    bound, through_triton = (after - prior for after, prior in zip(pool.decode_write_kernel().kernel.launch_counts,
+                                                                    before))
+    assert through_triton == 0 and bound == 2 * 39  # 2 layers x 39 decode steps, all bound
+    assert torch.equal(first.sequences, second.sequences)
+    unfused = generate(False)
+    for fused_logits, unfused_logits in zip(second.logits, unfused.logits):
+        torch.testing.assert_close(fused_logits.float(), unfused_logits.float(), atol=2e-2, rtol=2e-2)
+    assert pool.num_used_blocks == 0
+
+
+def test_split_step_counters_stay_zero_and_long_sequences_match():
+    """A split decode step merges in the launch and leaves its counters zero for the next step."""
+    case = _Case(torch.bfloat16, (32, 8), 64, 16, 2, 4000, seed=3)
+    kernel = DecodeWriteKernel(case.pools[0], DecodeTuning(min_split_tokens=256))
+    step = kernel.step(case.block_tables, case.seq_lens, case.max_len)
+    assert step.num_splits > 1
+    for _ in range(3):
+        got = _bound(step, 1, case.query, case.key, case.value, 0.125, None, None)
+    expected = case.triton_launch(1, case.query, case.key, case.value, step.num_splits, 0.125, None, None)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    kernel._workspace.check_integrity()
