@@ -262,17 +262,7 @@ class LLMEngine:
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, KV dtype %s); max_model_len %d; "
             "max concurrency at max_model_len: %.2f", num_blocks, config.block_size, capacity_tokens,
-<<<<<<< HEAD
-            num_blocks * bytes_per_block / 2**20, self.dtype, max_model_len, capacity_tokens / max_model_len)
-=======
             num_blocks * bytes_per_block / 2**20, kv_note, max_model_len, capacity_tokens / max_model_len)
-        if hasattr(self, "_run_torchrun_worker"):  # torchrun rank > 0: serve rank 0's steps, then leave
-            try:
-                self._run_torchrun_worker()
-            finally:
-                self.tp.shutdown()
-            raise SystemExit(0)
->>>>>>> fp8
 
     # ------------------------------------------------------------------ tensor parallel
     @property
