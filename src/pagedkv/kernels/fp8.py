@@ -48,6 +48,8 @@ MIN_CUDA_CAPABILITY = {"fp8_e4m3": (8, 9), "fp8_e5m2": (8, 0)}
 #: Calibrated amax maps to FP8_MAX / DEFAULT_HEADROOM: values up to twice what the calibration text
 #: produced still fit, and beyond that they saturate. A floating-point format keeps its relative
 #: precision across the range, so the binade given up at the top costs only one at the bottom.
+#: Measured on SmolLM2-135M (e4m3, 20k tokens): headroom 1 lost 0.2-0.35 perplexity points to
+#: saturation against 2; 2 to 128 were the same within noise.
 DEFAULT_HEADROOM = 2.0
 
 
