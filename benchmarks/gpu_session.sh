@@ -4,6 +4,8 @@
 #   tests    GPU-marked tests (kernels at full size in bf16, cache and engine through Triton)
 #   kernel   pagedkv bench kernel --validate --variants
 #   hf       pagedkv bench hf
+#   hflat-tests  GPU tests of the fused decode + K/V write kernel, its bound launches, PagedCache on CUDA
+#   hf-latency   pagedkv bench hf --only latency, again with GC frozen, and the host-overhead table
 #   engine   pagedkv bench engine
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -33,6 +35,12 @@ for stage in "$@"; do
     kernel) python3 -m pagedkv bench kernel --validate --variants --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     kernel-quick) python3 -m pagedkv bench kernel --validate --out "$OUT/r" 2>&1 | tee "$OUT/r/kernel.log" | tail -60 ;;
     hf)     python3 -m pagedkv bench hf --out "$OUT/r" 2>&1 | tee "$OUT/r/hf.log" | tail -40 ;;
+    hflat-tests) python3 -m pytest -q -o addopts="" -m gpu tests/test_kernels_decode_write_gpu.py \
+              tests/test_hf_cache_gpu.py 2>&1 | tee "$OUT/r/gpu_hflat_tests.log" | tail -25 ;;
+    hf-latency) python3 -m pagedkv bench hf --only latency --out "$OUT/r" 2>&1 | tee "$OUT/r/hf_latency.log" | tail -30
+            python3 -m pagedkv bench hf --only latency --gc freeze --no-static --no-diagnose \
+              --out "$OUT/r/gc_freeze" 2>&1 | tail -12
+            python3 benchmarks/hf_host_overhead.py 2>&1 | tee "$OUT/r/hf_host_overhead.txt" ;;
     engine) python3 -m pagedkv bench engine --hf-time-limit 60 --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
     engine-nohf) python3 -m pagedkv bench engine --skip-hf --out "$OUT/r" 2>&1 | tee "$OUT/r/engine.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;

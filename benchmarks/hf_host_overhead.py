@@ -94,25 +94,22 @@ def _stub_launches(pool: PagePool) -> None:
     bound.config = config
 
 
-def _time_steps(run_step, steps: int, rounds: int, sync) -> float:
-    """The best over `rounds` of the median host time of one decode step (us)."""
-    best = []
-    for _ in range(rounds):
-        state = run_step(None)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            state = run_step(state)
-            times.append(time.perf_counter() - start)
-            sync()
-        if isinstance(state, PagedCache):
-            state.free()
-        best.append(statistics.median(times[20:]) * 1e6)
-    return min(best)
+def _round_us(run_step, steps: int, sync) -> float:
+    """The median host time of one decode step over one run of `steps` steps (us)."""
+    state = run_step(None)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state = run_step(state)
+        times.append(time.perf_counter() - start)
+        sync()
+    if isinstance(state, PagedCache):
+        state.free()
+    return statistics.median(times[20:]) * 1e6
 
 
 def per_step_us(batch: int, device: str, steps: int = 200, rounds: int = 5) -> dict[str, float]:
-    """Median host us per decode step of each path."""
+    """Host us per decode step of each path: the best over `rounds` of each run's median."""
     dtype = torch.float16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     layers = [_Layer(i) for i in range(NUM_LAYERS)]
@@ -120,8 +117,6 @@ def per_step_us(batch: int, device: str, steps: int = 200, rounds: int = 5) -> d
     fused = torch.randn(batch, 1, 3 * NUM_HEADS * HEAD_DIM, dtype=dtype, device=device)
     q, k, v = (t.view(batch, 1, NUM_HEADS, HEAD_DIM).transpose(1, 2) for t in fused.split(NUM_HEADS * HEAD_DIM, 2))
     mask = torch.ones(batch, PROMPT_LEN, device=device)
-    results = {}
-
     # Off CUDA, DynamicCache's tensors are dispatch-sized (see the module docstring).
     heads, dim = (NUM_HEADS, HEAD_DIM) if device == "cuda" else (1, 8)
     dq, dk, dv = (t[:, :heads, :, :dim] for t in (q, k, v))
@@ -156,13 +151,15 @@ def per_step_us(batch: int, device: str, steps: int = 200, rounds: int = 5) -> d
             return cache
         return step
 
+    paths = {"DynamicCache + sdpa" + ("" if device == "cuda" else " (dispatch-sized)"): dynamic_step,
+             "PagedCache, unfused": paged_step(False), "PagedCache, fused + bound": paged_step(True)}
+    rounds_us: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
-        dynamic = "DynamicCache + sdpa" + ("" if device == "cuda" else " (dispatch-sized)")
-        results[dynamic] = _time_steps(dynamic_step, steps, rounds, sync)
-        results["PagedCache, unfused"] = _time_steps(paged_step(False), steps, rounds, sync)
-        results["PagedCache, fused + bound"] = _time_steps(paged_step(True), steps, rounds, sync)
+        for _ in range(rounds):  # paths take turns, so a shared machine's load drifts over all of them alike
+            for name, run_step in paths.items():
+                rounds_us[name].append(_round_us(run_step, steps, sync))
         pool.check_integrity()
-    return results
+    return {name: min(values) for name, values in rounds_us.items()}
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ Where the time and the tail go, per (model, batch, cache):
                      whose wall time is far above it is host-bound
     syncs/step       operations that wait for the GPU (torch.cuda.set_sync_debug_mode, outside the
                      timed runs), and the source lines that make them
-    allocs/step      caching-allocator requests per decode step during the timed runs, and the
-                     device allocations (cudaMalloc) and allocator retries among them
+    allocs/step      caching-allocator requests per generated token over the timed runs (the
+                     prefill's included), and the device allocations (cudaMalloc) and retries
     GC               Python collections during the timed runs (per generation), the longest pause,
                      and how many of the slowest 1% of steps overlapped one
     block boundary   how many of the slowest 1% of steps wrote the first token of a 16-token block
@@ -142,13 +142,14 @@ def _timed_runs(model, ids, make, steps: int, repeats: int, gc_mode: str, launch
     finally:
         gc.callbacks.remove(watch)
     allocator_after, launches_after = _allocator_counts(device), launch_counts()
-    return {"samples": samples, "gc": watch,
+    return {"samples": samples, "gc": watch, "num_tokens": repeats * steps,
             "allocator": {k: allocator_after[k] - allocator_before[k] for k in allocator_after},
             "launches": [after - before for before, after in zip(launches_before, launches_after)]}
 
 
 def _gpu_busy_ms_per_step(model, ids, make, steps: int) -> float:
     """Kernel time per decode step: (busy(steps) - busy(1)) / (steps - 1), so the prefill drops out."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     def busy_ms(num_tokens: int) -> float:
@@ -158,7 +159,8 @@ def _gpu_busy_ms_per_step(model, ids, make, steps: int) -> float:
             torch.cuda.synchronize()
         if hasattr(cache, "free"):
             cache.free()
-        return sum(event.self_device_time_total for event in prof.key_averages()) / 1e3
+        # Device-side events only: a CPU op's device time counts its kernels again.
+        return sum(event.device_time_total for event in prof.events() if event.device_type == DeviceType.CUDA) / 1e3
 
     return (busy_ms(steps) - busy_ms(1)) / (steps - 1)
 
@@ -194,7 +196,7 @@ def _summary(run: dict, prompt_len: int, block_size: int) -> dict:
             "tail_at_block_boundary": sum((prompt_len + step) % block_size == 1 for _, step, _, _ in tail),
             "tail_in_gc": in_gc, "gc_collections": run["gc"].collections,
             "gc_max_pause_ms": max(((end - start) * 1e3 for start, end in pauses), default=0.0),
-            "allocs_per_step": allocator["allocs"] / max(1, len(times)), "cuda_mallocs": allocator["cuda_mallocs"],
+            "allocs_per_step": allocator["allocs"] / run["num_tokens"], "cuda_mallocs": allocator["cuda_mallocs"],
             "alloc_retries": allocator["alloc_retries"]}
 
 
