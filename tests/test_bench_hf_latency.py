@@ -23,7 +23,7 @@ def test_measure_reports_every_cache_and_diagnostic(gc_mode, backend, monkeypatc
                         for batch in (1, 2)}}
     assert gc.isenabled()  # "off" re-enables the collector after timing
     rows = latency["tiny"]["2"]
-    assert list(rows) == ["DynamicCache", "StaticCache", "PagedCache"]
+    assert list(rows) == ["DynamicCache", "StaticCache", "PagedCache", "PagedCache fused"]
     for row in rows.values():
         # The first interval (prefill to first decode) is not a decode step's sample.
         assert row["num_samples"] == repeats * (steps - 2) and row["p50_ms"] <= row["p99_ms"]
@@ -32,11 +32,13 @@ def test_measure_reports_every_cache_and_diagnostic(gc_mode, backend, monkeypatc
     # Timed decode steps: (steps - 1) forwards after the prefill per generate call, one fused launch per layer;
     # the interpreter cannot bind, so every one goes through Triton.
     expected = repeats * (steps - 1) * model.config.n_layer if backend == "triton" else 0
-    assert (rows["PagedCache"]["bound_launches"], rows["PagedCache"]["triton_launches"]) == (0, expected)
+    fused = rows["PagedCache fused"]
+    assert (fused["bound_launches"], fused["triton_launches"]) == (0, expected)
+    assert "bound_launches" not in rows["PagedCache"]  # the default cache takes write + decode
     assert pool.num_used_blocks == 0
     goals = hf_latency.targets(latency)
     assert set(goals["tiny"]) == {"1", "2"} and all(isinstance(g["met"], bool) for g in goals["tiny"].values())
     lines = hf_latency.table_lines(latency, {"tiny": "tiny GPT-2"})
-    assert len(lines) == 2 + 2 * 3 and all(line.count("|") == lines[0].count("|") for line in lines)
+    assert len(lines) == 2 + 2 * 4 and all(line.count("|") == lines[0].count("|") for line in lines)
     verdicts = [line for line in lines[2:] if "| met |" in line or "| **missed** |" in line]
-    assert len(verdicts) == 2 and all("PagedCache" in line for line in verdicts)  # one per (model, batch)
+    assert len(verdicts) == 4 and all("PagedCache" in line for line in verdicts)  # two per (model, batch)

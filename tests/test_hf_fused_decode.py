@@ -26,6 +26,7 @@ def test_fused_decode_matches_dynamic_cache(name, kwargs):
     model = tiny(name)
     ids, mask = left_padded([5, 9, 3])
     pool = PagePool.for_model(model, num_blocks=64, block_size=8)
+    pool.fused_decode = True
     got, expected = paged_and_oracle(model, pool, lambda cache: generate(model, ids, mask, cache, 6, do_sample=False,
                                                                          **kwargs))
     assert torch.equal(got, expected)
@@ -40,6 +41,7 @@ def test_decode_metadata_width_grows_by_powers_of_two_and_matches_dynamic_cache(
     model = tiny("tiny-llama")
     ids, prompt_mask = left_padded([70, 12])
     pool = PagePool.for_model(model, num_blocks=64, block_size=4)  # 71 tokens in 4-token pages: 18 blocks
+    pool.fused_decode = True
     cache = PagedCache(pool)
     prefill = forward(model, ids, prompt_mask, cache)
     next_ids = prefill[:, -1:].argmax(-1)

@@ -131,6 +131,7 @@ def test_generate_decode_steps_replay_bound_launches(name, dtype):
         random_model(name, dtype, "cuda", n_layer=2)
     ids = torch.randint(0, 1000, (3, 10), generator=torch.Generator().manual_seed(0)).cuda()
     pool = PagePool.for_model(model, num_blocks=64, block_size=16)
+    pool.fused_decode = True
 
     def generate(fused: bool):
         with PagedCache(pool) as cache:

@@ -97,8 +97,17 @@ def _cache_makers(model, pool, max_cache_len: int, with_static: bool) -> dict:
     makers = {"DynamicCache": ("sdpa", DynamicCache)}
     if with_static:
         makers["StaticCache"] = ("sdpa", lambda: StaticCache(config=model.config, max_cache_len=max_cache_len))
-    makers["PagedCache"] = ("pagedkv", lambda: PagedCache(pool))
+    makers["PagedCache"] = ("pagedkv", lambda: _paged(pool, fused=False))
+    makers["PagedCache fused"] = ("pagedkv", lambda: _paged(pool, fused=True))
     return makers
+
+
+def _paged(pool, fused: bool):
+    """A PagedCache with the fused decode kernel on or off (the pool's switch, set per cache made)."""
+    from pagedkv.hf.cache import PagedCache
+
+    pool.fused_decode = fused
+    return PagedCache(pool)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -209,10 +218,10 @@ def measure(model, pool, batch: int, prompt_len: int, steps: int, repeats: int, 
     result = {}
     for name, (attn, make) in _cache_makers(model, pool, prompt_len + steps + 1, with_static).items():
         model.set_attn_implementation(attn)
-        counts = (lambda: kernel.launch_counts) if name == "PagedCache" else (lambda: (0, 0))
+        counts = (lambda: kernel.launch_counts) if name == "PagedCache fused" else (lambda: (0, 0))
         timed = _timed_runs(model, ids, make, steps, repeats, gc_mode, counts)
         row = _summary(timed, prompt_len, pool.block_size)
-        if name == "PagedCache":
+        if name == "PagedCache fused":
             row["bound_launches"], row["triton_launches"] = timed["launches"]
         if diagnose and model.device.type == "cuda":
             row["gpu_busy_ms_per_step"] = _gpu_busy_ms_per_step(model, ids, make, min(steps, 32))
@@ -236,7 +245,6 @@ def targets(latency: dict) -> dict:
 
 def table_lines(latency: dict, labels: dict[str, str]) -> list[str]:
     """The latency table in markdown: every cache side by side with DynamicCache, each target met or missed."""
-    goals = targets(latency)
     lines = ["| model | batch | cache | P50 ms | P99 ms | P50 / P99 vs Dynamic | target <= 1.0x | GPU busy ms/step | "
              "GC gen0/1/2 (max ms) | slowest 1%: in GC / at block start | allocs/step (cudaMalloc) | syncs/step | "
              "fused launches bound / Triton |",
@@ -245,11 +253,11 @@ def table_lines(latency: dict, labels: dict[str, str]) -> list[str]:
         for batch, rows in batches.items():
             dynamic = rows["DynamicCache"]
             for name, row in rows.items():
-                goal = goals[model_name][batch]
-                verdict = ("met" if goal["met"] else "**missed**") if name == "PagedCache" else ""
+                met = row["p50_ms"] <= dynamic["p50_ms"] and row["p99_ms"] <= dynamic["p99_ms"]
+                verdict = ("met" if met else "**missed**") if name.startswith("PagedCache") else ""
                 busy = "" if "gpu_busy_ms_per_step" not in row else f"{row['gpu_busy_ms_per_step']:.3f}"
                 syncs = "" if "syncs" not in row else f"{row['syncs']['per_step']:.1f}"
-                launches = f"{row['bound_launches']} / {row['triton_launches']}" if name == "PagedCache" else ""
+                launches = f"{row['bound_launches']} / {row['triton_launches']}" if "bound_launches" in row else ""
                 gc_counts = "/".join(map(str, row["gc_collections"]))
                 lines.append(
                     f"| {labels[model_name]} | {batch} | {name} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
