@@ -57,3 +57,43 @@ def test_unconsumed_adds_count_as_waiting_so_a_burst_spreads():
     assert views[0].num_waiting == 4
     load[0:_LOAD_FIELDS] = [0, 4, 0, 1, 4]  # all four admitted and running
     assert views[0].num_waiting == 0 and views[0].num_running == 4
+
+
+@pytest.mark.slow
+def test_a_burst_of_requests_while_replicas_stream_does_not_deadlock():
+    """The parent sends a burst without reading while replicas stream outputs: neither side may block for good.
+
+    Both pipe directions fill (requests one way, per-step outputs the other); a replica that sent
+    from its main loop blocked there and never read the requests the parent was blocked sending.
+    """
+    import threading
+    import time
+
+    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=2048,
+              max_num_seqs=64)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (200,), generator=gen).tolist() for _ in range(800)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def add_all():  # in bursts with pauses, so replicas step and stream while nobody reads their outputs
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            if i % 50 == 49:
+                time.sleep(0.2)
+
+    try:
+        assert engine.stream_outputs  # every running request's output, every step
+        adder = threading.Thread(target=add_all, daemon=True)
+        adder.start()
+        adder.join(timeout=180)
+        if adder.is_alive():  # deadlocked: free the parent's blocked send before failing
+            for replica in engine.replicas:
+                replica.process.kill()
+            pytest.fail("adding 800 requests without reading outputs blocked: the pipes deadlocked")
+        finished = set()
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id for o in engine.step(timeout_s=1.0) if o.finished}
+        assert len(finished) == len(prompts)
+    finally:
+        engine.shutdown()

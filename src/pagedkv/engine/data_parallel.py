@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import queue
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -52,6 +54,13 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
     consumed = 0
+    # Replies go out through a sender thread, never from this loop: the parent may be blocked
+    # sending this replica a burst of requests while not reading, and a loop blocked on its own
+    # send (its outputs filling the pipe) would then never read them - both sides stuck for good.
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_all, args=(conn, outbox), name="pagedkv-replica-send", daemon=True)
+    sender.start()
+    send = outbox.put
 
     def publish() -> None:
         sched = engine.scheduler
@@ -70,11 +79,11 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
                 try:
                     engine.add_request(request_id, prompt, params, priority)
                 except PagedKVError as error:
-                    conn.send(("rejected", (request_id, f"{type(error).__name__}: {error}")))
+                    send(("rejected", (request_id, f"{type(error).__name__}: {error}")))
             elif command == "abort":
                 engine.abort(payload)
             elif command == "stats":
-                conn.send(("stats", engine.stats().as_dict()))
+                send(("stats", engine.stats().as_dict()))
             elif command == "stream":
                 engine.stream_outputs = payload
             publish()
@@ -82,9 +91,20 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
         if busy:
             outputs = engine.step()
             if outputs:
-                conn.send(("outputs", outputs))
+                send(("outputs", outputs))
         publish()
+    outbox.put(None)
+    sender.join(timeout=10)
     engine.shutdown()
+
+
+def _send_all(conn, outbox: queue.SimpleQueue) -> None:
+    """A replica's sender thread: everything put in `outbox`, in order, until None (or the parent is gone)."""
+    while (message := outbox.get()) is not None:
+        try:
+            conn.send(message)
+        except (OSError, EOFError):
+            return
 
 
 class _ProcessReplica:
