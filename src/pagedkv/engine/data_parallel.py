@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, replace
 
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.engine import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.router import Router, RouterConfig
 from pagedkv.engine.sampling import SamplingParams
@@ -216,7 +217,6 @@ class DataParallelEngine:
         self.max_model_len = min(r.info["max_model_len"] for r in self.replicas)
         self.scheduler = _SchedulerView(self, Scheduler(self.replicas[0].info["scheduler_config"]))
         self._request_replica: dict[str, int] = {}
-        self._vocab_size = getattr(self.tokenizer, "vocab_size", None)
         self._stream_outputs = True
         logger.info("data parallel: %d replicas on %s", len(self.replicas), ", ".join(devices))
 
@@ -249,20 +249,11 @@ class DataParallelEngine:
                 replica.conn.send(("stream", value))
 
     def tokenize(self, prompt):
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgumentError("this model has no tokenizer: pass prompts as lists of token ids")
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in prompt):
-            raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        return None, list(prompt)
+        # Token ids are range-checked by the replica that gets the request (it knows the model's vocabulary).
+        return tokenize_prompt(self.tokenizer, None, prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-            encoded = encoded["input_ids"]
-        return list(encoded)
+        return chat_token_ids(self.tokenizer, messages)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
         """Route and queue a request; raises (queueing nothing) if it is malformed or can never fit."""

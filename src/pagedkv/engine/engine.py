@@ -148,6 +148,35 @@ def _pick_device(name: str | None) -> torch.device:
     return device
 
 
+def tokenize_prompt(tokenizer, vocab_size: int | None, prompt) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) of a text or token-id prompt; ids checked against `vocab_size` if given."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer: pass prompts as lists of token ids")
+        return prompt, tokenizer(prompt)["input_ids"]
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+        raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if vocab_size is not None:
+        for token in prompt:
+            if not 0 <= token < vocab_size:
+                raise InvalidArgumentError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
+    return None, list(prompt)
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation, with the tokenizer's chat template and the generation prompt."""
+    if tokenizer is None:
+        raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise InvalidArgumentError(f"each chat message needs 'role' and 'content', got {message!r}")
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
 class LLMEngine:
     """A continuous-batching engine over any HF causal LM with standard attention."""
 
@@ -313,10 +342,9 @@ class LLMEngine:
         the process group makes the blocked call fail now; the engine then reports the exit.
         """
         while not self._watch_stop.wait(0.2):
-            dead = [p for p in self._workers if not p.is_alive()]
-            if dead:
-                self._worker_exit = (f"tensor-parallel worker process {dead[0].pid} exited with code "
-                                     f"{dead[0].exitcode}")
+            exit_message = self._dead_worker()
+            if exit_message:
+                self._worker_exit = exit_message
                 logger.error("%s; aborting the process group", self._worker_exit)
                 self.tp.abort()
                 return
@@ -324,12 +352,18 @@ class LLMEngine:
     def _check_workers(self) -> None:
         """Raise `EngineDeadError` (failing every request) if a spawned worker has died."""
         if self._dead is None:
-            dead = [p for p in self._workers if not p.is_alive()]
-            if dead:
-                self._fail(self._worker_exit or f"tensor-parallel worker process {dead[0].pid} exited with code "
-                                                f"{dead[0].exitcode}")
+            exit_message = self._worker_exit or self._dead_worker()
+            if exit_message:
+                self._fail(exit_message)
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+
+    def _dead_worker(self) -> str | None:
+        """How the first spawned worker that is no longer alive exited (None while all run)."""
+        for process in self._workers:
+            if not process.is_alive():
+                return f"tensor-parallel worker process {process.pid} exited with code {process.exitcode}"
+        return None
 
     def _stop_workers(self) -> None:
         """Stop watching and end every spawned worker (after a failed startup or at shutdown)."""
@@ -451,18 +485,7 @@ class LLMEngine:
         Reads only state fixed at startup (tokenizer, vocabulary size), so the server calls it
         from request handlers, off the engine thread.
         """
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgumentError("this model has no tokenizer: pass prompts as lists of token ids")
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in prompt):
-            raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.vocab_size
-        for token in prompt:
-            if not 0 <= token < vocab:
-                raise InvalidArgumentError(f"token id {token} is outside the vocabulary [0, {vocab})")
-        return None, list(prompt)
+        return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0) -> None:
@@ -671,15 +694,7 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation, with the tokenizer's chat template and the generation prompt."""
-        if self.tokenizer is None:
-            raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise InvalidArgumentError(f"each chat message needs 'role' and 'content', got {message!r}")
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-            encoded = encoded["input_ids"]
-        return list(encoded)
+        return chat_token_ids(self.tokenizer, messages)
 
     @staticmethod
     def _is_finished(request: Request) -> bool:
