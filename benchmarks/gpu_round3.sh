@@ -5,10 +5,8 @@
 # the cache GPU tests; GPU 1 the decode-kernel sweep, the FP8 kernel cases and the kernel GPU tests.
 # Every command has its own timeout; everything lands in $OUT/results.tgz plus a summary log.
 set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PAGEDKV_COMMIT=${PAGEDKV_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
-OUT=${OUT:-/tmp/out}; R=/tmp/r3; mkdir -p "$OUT" "$R"
+source benchmarks/gpu_env.sh
+R=/tmp/r3; mkdir -p "$R"
 T0=$(date +%s); say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/summary.log"; }
 PYTEST="python3 -m pytest -q -o addopts= -p no:cacheprovider"
 say "stage 1: tp-greedy"; timeout 90 python3 -m pagedkv bench parallel tp-greedy --out "$R" > "$R/parallel.log" 2>&1

@@ -3,10 +3,7 @@
 # call cut short still returns what finished. GPU 1 runs the kernel benchmark while GPU 0 runs
 # the one-GPU baselines; then both GPUs run tensor parallel, data parallel and routing.
 set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PAGEDKV_COMMIT=${PAGEDKV_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
 { nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 ( CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pagedkv bench kernel --validate --no-flex --budget-s 60 \
     --out "$OUT" > "$OUT/kernel.log" 2>&1 ) &

@@ -4,10 +4,7 @@
 # tiny model, eager then with graphs, with stack dumps if it stops; 3. the GPU TP tests;
 # 4. Llama-3-8B shape TP=1 vs TP=2 (bf16 timing, fp32 greedy). Each stage under its own timeout.
 set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PAGEDKV_COMMIT=${PAGEDKV_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
 { nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 timeout 60 python3 benchmarks/tp_probe.py > "$OUT/tp_diag.log" 2>&1; echo "probe rc=$?" >> "$OUT/tp_diag.log"
 for mode in eager graphs; do

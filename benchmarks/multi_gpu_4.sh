@@ -2,10 +2,7 @@
 # Two-GPU call (nvidia-h200-x2), part B, after the teardown fix: the probe and the GPU TP tests must
 # now exit; then TP=2 and the fp32 greedy check on the Llama-3-8B shape; then data parallel and routing.
 set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PAGEDKV_COMMIT=${PAGEDKV_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
 timeout 45 python3 benchmarks/tp_probe.py > "$OUT/tp_probe.log" 2>&1; echo "probe rc=$?" >> "$OUT/tp_probe.log"
 tail -4 "$OUT/tp_probe.log"
 timeout 150 python3 -m pytest -q -o addopts="" -x tests/test_tensor_parallel_gpu.py > "$OUT/tp_tests.log" 2>&1
