@@ -35,12 +35,11 @@ from pagedkv.kernels.pool import KVPool
 from pagedkv.kernels.reference import reference_decode_attention, reference_write_kv
 from pagedkv.kernels.triton_common import (
     LOG2E,
-    arrive,
     load_kv_tile,
     merge_chunk,
     merge_group_rows,
-    merge_partials,
     online_softmax_step,
+    store_split_part,
     tile_scores,
 )
 from pagedkv.kernels.triton_decode import group_padding
@@ -127,25 +126,11 @@ def _decode_write_kernel(
 
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
-    if IS_SPLIT:
-        # partial_out [num_seqs, num_heads, num_splits, DIM_PAD], partial_lse [num_seqs, num_heads, num_splits] (fp32)
-        num_heads = GROUP * tl.num_programs(1)
-        slot = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [GROUP_PAD]
-        tl.store(partial_out_ptr + slot[:, None] * DIM_PAD + dims[None, :], o, mask=out_mask)
-        lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
-        tl.store(partial_lse_ptr + slot, lse, mask=row_mask)
-        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-        if arrive(counter) == num_splits - 1:
-            tl.debug_barrier()
-            merged = merge_partials(partial_out_ptr, partial_lse_ptr, num_splits,
-                                    (seq.to(tl.int64) * num_heads + kv_head * GROUP) * num_splits, 1, 0,
-                                    num_splits, GROUP, GROUP_P2, DIM_PAD, MERGE_CHUNK)  # [GROUP_P2, DIM_PAD]
-            group_rows = tl.arange(0, GROUP_P2)
-            offsets = seq.to(tl.int64) * stride_out_s + (kv_head * GROUP + group_rows)[:, None] * stride_out_h \
-                + dims[None, :] * stride_out_d
-            tl.store(out_ptr + offsets, merged.to(out_ptr.dtype.element_ty),
-                     mask=(group_rows < GROUP)[:, None] & dim_mask[None, :])
-            tl.store(counter, 0)
+    if IS_SPLIT:  # splits always merge in the launch: the last to arrive reduces
+        store_split_part(o, m_i, l_i, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, seq, kv_head * GROUP,
+                         GROUP * tl.num_programs(1), split, num_splits, seq * tl.num_programs(1) + kv_head,
+                         stride_out_s, stride_out_h, stride_out_d, GROUP, GROUP_PAD, GROUP_P2, HEAD_DIM, DIM_PAD,
+                         True, MERGE_CHUNK)
     else:
         out_rows = seq.to(tl.int64) * stride_out_s + heads * stride_out_h  # [GROUP_PAD]
         tl.store(out_ptr + out_rows[:, None] + dims[None, :] * stride_out_d, o.to(out_ptr.dtype.element_ty),
