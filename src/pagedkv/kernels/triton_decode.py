@@ -47,6 +47,35 @@ from pagedkv.kernels.tuning import DecodeTuning
 
 
 @triton.jit
+def split_range(seq_len, sliding_window, num_splits, split, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """This split's piece [lo, hi) of the visible range [kv_start, seq_len), in whole BLOCK_N tiles."""
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(seq_len - sliding_window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * split_len
+    return lo, tl.minimum(lo + split_len, seq_len)
+
+
+@triton.jit
+def attend_range(q, m_i, l_i, acc, lo, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset, dims,
+                 dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """Fold kv positions [lo, hi) of one sequence's pages into the softmax state of the rows of `q`."""
+    for start in range(lo, hi, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < hi
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
+                            dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
+        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr, k_scale_ptr, v_scale_ptr,
@@ -68,12 +97,7 @@ def _decode_kernel(
 
     # The visible range [kv_start, seq_len), then this split's piece [lo, hi) of it.
     seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
-    kv_start = 0
-    if USE_WINDOW:
-        kv_start = tl.maximum(seq_len - sliding_window, 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
-    lo = kv_start + split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    lo, hi = split_range(seq_len, sliding_window, num_splits, split, BLOCK_N, USE_WINDOW)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -90,15 +114,9 @@ def _decode_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     head_offset = kv_head.to(tl.int64) * stride_cache_h
 
-    for start in range(lo, hi, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < hi
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
-                            dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
-        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
-        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
-        s = tl.where(token_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
+    m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b,
+                                 head_offset, dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap,
+                                 BLOCK_SIZE, BLOCK_N, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, KV_FP8)
 
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]

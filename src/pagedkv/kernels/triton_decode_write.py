@@ -35,14 +35,13 @@ from pagedkv.kernels.pool import KVPool
 from pagedkv.kernels.reference import reference_decode_attention, reference_write_kv
 from pagedkv.kernels.triton_common import (
     LOG2E,
-    load_kv_tile,
     merge_chunk,
     merge_group_rows,
     online_softmax_step,
     store_split_part,
     tile_scores,
 )
-from pagedkv.kernels.triton_decode import group_padding
+from pagedkv.kernels.triton_decode import attend_range, group_padding, split_range
 from pagedkv.kernels.tuning import DecodeTuning, choose_num_splits, num_sms
 from pagedkv.kernels.workspace import KernelWorkspace
 
@@ -75,12 +74,7 @@ def _decode_write_kernel(
 
     # The visible range [kv_start, seq_len), then this split's piece [lo, hi) of it (as `triton_decode`).
     seq_len = tl.load(seq_lens_ptr + seq * stride_lens).to(tl.int32)
-    kv_start = 0
-    if USE_WINDOW:
-        kv_start = tl.maximum(seq_len - sliding_window, 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
-    lo = kv_start + split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    lo, hi = split_range(seq_len, sliding_window, num_splits, split, BLOCK_N, USE_WINDOW)
     # The splits partition [kv_start, seq_len): exactly one covers the new token (none when seq_len is 0). It
     # reads the cache below the new token only and takes the new token from registers.
     new_pos = seq_len - 1
@@ -102,14 +96,9 @@ def _decode_write_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     head_offset = kv_head.to(tl.int64) * stride_cache_h
 
-    for start in range(lo, read_hi, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < read_hi
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
-                            dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
-        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
-        s = tl.where(token_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
+    m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, read_hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b,
+                                 head_offset, dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap,
+                                 BLOCK_SIZE, BLOCK_N, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, False)
 
     if covers_new:
         k_new = tl.load(k_new_ptr + seq.to(tl.int64) * stride_k_s + kv_head * stride_k_h + dims * stride_k_d,
