@@ -42,7 +42,7 @@ from pagedkv.kernels.triton_common import (
     store_split_part,
     tile_scores,
 )
-from pagedkv.kernels.triton_fp8 import to_compute
+from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import DecodeTuning
 
 
@@ -107,6 +107,7 @@ def _decode_kernel(
     heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this kv head
     q_offsets = seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d
     q = tl.load(q_ptr + q_offsets, mask=out_mask, other=0.0)  # [GROUP_PAD, DIM_PAD]
+    q = fp8_query(q, KV_FP8)  # fp16 for a bf16 query over FP8 tiles
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(s - m_i)

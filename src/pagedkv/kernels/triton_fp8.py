@@ -14,15 +14,33 @@ fp32 -> fp8 cast half-up and drops the carry into the exponent (1.97 -> 1.0 in e
 it the interpreter runs the Triton write path on CPU and matches torch exactly. It costs a few
 integer operations per value in a kernel that is bound by memory.
 
-`to_compute` converts a loaded FP8 tile to the compute dtype through fp32: exact for every
-value, where the interpreter's direct e5m2 -> fp16 conversion loses subnormals.
+`to_compute` converts a loaded FP8 tile to the compute dtype. Every FP8 value is exact in fp16,
+bf16 and fp32, so on a GPU the conversion is direct (`FP8_VIA_FP32` False); under the
+interpreter it goes through fp32, because the interpreter's direct e5m2 -> fp16 conversion
+loses subnormals. PAGEDKV_FP8_CONVERT=fp32 forces the fp32 route on a GPU too (to compare).
+
+`fp8_query` picks the compute dtype of an FP8 cache's tiles. A bf16 model's query is taken
+to fp16 (clamped to fp16's range; fp16 holds every bf16 value in it with 3 more mantissa
+bits), so a K/V tile needs one conversion (e4m3x2 -> f16x2, one instruction per two values)
+instead of two (then f16 -> bf16, one per value), and the dots run in fp16 with fp32
+accumulation. PAGEDKV_FP8_COMPUTE=model keeps the model's dtype (to compare).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+#: Whether `to_compute` converts FP8 tiles through fp32 (the interpreter) rather than directly (a GPU).
+FP8_VIA_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1"
+                            or os.environ.get("PAGEDKV_FP8_CONVERT") == "fp32")
+#: Whether an FP8 cache's tiles are computed in fp16 for a bf16 model (`fp8_query`).
+FP8_F16_COMPUTE = tl.constexpr(os.environ.get("PAGEDKV_FP8_COMPUTE", "f16") == "f16")
+FP16_MAX = tl.constexpr(65504.0)
 
 
 def fp8_format(dtype: torch.dtype) -> tuple[int, int, float]:
@@ -63,7 +81,18 @@ def quantize(x, scale, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_MAX: 
 
 @triton.jit
 def to_compute(tile, dtype: tl.constexpr, KV_FP8: tl.constexpr):
-    """A loaded K or V tile in the compute dtype: FP8 through fp32 (exact), anything else as loaded."""
+    """A loaded K or V tile in the compute dtype (exact for FP8 either way); anything else as loaded."""
     if KV_FP8:
-        tile = tile.to(tl.float32).to(dtype)
+        if FP8_VIA_FP32:
+            tile = tile.to(tl.float32).to(dtype)
+        else:
+            tile = tile.to(dtype)
     return tile
+
+
+@triton.jit
+def fp8_query(q, KV_FP8: tl.constexpr):
+    """The query in its tiles' compute dtype: fp16 for a bf16 query over an FP8 cache (see the module docstring)."""
+    if KV_FP8 and FP8_F16_COMPUTE and q.dtype == tl.bfloat16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -FP16_MAX), FP16_MAX).to(tl.float16)
+    return q

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.triton_common import LOG2E, load_kv_tile, online_softmax_step, tile_scores
-from pagedkv.kernels.triton_fp8 import to_compute
+from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import PrefillTuning
 
 
@@ -127,6 +127,7 @@ def _prefill_kernel(
     token_rows = (q_start + rows).to(tl.int64)
     q_offsets = token_rows[:, None] * stride_q_t + head * stride_q_h + dims[None, :] * stride_q_d
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_M, DIM_PAD]
+    q = fp8_query(q, KV_FP8)  # fp16 for a bf16 query over FP8 tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -52,7 +52,7 @@ from pagedkv.kernels.triton_common import (
     tile_scores,
 )
 from pagedkv.kernels.triton_decode import group_padding
-from pagedkv.kernels.triton_fp8 import to_compute
+from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import DecodeTuning
 
 #: The longest batch stream-K takes (every program holds all seq_lens in registers); larger
@@ -155,6 +155,7 @@ def _stream_k_decode_kernel(
         heads = kv_head * GROUP + rows
         q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d,
                     mask=out_mask, other=0.0)  # [GROUP_PAD, DIM_PAD]
+        q = fp8_query(q, KV_FP8)  # fp16 for a bf16 query over FP8 tiles
         tokens = kv_start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         token_mask = tokens < seq_len
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_s, stride_bt_b,

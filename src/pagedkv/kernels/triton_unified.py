@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.triton_common import LOG2E
+from pagedkv.kernels.triton_fp8 import fp8_query
 from pagedkv.kernels.triton_prefill import causal_attend
 from pagedkv.kernels.tuning import UnifiedTuning
 
@@ -92,6 +93,7 @@ def _unified_kernel(
     token_rows = (q_start + q_tokens).to(tl.int64)
     q = tl.load(q_ptr + token_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d,
                 mask=mask, other=0.0)  # [BLOCK_M, DIM_PAD]
+    q = fp8_query(q, KV_FP8)  # fp16 for a bf16 query over FP8 tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
