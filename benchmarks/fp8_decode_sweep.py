@@ -28,11 +28,14 @@ from pagedkv.kernels import DecodeTuning, paged_decode_attention, reference_deco
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="the default tuning only")
+    parser.add_argument("--block-n", default="64,128")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--stages", default="2,3,4")
     args = parser.parse_args()
     route = f"convert={os.environ.get('PAGEDKV_FP8_CONVERT', 'direct')},compute={os.environ.get('PAGEDKV_FP8_COMPUTE', 'f16')}"
     device = torch.device("cuda")
-    grid = [(64, 2, 3)] if args.quick else list(itertools.product([64, 128], [4, 8], [2, 3, 4]))
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    grid = list(itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages)))
     for batch, seq_len in [(64, 4096), (1, 32768), (8, 4096)]:
         query, k_cache, v_cache, table, lens = make_paged(batch, seq_len, 16, True, device, torch.bfloat16, seed=5)
         k8, v8, k_scale, v_scale = quantized_caches(k_cache, v_cache, torch.float8_e4m3fn)

@@ -5,6 +5,9 @@ Triton makes (16-byte alignment of a pointer, an int equal to 1 or divisible by 
 it would run a kernel compiled for other inputs and compute garbage without an error. So
 every bound launch here is compared bit for bit with Triton's own launch of the same inputs
 (`paged_decode_write_attention`), over shapes and over inputs that change specialization.
+Both launch the same compiled kernel, so the kernel itself is also checked against the
+float64 reference on the GPU, split and unsplit (the interpreter cannot see GPU-only
+miscompilation: session 4 found the first fused kernel right on CPU and wrong on the H200).
 """
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 
 from pagedkv.hf import PagedCache, PagePool, random_model
 from pagedkv.kernels import DecodeTuning, KVPool, paged_decode_write_attention
-from pagedkv.kernels.triton_decode_write import DecodeWriteKernel
+from pagedkv.kernels.triton_decode_write import DecodeWriteKernel, reference_decode_write_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,6 +69,28 @@ class _Case:
 
 def _bound(step, layer, query, key, value, scale, window, soft_cap):
     return step(layer, query, key, value, scale, window, soft_cap).squeeze(1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype, heads, head_dim, block_size, batch, max_len, window, soft_cap", SHAPES,
+                         ids=SHAPE_IDS)
+def test_fused_kernel_matches_the_float64_reference(dtype, heads, head_dim, block_size, batch, max_len, window,
+                                                    soft_cap, num_splits):
+    case = _Case(dtype, heads, head_dim, block_size, batch, max_len)
+    pool = case.pools[0]
+    scale = head_dim ** -0.5
+    expected = reference_decode_write_attention(
+        case.query.squeeze(2), case.key.squeeze(2), case.value.squeeze(2), pool.k_caches[0].clone(),
+        pool.v_caches[0].clone(), case.block_tables, case.seq_lens, scale=scale, sliding_window=window,
+        soft_cap=soft_cap, float64=True)
+    got = case.triton_launch(0, case.query, case.key, case.value, num_splits, scale, window, soft_cap)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+    # The new K/V landed in their slots: the pool now equals one the reference wrote into.
+    written = pool.k_caches[0].clone(), pool.v_caches[0].clone()
+    reference_decode_write_attention(case.query.squeeze(2), case.key.squeeze(2), case.value.squeeze(2), *written,
+                                     case.block_tables, case.seq_lens, scale=scale)
+    assert torch.equal(case.pools[1].k_caches[0], written[0]) and torch.equal(case.pools[1].v_caches[0], written[1])
 
 
 @pytest.mark.parametrize("dtype, heads, head_dim, block_size, batch, max_len, window, soft_cap", SHAPES,

@@ -10,7 +10,9 @@ Sections (each appends to `<out>/parallel.json`, so a run cut short keeps what i
 - `dp1`, `dp2`: Qwen3-0.6B shape, nano-vllm's workload with 512 requests, on one engine and on
   two replicas behind the router.
 - `routing`: two replicas, a shared-prefix chat workload (32 system prompts of 1,000 tokens),
-  prefix-aware routing against round-robin: prefix-cache hit rate and throughput.
+  prefix-aware routing against round-robin and least-loaded: prefix-cache hit rate and
+  throughput, each policy on fresh, warmed-up replicas. `--system-prompts 256 --routing-kv-gib 12`
+  is the case where routing matters: the prefixes no longer fit every replica's pool.
 """
 
 from __future__ import annotations
@@ -140,36 +142,69 @@ def data_parallel(dp: int, out: Path, model: str = "random:qwen3-0.6b") -> None:
     _record(out, f"dp{dp}", result)
 
 
-def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = "random:qwen3-0.6b") -> None:
+def _chat_prompts(rng: random.Random, systems: list[list[int]], num_requests: int) -> list[list[int]]:
+    """`num_requests` prompts: a random system prompt of `systems`, then 20-100 tokens of user turn."""
+    return [systems[rng.randrange(len(systems))] + [rng.randrange(3, 400) for _ in range(rng.randint(20, 100))]
+            for _ in range(num_requests)]
+
+
+def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = "random:qwen3-0.6b",
+            kv_cache_gib: float | None = None, policies: tuple[str, ...] = ("prefix", "round_robin", "least_loaded"),
+            key: str = "routing") -> None:
+    """Two replicas, a shared-prefix chat workload, one run per routing policy.
+
+    Each policy gets a fresh pair of replicas, warmed up first on prompts with other system
+    prompts (so Triton compiles, CUDA graphs and allocator growth stay out of the timed run,
+    which would otherwise charge them to whichever policy runs first, and the prefix caches
+    start cold for the timed prompts). `kv_cache_gib` caps each replica's KV pool: with many
+    system prompts and a small pool, a replica that sees every system prompt (round-robin)
+    evicts what one that sees half of them (prefix-aware) keeps.
+    """
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.data_parallel import DataParallelEngine
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.router import RouterConfig
     from pagedkv.engine.sampling import SamplingParams
 
     rng = random.Random(0)
-    systems = [[rng.randrange(3, 10000 if DTYPE != 'float32' else 400) for _ in range(SYSTEM_PROMPT_TOKENS)] for _ in range(num_system_prompts)]
-    prompts = [systems[rng.randrange(num_system_prompts)] + [rng.randrange(3, 400) for _ in range(rng.randint(20, 100))]
-               for _ in range(num_requests)]
+    vocab = 10000 if DTYPE != "float32" else 400
+    systems = [[rng.randrange(3, vocab) for _ in range(SYSTEM_PROMPT_TOKENS)] for _ in range(num_system_prompts)]
+    prompts = _chat_prompts(rng, systems, num_requests)
+    warm_systems = [[rng.randrange(3, vocab) for _ in range(SYSTEM_PROMPT_TOKENS)] for _ in range(4)]
+    warm = _chat_prompts(rng, warm_systems, 64)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    memory = kv_cache_gib * 2**30 if kv_cache_gib else 0.5
     results = {}
-    for policy in ("prefix", "round_robin"):
-        from pagedkv.engine.data_parallel import DataParallelEngine
-        from pagedkv.engine.config import EngineConfig
-
-        config = EngineConfig(model=model, dtype=DTYPE, kv_cache_memory=0.5, max_model_len=MAX_MODEL_LEN,
+    for policy in policies:
+        config = EngineConfig(model=model, dtype=DTYPE, kv_cache_memory=memory, max_model_len=MAX_MODEL_LEN,
                               max_num_seqs=256, max_num_batched_tokens=8192)
         engine = DataParallelEngine(config, 2, router_config=RouterConfig(policy=policy))
-        llm = LLM.__new__(LLM)
-        llm.engine, llm._counter = engine, 0
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-        stats = engine.stats().as_dict()
-        results[policy] = {"elapsed_s": elapsed, "output_tokens_per_s": num_requests * 32 / elapsed,
-                           "prefix_hit_rate": stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]),
-                           "prefix_hit_tokens": stats["prefix_cache_hit_tokens"],
-                           "requests_per_replica": list(engine.router.stats.num_per_replica)}
-        engine.shutdown()
-    _record(out, "routing", {"num_requests": num_requests, "num_system_prompts": num_system_prompts, **results})
+        try:
+            llm = LLM.__new__(LLM)
+            llm.engine, llm._counter = engine, 0
+            llm.generate(warm, params)
+            before = engine.stats().as_dict()
+            routed_before = list(engine.router.stats.num_per_replica)
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            stats = engine.stats().as_dict()
+            queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
+            results[policy] = {
+                "elapsed_s": elapsed, "output_tokens_per_s": num_requests * 32 / elapsed,
+                "prefix_hit_rate": (stats["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(1, queries),
+                "prefix_hit_tokens": stats["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
+                "prompt_tokens": sum(map(len, prompts)),
+                "requests_per_replica": [a - b for a, b in zip(engine.router.stats.num_per_replica, routed_before)],
+                "kv_blocks": stats["num_blocks"],
+            }
+            print(f"{key} {policy}: {results[policy]}", flush=True)
+        finally:
+            engine.shutdown()
+            _free_gpu()
+    _record(out, key, {"num_requests": num_requests, "num_system_prompts": num_system_prompts,
+                       "system_prompt_tokens": SYSTEM_PROMPT_TOKENS, "kv_cache_gib_per_replica": kv_cache_gib,
+                       **results})
 
 
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") -> int:
@@ -178,6 +213,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--routing-requests", type=int, default=2048)
     parser.add_argument("--system-prompts", type=int, default=32)
+    parser.add_argument("--routing-kv-gib", type=float, default=None,
+                        help="routing: each replica's KV pool in GiB (default: half the free memory)")
+    parser.add_argument("--routing-key", default="routing", help="routing: the result's key in parallel.json")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (checks the script, not the speed)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
@@ -199,5 +237,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
         elif section.startswith("dp"):
             data_parallel(int(section[2:]), out, *(["random:tiny-qwen3"] if args.smoke else []))
         else:
-            routing(out, args.routing_requests, args.system_prompts, *(["random:tiny-qwen3"] if args.smoke else []))
+            routing(out, args.routing_requests, args.system_prompts,
+                    "random:tiny-qwen3" if args.smoke else "random:qwen3-0.6b", args.routing_kv_gib,
+                    key=args.routing_key)
     return 0

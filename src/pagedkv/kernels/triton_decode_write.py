@@ -37,9 +37,8 @@ from pagedkv.kernels.triton_common import (
     LOG2E,
     merge_chunk,
     merge_group_rows,
-    online_softmax_step,
     store_split_part,
-    tile_scores,
+    tanh,
 )
 from pagedkv.kernels.triton_decode import attend_range, group_padding, split_range
 from pagedkv.kernels.tuning import DecodeTuning, choose_num_splits, num_sms
@@ -47,10 +46,26 @@ from pagedkv.kernels.workspace import KernelWorkspace
 
 
 @triton.jit
-def _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
-    """Fold one kv position held in registers (`k_new`, `v_new`: `[DIM_PAD]`) into the softmax state."""
-    s = tile_scores(q, k_new[None, :], qk_scale, soft_cap, False, USE_SOFT_CAP, "ieee")  # [GROUP_PAD, 1]
-    return online_softmax_step(s, v_new[None, :], m_i, l_i, acc, False, "ieee")
+def _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, fold, USE_SOFT_CAP: tl.constexpr):
+    """Fold one kv position held in registers (`k_new`, `v_new`: `[DIM_PAD]`) into the softmax state, where `fold`.
+
+    Row vectors and no branch: the first version folded a `[GROUP_PAD, 1]` score tile inside
+    `if covers_new:` and was right under the interpreter but wrong on the H200 (errors of 1-14
+    against the float64 reference, session 4); this form has neither the size-1 axis nor the
+    data-dependent branch. A program that does not cover the new token keeps its state.
+    """
+    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)  # [GROUP_PAD]
+    if USE_SOFT_CAP:
+        s = soft_cap * tanh(s * qk_scale / soft_cap) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    m_new = tl.where(fold, tl.maximum(m_i, s), m_i)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.where(fold, tl.exp2(s - m_safe), 0.0)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -100,18 +115,19 @@ def _decode_write_kernel(
                                  head_offset, dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap,
                                  BLOCK_SIZE, BLOCK_N, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, False)
 
-    if covers_new:
-        k_new = tl.load(k_new_ptr + seq.to(tl.int64) * stride_k_s + kv_head * stride_k_h + dims * stride_k_d,
-                        mask=dim_mask, other=0.0)  # [DIM_PAD]
-        v_new = tl.load(v_new_ptr + seq.to(tl.int64) * stride_v_s + kv_head * stride_v_h + dims * stride_v_d,
-                        mask=dim_mask, other=0.0)
-        m_i, l_i, acc = _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, USE_SOFT_CAP)
-        # Stored for later steps after this program's reads, so that under the interpreter, which runs a
-        # program's statements in order, a loop that read the slot would read the poison the tests put there.
-        block_id = tl.load(table_row + (new_pos // BLOCK_SIZE) * stride_bt_b).to(tl.int64)
-        slot_row = block_id * stride_cache_b + (new_pos % BLOCK_SIZE) * stride_cache_o + head_offset
-        tl.store(k_cache_ptr + slot_row + dims, k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_mask)
-        tl.store(v_cache_ptr + slot_row + dims, v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_mask)
+    new_mask = dim_mask & covers_new
+    k_new = tl.load(k_new_ptr + seq.to(tl.int64) * stride_k_s + kv_head * stride_k_h + dims * stride_k_d,
+                    mask=new_mask, other=0.0)  # [DIM_PAD]
+    v_new = tl.load(v_new_ptr + seq.to(tl.int64) * stride_v_s + kv_head * stride_v_h + dims * stride_v_d,
+                    mask=new_mask, other=0.0)
+    m_i, l_i, acc = _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, covers_new, USE_SOFT_CAP)
+    # Stored for later steps after this program's reads, so that under the interpreter, which runs a
+    # program's statements in order, a loop that read the slot would read the poison the tests put there.
+    block_id = tl.load(table_row + (tl.maximum(new_pos, 0) // BLOCK_SIZE) * stride_bt_b, mask=covers_new,
+                       other=0).to(tl.int64)
+    slot_row = block_id * stride_cache_b + (tl.maximum(new_pos, 0) % BLOCK_SIZE) * stride_cache_o + head_offset
+    tl.store(k_cache_ptr + slot_row + dims, k_new.to(k_cache_ptr.dtype.element_ty), mask=new_mask)
+    tl.store(v_cache_ptr + slot_row + dims, v_new.to(v_cache_ptr.dtype.element_ty), mask=new_mask)
 
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
