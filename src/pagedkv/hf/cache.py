@@ -27,9 +27,8 @@ into the step's metadata transfer).
 
 from __future__ import annotations
 
-import os
-
 import operator
+import os
 from dataclasses import dataclass
 
 import torch
