@@ -46,7 +46,8 @@ def main() -> None:
         bf16_ms, _ = try_time_graphed(lambda: paged_decode_attention(query, k_cache, v_cache, table, lens, **base),
                                       device)
         for block_n, warps, stages in grid:
-            tuning = DecodeTuning(block_n=block_n, num_warps=warps, num_stages=stages)
+            tuning = DecodeTuning(block_n=block_n, num_warps=warps, num_stages=stages, fp8_block_n=None,
+                                  fp8_num_warps=None)
 
             def call():
                 return paged_decode_attention(query, k8, v8, table, lens, tuning=tuning, k_scale=k_scale,

@@ -23,7 +23,7 @@ def test_measure_reports_every_cache_and_diagnostic(gc_mode, backend, monkeypatc
                         for batch in (1, 2)}}
     assert gc.isenabled()  # "off" re-enables the collector after timing
     rows = latency["tiny"]["2"]
-    assert list(rows) == ["DynamicCache", "StaticCache", "PagedCache", "PagedCache fused"]
+    assert list(rows) == ["DynamicCache", "StaticCache", "PagedCache", "PagedCache unfused"]
     for row in rows.values():
         # The first interval (prefill to first decode) is not a decode step's sample.
         assert row["num_samples"] == repeats * (steps - 2) and row["p50_ms"] <= row["p99_ms"]
@@ -32,9 +32,9 @@ def test_measure_reports_every_cache_and_diagnostic(gc_mode, backend, monkeypatc
     # Timed decode steps: (steps - 1) forwards after the prefill per generate call, one fused launch per layer;
     # the interpreter cannot bind, so every one goes through Triton.
     expected = repeats * (steps - 1) * model.config.n_layer if backend == "triton" else 0
-    fused = rows["PagedCache fused"]
+    fused = rows["PagedCache"]  # the default cache: fused decode + write
     assert (fused["bound_launches"], fused["triton_launches"]) == (0, expected)
-    assert "bound_launches" not in rows["PagedCache"]  # the default cache takes write + decode
+    assert "bound_launches" not in rows["PagedCache unfused"]  # write + decode
     assert pool.num_used_blocks == 0
     goals = hf_latency.targets(latency)
     assert set(goals["tiny"]) == {"1", "2"} and all(isinstance(g["met"], bool) for g in goals["tiny"].values())

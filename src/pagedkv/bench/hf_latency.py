@@ -97,8 +97,8 @@ def _cache_makers(model, pool, max_cache_len: int, with_static: bool) -> dict:
     makers = {"DynamicCache": ("sdpa", DynamicCache)}
     if with_static:
         makers["StaticCache"] = ("sdpa", lambda: StaticCache(config=model.config, max_cache_len=max_cache_len))
-    makers["PagedCache"] = ("pagedkv", lambda: _paged(pool, fused=False))
-    makers["PagedCache fused"] = ("pagedkv", lambda: _paged(pool, fused=True))
+    makers["PagedCache"] = ("pagedkv", lambda: _paged(pool, fused=True))  # the default: fused decode + write
+    makers["PagedCache unfused"] = ("pagedkv", lambda: _paged(pool, fused=False))
     return makers
 
 
@@ -218,10 +218,10 @@ def measure(model, pool, batch: int, prompt_len: int, steps: int, repeats: int, 
     result = {}
     for name, (attn, make) in _cache_makers(model, pool, prompt_len + steps + 1, with_static).items():
         model.set_attn_implementation(attn)
-        counts = (lambda: kernel.launch_counts) if name == "PagedCache fused" else (lambda: (0, 0))
+        counts = (lambda: kernel.launch_counts) if name == "PagedCache" else (lambda: (0, 0))
         timed = _timed_runs(model, ids, make, steps, repeats, gc_mode, counts)
         row = _summary(timed, prompt_len, pool.block_size)
-        if name == "PagedCache fused":
+        if name == "PagedCache":
             row["bound_launches"], row["triton_launches"] = timed["launches"]
         if diagnose and model.device.type == "cuda":
             row["gpu_busy_ms_per_step"] = _gpu_busy_ms_per_step(model, ids, make, min(steps, 32))

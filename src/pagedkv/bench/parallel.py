@@ -173,7 +173,7 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
     warm_systems = [[rng.randrange(3, vocab) for _ in range(SYSTEM_PROMPT_TOKENS)] for _ in range(4)]
     warm = _chat_prompts(rng, warm_systems, 64)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    memory = kv_cache_gib * 2**30 if kv_cache_gib else 0.5
+    memory = int(kv_cache_gib * 2**30) if kv_cache_gib else 0.5  # an int is bytes, a float a fraction
     results = {}
     for policy in policies:
         config = EngineConfig(model=model, dtype=DTYPE, kv_cache_memory=memory, max_model_len=MAX_MODEL_LEN,
@@ -185,18 +185,35 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
             llm.generate(warm, params)
             before = engine.stats().as_dict()
             routed_before = list(engine.router.stats.num_per_replica)
+            # Submitted the way LLM.generate submits (all, then step), timed in parts, with the time
+            # each replica's last request finished: a slow policy shows where its time went.
             start = time.perf_counter()
-            llm.generate(prompts, params)
+            replica_of = {}
+            for index, prompt in enumerate(prompts):
+                engine.add_request(f"route-{index}", prompt, params)
+                replica_of[f"route-{index}"] = engine._request_replica[f"route-{index}"]
+            submitted = time.perf_counter() - start
+            last_done = [0.0, 0.0]
+            remaining = len(prompts)
+            while remaining:
+                for output in engine.step():
+                    if output.finished:
+                        remaining -= 1
+                        last_done[replica_of[output.request_id]] = time.perf_counter() - start
             elapsed = time.perf_counter() - start
             stats = engine.stats().as_dict()
             queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
+            per_replica = [{name: now[name] - then[name] for name in ("busy_seconds", "num_steps",
+                                                                       "num_prompt_tokens", "prefix_cache_hit_tokens")}
+                           for now, then in zip(stats["replicas"], before["replicas"])]
             results[policy] = {
                 "elapsed_s": elapsed, "output_tokens_per_s": num_requests * 32 / elapsed,
+                "submit_s": submitted, "replica_last_finish_s": last_done,
                 "prefix_hit_rate": (stats["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(1, queries),
                 "prefix_hit_tokens": stats["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
                 "prompt_tokens": sum(map(len, prompts)),
                 "requests_per_replica": [a - b for a, b in zip(engine.router.stats.num_per_replica, routed_before)],
-                "kv_blocks": stats["num_blocks"],
+                "replicas": per_replica, "kv_blocks": stats["num_blocks"],
             }
             print(f"{key} {policy}: {results[policy]}", flush=True)
         finally:

@@ -143,11 +143,11 @@ class PagePool:
         self.allocator = BlockAllocator(num_blocks)
         self._decode_write_kernel = None  # made on first use (it imports Triton)
         # Decode steps of this pool's caches through the fused K/V write + attention kernel (one
-        # launch per layer, bound launches). Off by default: on the H200 (commit 353542d) it
-        # matched the unfused kernels within bf16 tolerance for GPT-2 but failed the exact fp32
-        # generate-equality tests against DynamicCache (beams, deepcopy, left-padded greedy) that
-        # the unfused path passes; the cause is not found yet. Opt in by setting it to True.
-        self.fused_decode = os.environ.get("PAGEDKV_FUSED_DECODE", "0") == "1"
+        # launch per layer, bound launches): on by default, PAGEDKV_FUSED_DECODE=0 or setting it to
+        # False takes the write + decode pair. (Off during session 3: the first fused kernel folded
+        # the new token as a [G, 1] tile inside a branch, which was right under the interpreter and
+        # wrong on the H200; fixed and checked against float64 on the GPU in session 4.)
+        self.fused_decode = os.environ.get("PAGEDKV_FUSED_DECODE", "1") != "0"
 
     def decode_write_kernel(self):
         """The fused decode + K/V write kernel bound to this pool's pages, shared by its caches (made once):

@@ -189,6 +189,7 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     use_dot = group >= tuning.dot_min_group
     group_p2, dim_pad = merge_group_rows(group), triton.next_power_of_2(head_dim)
     is_split = num_splits > 1
+    fp8 = k_scale is not None
     merge_in_kernel = is_split and tuning.merge == "in_kernel"
     if is_split:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
@@ -206,11 +207,11 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         *query.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
         GROUP=group, GROUP_PAD=group_padding(group, use_dot), GROUP_P2=group_p2, HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim), USE_DOT=use_dot,
+        DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim, fp8), USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
-        MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad), KV_FP8=k_scale is not None,
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad), KV_FP8=fp8,
+        num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         _merge_kernel[(num_seqs, num_heads)](
