@@ -187,10 +187,15 @@ def test_fused_rotary_write_in_bf16_stores_what_write_kv_stores():
                                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, k_scale=k_scale,
                                 v_scale=v_scale)
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
-    # The fused rotary matches HF's bf16 rounding; an ulp apart moves at most one FP8 step.
-    got = k_cache.float() * k_scale[:, None]
-    want = k_ref.float() * k_scale[:, None]
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=2 ** -3)
+    # The fused rotary rounds to bf16 as HF does, up to an ulp in a few values, and an ulp apart moves
+    # a value at most one FP8 step (e4m3: 2**(exponent - 3) for normals, 2**-9 below 2**-6); on the
+    # H200 43 of 131,072 values moved one step.
+    got, want = k_cache.float(), k_ref.float()  # in FP8 units: the scales are the same on both sides
+    magnitude = torch.maximum(got.abs(), want.abs())
+    one_step = torch.where(magnitude >= 2 ** -6, torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(2 ** -6))) - 3),
+                           torch.full_like(magnitude, 2 ** -9))
+    assert ((got - want).abs() <= one_step).all()
+    assert (got != want).float().mean().item() <= 0.01
 
 
 PATHS = [{}, {"enforce_eager": True}, {"model_impl": "hf"}]  # own decoder + graphs, own eager, HF modules
