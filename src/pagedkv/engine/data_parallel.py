@@ -27,7 +27,7 @@ import multiprocessing as mp
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import chat_token_ids, tokenize_prompt
@@ -143,12 +143,38 @@ class _ProcessReplica:
 
 @dataclass
 class _Replica:
+    """One replica process as the parent holds it. Commands go out through `send`, never `conn.send`."""
+
     process: mp.Process
     conn: object
     view: _ProcessReplica
     info: dict
     requests: set
     inbox: list
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    sender: threading.Thread | None = None
+
+    def start_sender(self, index: int) -> None:
+        """Commands are written to the pipe by a thread of the parent, so adding a request never blocks.
+
+        A replica reads its pipe only between steps. A parent that wrote itself would stall on
+        a replica whose pipe is full while it runs a step, and the other replicas would get nothing
+        meanwhile; and the least-loaded replica (the one that just took its queue into a step) is
+        exactly the one that is busy. (On two H200s, before this thread, least-loaded and
+        prefix-aware routing ran at 10.5k and 11.1k output tok/s against round-robin's 16.6k with
+        the same prefix-hit rate; this stall is the suspected cause.)
+        """
+        self.sender = threading.Thread(target=_send_all, args=(self.conn, self.outbox), daemon=True,
+                                       name=f"pagedkv-dp-send-{index}")
+        self.sender.start()
+
+    def send(self, message) -> None:
+        self.outbox.put(message)
+
+    def close_sender(self) -> None:
+        self.outbox.put(None)
+        if self.sender is not None:
+            self.sender.join(timeout=10)
 
 
 @dataclass(frozen=True)
@@ -213,6 +239,7 @@ class DataParallelEngine:
                 raise ConfigError(f"data-parallel replica {index} failed to start: {info}")
             self.replicas.append(_Replica(process, conn, _ProcessReplica(index, info["block_size"], self._load),
                                           info, set(), []))
+            self.replicas[-1].start_sender(index)
         self.router = Router([r.view for r in self.replicas], router_config)
         self.max_model_len = min(r.info["max_model_len"] for r in self.replicas)
         self.scheduler = _SchedulerView(self, Scheduler(self.replicas[0].info["scheduler_config"]))
@@ -246,7 +273,7 @@ class DataParallelEngine:
         self._stream_outputs = value
         for replica in self.replicas:
             if replica.process.is_alive():
-                replica.conn.send(("stream", value))
+                replica.send(("stream", value))
 
     def tokenize(self, prompt):
         # Token ids are range-checked by the replica that gets the request (it knows the model's vocabulary).
@@ -267,7 +294,7 @@ class DataParallelEngine:
             raise EngineDeadError("every data-parallel replica has died")
         decision = self.router.route(token_ids, exclude=[i for i in range(len(self.replicas)) if i not in alive])
         replica = self.replicas[decision.replica]
-        replica.conn.send(("add", (request_id, prompt, params, priority)))
+        replica.send(("add", (request_id, prompt, params, priority)))
         replica.view.sent += 1
         replica.requests.add(request_id)
         self._request_replica[request_id] = decision.replica
@@ -279,7 +306,7 @@ class DataParallelEngine:
         replica = self.replicas[index]
         replica.requests.discard(request_id)
         if replica.process.is_alive():
-            replica.conn.send(("abort", request_id))
+            replica.send(("abort", request_id))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -330,7 +357,7 @@ class DataParallelEngine:
         """The replicas' stats summed (per-replica figures under 'replicas')."""
         asked = [r for r in self.replicas if r.process.is_alive()]
         for replica in asked:
-            replica.conn.send(("stats", None))
+            replica.send(("stats", None))
         per_replica = []
         for replica in self.replicas:
             found = None
@@ -355,10 +382,8 @@ class DataParallelEngine:
     def shutdown(self) -> None:
         for replica in self.replicas:
             if replica.process.is_alive():
-                try:
-                    replica.conn.send(("stop", None))
-                except (BrokenPipeError, OSError):
-                    pass
+                replica.send(("stop", None))
+            replica.close_sender()  # a dead replica's sender has returned on its broken pipe
         self._stop_all([r.process for r in self.replicas])
 
     @staticmethod
