@@ -194,7 +194,8 @@ def test_fused_rotary_write_in_bf16_stores_what_write_kv_stores():
     magnitude = torch.maximum(got.abs(), want.abs())
     one_step = torch.where(magnitude >= 2 ** -6, torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(2 ** -6))) - 3),
                            torch.full_like(magnitude, 2 ** -9))
-    assert ((got - want).abs() <= one_step).all()
+    bad = (got - want).abs() > one_step
+    assert not bad.any(), list(zip(got[bad].tolist()[:8], want[bad].tolist()[:8], one_step[bad].tolist()[:8]))
     assert (got != want).float().mean().item() <= 0.01
 
 
