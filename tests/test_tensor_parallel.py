@@ -60,6 +60,12 @@ def test_heads_that_do_not_divide_are_refused_before_any_process_starts():
         DecoderConfig.from_hf(random_model("tiny-mistral").config).shard(2)
 
 
+def test_an_unknown_all_reduce_mode_is_refused_before_any_process_starts(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_TP_ALL_REDUCE", "ring")
+    with pytest.raises(ConfigError, match="PAGEDKV_TP_ALL_REDUCE must be one of nccl, symm_mem, got 'ring'"):
+        _llm("tiny-llama", 2)
+
+
 def test_more_gpus_than_exist_is_refused():
     if torch.cuda.is_available():
         count = torch.cuda.device_count()

@@ -9,8 +9,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() 
                                                   reason="needs 2 CUDA GPUs")]
 
 
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-def test_tp2_with_graphs_equals_tp1_fp32(name):
+def test_tp2_with_graphs_equals_tp1_fp32(name, all_reduce, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_TP_ALL_REDUCE", all_reduce)  # spawned workers inherit it
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 40, 17, 64, 1, 100)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -18,7 +20,7 @@ def test_tp2_with_graphs_equals_tp1_fp32(name):
     single = [o.outputs[0].token_ids for o in LLM(f"random:{name}", **options).generate(prompts, params)]
     llm = LLM(f"random:{name}", tensor_parallel_size=2, **options)
     try:
-        assert llm.engine.runner.graphs
+        assert llm.engine.runner.graphs and llm.engine.tp.all_reduce_mode == all_reduce
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == single
     finally:
         llm.engine.shutdown()

@@ -4,6 +4,8 @@ Sections (each appends to `<out>/parallel.json`, so a run cut short keeps what i
 
 - `tp1`, `tp2`: Llama-3-8B shape, bf16, at tensor_parallel_size 1 and 2: decode ms per step at
   batch 1 and 64 (128-token prompts, 64 new tokens) and nano-vllm's workload (256 requests).
+- `tp2-symm`: `tp2` with PAGEDKV_TP_ALL_REDUCE=symm_mem (torch's one-shot symmetric-memory
+  all-reduce instead of NCCL's).
 - `tp-greedy`: the same shape in fp32: greedy tokens at tensor_parallel_size 2 against 1 (the
   sums of two shards round differently from one matmul only in the last bits of fp32, so the
   tokens must agree).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -79,7 +82,7 @@ def _throughput(llm, prompts, output_lens) -> dict:
     return {"elapsed_s": elapsed, "num_output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
 
 
-def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None:
+def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b", key: str | None = None) -> None:
     from pagedkv.engine.llm import LLM
 
     start = time.perf_counter()
@@ -91,6 +94,7 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None
     _throughput(llm, warm, warm_lens)
     phases: dict[str, dict] = {"1": {}, "64": {}}
     result = {"tensor_parallel_size": tp, "startup_s": startup,
+              "all_reduce": llm.engine.tp.all_reduce_mode if llm.engine.tp is not None else None,
               "decode_ms": {b: _decode_ms(llm, int(b), vocab, phases[b]) for b in phases},
               "decode_phases_ms": phases}
     prompts, output_lens = nano_vllm_workload(256, 100, 1024, 0, vocab)
@@ -98,7 +102,7 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b") -> None
     llm.engine.shutdown()
     del llm
     _free_gpu()
-    _record(out, f"tp{tp}", result)
+    _record(out, key or f"tp{tp}", result)
 
 
 def tensor_parallel_greedy(out: Path, model: str = "random:llama3-8b", num_prompts: int = 8,
@@ -226,7 +230,8 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
 
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") -> int:
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("sections", nargs="+", choices=("tp1", "tp2", "tp-greedy", "dp1", "dp2", "routing"))
+    parser.add_argument("sections", nargs="+",
+                        choices=("tp1", "tp2", "tp2-symm", "tp-greedy", "dp1", "dp2", "routing"))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--routing-requests", type=int, default=2048)
     parser.add_argument("--system-prompts", type=int, default=32)
@@ -249,6 +254,12 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
     for section in args.sections:
         if section == "tp-greedy":
             tensor_parallel_greedy(out, *(["random:tiny-llama"] if args.smoke else []))
+        elif section == "tp2-symm":  # TP=2 with the symmetric-memory all-reduce (the workers inherit the variable)
+            os.environ["PAGEDKV_TP_ALL_REDUCE"] = "symm_mem"
+            try:
+                tensor_parallel(2, out, *(["random:tiny-llama"] if args.smoke else []), key="tp2_symm_mem")
+            finally:
+                os.environ.pop("PAGEDKV_TP_ALL_REDUCE")
         elif section.startswith("tp"):
             tensor_parallel(int(section[2:]), out, *(["random:tiny-llama"] if args.smoke else []))
         elif section.startswith("dp"):

@@ -3,6 +3,11 @@
 The data-parallel router lives in `pagedkv.engine.router`; replicas are whole engines.
 """
 
-from pagedkv.distributed.parallel import ParallelConfig, TensorParallel, launched_by_torchrun
+from pagedkv.distributed.parallel import (
+    ParallelConfig,
+    TensorParallel,
+    all_reduce_mode_from_env,
+    launched_by_torchrun,
+)
 
-__all__ = ["ParallelConfig", "TensorParallel", "launched_by_torchrun"]
+__all__ = ["ParallelConfig", "TensorParallel", "all_reduce_mode_from_env", "launched_by_torchrun"]

@@ -10,6 +10,14 @@ Every rank holds one `TensorParallel`. It wraps two groups over the same ranks:
   pickled object (`broadcast_object_list`), and on which the ranks agree at startup (the pool
   is the smallest rank's).
 
+`PAGEDKV_TP_ALL_REDUCE=symm_mem` (opt-in, CUDA) replaces NCCL's all-reduce for the model's
+activations with torch's symmetric-memory one-shot all-reduce (`torch.ops.symm_mem`): each rank
+copies its partial sums into a buffer every peer can read over NVLink, and one kernel reads all
+peers' buffers and adds them - the latency-bound path vLLM and sglang take for decode-sized
+messages, where NCCL's ring costs ~10 us per call (65 calls per Llama-3-8B step). It needs no
+NVLink multicast. Messages over its buffer (8 MiB per dtype) and any setup failure fall back to
+NCCL, with a warning at startup.
+
 Ranks join the way `torchrun` starts them (the `MASTER_ADDR`/`MASTER_PORT`, `RANK`,
 `WORLD_SIZE` variables) or the way the engine spawns them (an explicit TCP address), so the
 same code runs within a node and across nodes. No transport of pagedkv's own is involved.
@@ -29,6 +37,10 @@ from pagedkv.errors import ConfigError
 
 logger = logging.getLogger("pagedkv")
 
+ALL_REDUCE_MODES = ("nccl", "symm_mem")
+#: Bytes of each symmetric buffer: a batch-256 step of a 4096-wide bf16 model is 2 MiB.
+SYMM_MEM_BYTES = 8 * 2**20
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -43,6 +55,35 @@ class ParallelConfig:
     def __post_init__(self):
         if not 0 <= self.rank < self.tensor_parallel_size:
             raise ConfigError(f"rank {self.rank} is outside a tensor-parallel group of {self.tensor_parallel_size}")
+
+
+def all_reduce_mode_from_env() -> str:
+    """PAGEDKV_TP_ALL_REDUCE ("nccl", the default, or "symm_mem"); anything else is a `ConfigError`."""
+    mode = os.environ.get("PAGEDKV_TP_ALL_REDUCE", "nccl")
+    if mode not in ALL_REDUCE_MODES:
+        raise ConfigError(f"PAGEDKV_TP_ALL_REDUCE must be one of {', '.join(ALL_REDUCE_MODES)}, got {mode!r}")
+    return mode
+
+
+def _symmetric_buffers(device: torch.device, group) -> dict[torch.dtype, torch.Tensor]:
+    """One rendezvoused symmetric buffer per activation dtype (made before any graph capture), or {} on failure."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before rendezvous on older torch
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        buffers = {}
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            buffer = symm_mem.empty(SYMM_MEM_BYTES // dtype.itemsize, dtype=dtype, device=device)
+            buffer.zero_()
+            symm_mem.rendezvous(buffer, group.group_name)
+            buffers[dtype] = buffer
+        torch.cuda.synchronize(device)
+        return buffers
+    except Exception as error:  # noqa: BLE001 - an optional fast path: say why, keep NCCL
+        logger.warning("PAGEDKV_TP_ALL_REDUCE=symm_mem unavailable (%s: %s); using NCCL's all-reduce",
+                       type(error).__name__, error)
+        return {}
 
 
 def launched_by_torchrun() -> bool:
@@ -71,9 +112,23 @@ class TensorParallel:
                                     device_id=self.device if backend == "nccl" else None)
         self.data_group = dist.group.WORLD
         self.control_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else self.data_group
+        mode = all_reduce_mode_from_env()
+        self._symm_buffers: dict[torch.dtype, torch.Tensor] = {}
+        if mode == "symm_mem" and backend == "nccl" and self.size > 1:
+            self._symm_buffers = _symmetric_buffers(self.device, self.data_group)
+            if self.min_int(int(bool(self._symm_buffers))) == 0:  # every rank takes the same path, or none
+                self._symm_buffers = {}
+        self.all_reduce_mode = "symm_mem" if self._symm_buffers else backend  # what all_reduce runs on
 
     # ------------------------------------------------------------------ model collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (returns `x`)."""
+        buffer = self._symm_buffers.get(x.dtype)
+        if buffer is not None and x.is_contiguous() and x.numel() <= buffer.numel():
+            staged = buffer[:x.numel()]
+            staged.copy_(x.view(-1))
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.data_group.group_name, x.view(-1))
+            return x
         dist.all_reduce(x, group=self.data_group)
         return x
 
@@ -109,6 +164,7 @@ class TensorParallel:
 
     def shutdown(self) -> None:
         """Destroy the groups. Callers drop CUDA graphs that captured collectives first (see ModelRunner)."""
+        self._symm_buffers = {}
         if dist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -301,10 +301,11 @@ class LLMEngine:
 
     def _join_tensor_parallel(self, model, tp_rank: int | None, init_method: str | None) -> None:
         """Start or join the tensor-parallel group (spawning workers, or as torchrun started us)."""
-        from pagedkv.distributed import ParallelConfig, TensorParallel, launched_by_torchrun
+        from pagedkv.distributed import ParallelConfig, TensorParallel, all_reduce_mode_from_env, launched_by_torchrun
         from pagedkv.distributed.worker import free_tcp_address, run_worker, worker_entry
 
         size = self.config.tensor_parallel_size
+        all_reduce_mode_from_env()  # a bad PAGEDKV_TP_ALL_REDUCE is refused before any process starts
         if model is not None:
             raise ConfigError("tensor_parallel_size > 1 loads the model by name in every rank: pass the model "
                               "name or path, not a loaded model object")
@@ -328,6 +329,8 @@ class LLMEngine:
         self.tp = TensorParallel(ParallelConfig(size, tp_rank, init_method, self.device.type,
                                                 self.config.distributed_timeout_s))
         self.device = self.tp.device
+        logger.info("tensor parallel: rank %d of %d, activations all-reduced over %s", self.tp.rank, size,
+                    self.tp.all_reduce_mode)
         if self._workers:
             self._watch_stop = threading.Event()
             threading.Thread(target=self._watch_workers, name="pagedkv-tp-watch", daemon=True).start()
