@@ -97,3 +97,45 @@ def test_a_burst_of_requests_while_replicas_stream_does_not_deadlock():
         assert len(finished) == len(prompts)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
+    """A replica reads its pipe only between steps; the router's least-loaded choice is often the busy one.
+
+    Replica 0 is stopped (SIGSTOP: it reads nothing, as in a long step) while 3 MB of requests are
+    added: the parent must queue them and return (its sender thread waits), the other replica must
+    keep being fed, and once replica 0 resumes every request must finish. Writing from the caller's
+    thread, as before, blocked in the first full pipe.
+    """
+    import os
+    import signal
+    import threading
+
+    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=2048,
+              max_num_seqs=64)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (300,), generator=gen).tolist() for _ in range(400)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.stream_outputs = False
+    stopped = engine.replicas[0].process
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        adder = threading.Thread(target=lambda: [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)],
+                                 daemon=True)
+        adder.start()
+        adder.join(timeout=60)
+        blocked = adder.is_alive()
+        os.kill(stopped.pid, signal.SIGCONT)
+        if blocked:
+            adder.join(timeout=60)
+            pytest.fail("add_request blocked on a replica that was not reading its pipe")
+        finished = set()
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id for o in engine.step(timeout_s=1.0) if o.finished}
+        assert len(finished) == len(prompts)
+        assert min(engine.router.stats.num_per_replica) > 0
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+        engine.shutdown()
