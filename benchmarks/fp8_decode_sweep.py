@@ -31,11 +31,14 @@ def main() -> None:
     parser.add_argument("--block-n", default="64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3,4")
+    parser.add_argument("--schedule", default="split", choices=("split", "tiles"))
+    parser.add_argument("--heads-per-program", default="1", help="tiles: kv heads per program (comma-separated)")
     args = parser.parse_args()
     route = f"convert={os.environ.get('PAGEDKV_FP8_CONVERT', 'direct')},compute={os.environ.get('PAGEDKV_FP8_COMPUTE', 'f16')}"
     device = torch.device("cuda")
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    grid = list(itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages)))
+    grid = list(itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages),
+                                  ints(args.heads_per_program)))
     for batch, seq_len in [(64, 4096), (1, 32768), (8, 4096)]:
         query, k_cache, v_cache, table, lens = make_paged(batch, seq_len, 16, True, device, torch.bfloat16, seed=5)
         k8, v8, k_scale, v_scale = quantized_caches(k_cache, v_cache, torch.float8_e4m3fn)
@@ -45,15 +48,15 @@ def main() -> None:
         base = dict(scale=HEAD_DIM ** -0.5, max_seq_len=seq_len, validate=False, backend="triton")
         bf16_ms, _ = try_time_graphed(lambda: paged_decode_attention(query, k_cache, v_cache, table, lens, **base),
                                       device)
-        for block_n, warps, stages in grid:
+        for block_n, warps, stages, heads in grid:
             tuning = DecodeTuning(block_n=block_n, num_warps=warps, num_stages=stages, fp8_block_n=None,
-                                  fp8_num_warps=None)
+                                  fp8_num_warps=None, schedule=args.schedule, heads_per_program=heads)
 
             def call():
                 return paged_decode_attention(query, k8, v8, table, lens, tuning=tuning, k_scale=k_scale,
                                               v_scale=v_scale, **base)
-            row = {"route": route, "batch": batch, "seq_len": seq_len, "block_n": block_n, "warps": warps,
-                   "stages": stages}
+            row = {"route": route, "schedule": args.schedule, "batch": batch, "seq_len": seq_len, "block_n": block_n,
+                   "warps": warps, "stages": stages, "heads_per_program": heads}
             try:
                 row["err"] = max_abs_err(call()[check], expected)
                 ms, error = try_time_graphed(call, device) if row["err"] < 2e-2 else (None, "wrong")

@@ -133,6 +133,25 @@ def test_decode_schedules_match_reference(tuning, cache_dtype):
     workspace.check_integrity()
 
 
+@pytest.mark.parametrize("heads_per_program, merge", [(2, "in_kernel"), (1, "launch"), (4, "in_kernel")])
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_tiles_decode_matches_reference(heads_per_program, merge, cache_dtype):
+    """The tiles schedule packs kv heads per program: each row must take its own head's K and V scales."""
+    case = (torch.float32, (8, 4), 64, 16, cache_dtype)
+    scenario, fp8, num_q_heads = _fp8_case(case, [30, 64, 0, 100, 1], seed=7)
+    query = scenario.query(5, num_q_heads)
+    args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
+    tuning = DecodeTuning(schedule="tiles", block_n=16, min_split_tokens=16, programs_per_sm=8,
+                          heads_per_program=heads_per_program, merge=merge, fp8_block_n=None)
+    workspace = KernelWorkspace(32, "cpu")
+    for options in ({}, {"sliding_window": 20, "soft_cap": 2.0}):
+        expected = reference_decode_attention(*args, scale=0.125, float64=True, **options, **fp8.scales)
+        out = paged_decode_attention(*args, scale=0.125, max_seq_len=100, backend="triton", tuning=tuning,
+                                     workspace=workspace, **options, **fp8.scales)
+        assert_matches(out, expected, torch.float32)
+    workspace.check_integrity()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sliding_window, soft_cap", [(5, None), (None, 2.0)])
 def test_decode_window_and_soft_cap(backend, sliding_window, soft_cap):

@@ -190,16 +190,16 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
                                           tuning=tuning, sm_count=num_sms(query.device),
                                           counters=_counters(workspace, num_seqs * num_kv_heads),
                                           k_scale=k_scale, v_scale=v_scale)
-    if tuning.schedule == "tiles" and (k_scale is not None
-                                       or not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device))):
-        tuning = _DEFAULT_DECODE  # a big batch (round 1's split kernel is at copy speed there) or FP8 (split only)
+    if tuning.schedule == "tiles" and not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device)):
+        tuning = _DEFAULT_DECODE  # a big batch: round 1's split kernel is at copy speed there
     if tuning.schedule == "tiles":
         from pagedkv.kernels.triton_decode_tiles import triton_tiles_decode
 
         counters = _counters(workspace, num_seqs * num_kv_heads) if tuning.merge == "in_kernel" else None
         return triton_tiles_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
                                    max_seq_len=span, sliding_window=sliding_window, soft_cap=soft_cap,
-                                   tuning=tuning, sm_count=num_sms(query.device), counters=counters)
+                                   tuning=tuning, sm_count=num_sms(query.device), counters=counters,
+                                   k_scale=k_scale, v_scale=v_scale)
     from pagedkv.kernels.triton_decode import triton_decode_attention
 
     if num_splits is None:

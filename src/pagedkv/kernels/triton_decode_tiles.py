@@ -60,6 +60,7 @@ from pagedkv.kernels.triton_common import (
     tile_scores,
 )
 from pagedkv.kernels.triton_decode import _merge_kernel
+from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import DecodeTuning, tiles_plan
 
 #: `DecodeTuning.table` modes -> the kernel's TABLE_MODE.
@@ -73,8 +74,12 @@ def _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, 
                 kv_start, same_head, tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, qk_scale, soft_cap,
                 stride_cache_b, stride_cache_o, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 TABLE_MODE: tl.constexpr, TABLE_CHUNK: tl.constexpr, USE_DOT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr):
-    """Fold the tiles of kv positions [range_lo, range_hi) into (m_i, l_i, acc)."""
+                DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+                KV_FP8: tl.constexpr):
+    """Fold the tiles of kv positions [range_lo, range_hi) into (m_i, l_i, acc).
+
+    `qk_scale` is a scalar, or `[ROWS_PAD, 1]` per-row scales (FP8: each row's KV head's K scale
+    folded in)."""
     for start in range(range_lo, range_hi, BLOCK_N):
         tokens = start + tile_tokens  # [TILE_ROWS]
         token_mask = tokens < range_hi
@@ -94,6 +99,7 @@ def _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, 
         mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
         s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :] & same_head, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
@@ -103,7 +109,7 @@ def _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, 
 @triton.jit(do_not_specialize=["num_splits", "split_tokens", "table_cols"])
 def _tiles_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, soft_cap, sliding_window, num_splits, split_tokens, table_cols,
     stride_q_s, stride_q_h, stride_q_d, stride_out_s, stride_out_h, stride_out_d,
     stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s, stride_bt_b, stride_lens,
@@ -111,7 +117,7 @@ def _tiles_decode_kernel(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     TABLE_MODE: tl.constexpr, TABLE_CHUNK: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    IS_SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    IS_SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     split = tl.program_id(0)  # splits vary fastest: an item's splits start (and finish) together
     head_group = tl.program_id(1)
@@ -135,6 +141,13 @@ def _tiles_decode_kernel(
     heads = head_group * ROWS + rows  # [ROWS_PAD] query heads of kv heads [head_group * HEADS, + HEADS)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h + dims[None, :] * stride_q_d,
                 mask=out_mask, other=0.0)  # [ROWS_PAD, DIM_PAD]
+    q = fp8_query(q, KV_FP8)  # fp16 for a bf16 query over FP8 tiles
+    row_scale = qk_scale
+    v_scale = 1.0
+    if KV_FP8:  # a program reads HEADS kv heads: each row takes its own head's scales
+        row_heads = head_group * HEADS + tl.minimum(rows, ROWS - 1) // GROUP
+        row_scale = (qk_scale * tl.load(k_scale_ptr + row_heads))[:, None]  # [ROWS_PAD, 1]
+        v_scale = tl.load(v_scale_ptr + row_heads)[:, None]
 
     cols = tl.arange(0, BLOCK_N * HEADS)
     tile_tokens = cols // HEADS  # [TILE_ROWS] token of tile row c = n * HEADS + h
@@ -148,9 +161,9 @@ def _tiles_decode_kernel(
     acc = tl.zeros([ROWS_PAD, DIM_PAD], dtype=tl.float32)
     if TABLE_MODE == 0:
         m_i, l_i, acc = _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, rows, 0, lo, hi, kv_start,
-                                    same_head, tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, qk_scale,
+                                    same_head, tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, row_scale,
                                     soft_cap, stride_cache_b, stride_cache_o, BLOCK_SIZE, BLOCK_N, TABLE_MODE,
-                                    TABLE_CHUNK, USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP)
+                                    TABLE_CHUNK, USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8)
     else:
         slots = tl.arange(0, TABLE_CHUNK)
         for chunk_lo in range(lo, hi, CHUNK_TOKENS):
@@ -160,11 +173,13 @@ def _tiles_decode_kernel(
                                 mask=first_page + slots < table_cols, other=0)  # [TABLE_CHUNK]
             m_i, l_i, acc = _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, first_page,
                                         chunk_lo, tl.minimum(chunk_lo + CHUNK_TOKENS, hi), kv_start, same_head,
-                                        tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, qk_scale, soft_cap,
+                                        tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, row_scale, soft_cap,
                                         stride_cache_b, stride_cache_o, BLOCK_SIZE, BLOCK_N, TABLE_MODE, TABLE_CHUNK,
-                                        USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP)
+                                        USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * v_scale  # linear, so split partials merge as they are
     if IS_SPLIT:
         store_split_part(o, m_i, l_i, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, seq, head_group * ROWS,
                          ROWS * tl.num_programs(1), split, num_splits, seq * tl.num_programs(1) + head_group,
@@ -188,7 +203,7 @@ def chunk_tokens(table_chunk: int, block_size: int, block_n: int, aligned: bool)
 
 def tiles_launch_config(num_seqs: int, num_heads: int, head_dim: int, block_size: int, num_kv_heads: int,
                         max_seq_len: int, sliding_window: int | None, sm_count: int,
-                        tuning: DecodeTuning) -> dict:
+                        tuning: DecodeTuning, fp8: bool = False) -> dict:
     """The host ints and constexprs of one launch: grid, split plan, tile and table sizes."""
     # A program's heads must all exist and its tile rows (BLOCK_N x heads) be a power of 2: the
     # packing narrows to the largest power-of-2 divisor of num_kv_heads within the tuning's.
@@ -196,7 +211,7 @@ def tiles_launch_config(num_seqs: int, num_heads: int, head_dim: int, block_size
     while heads * 2 <= tuning.heads_per_program and num_kv_heads % (heads * 2) == 0:
         heads *= 2
     group = num_heads // num_kv_heads
-    block_n = tuning.block_n_for(head_dim)
+    block_n = tuning.block_n_for(head_dim, fp8)
     span = max(1, max_seq_len)
     if sliding_window is not None:
         # At most `window` visible tokens, but the first tile starts up to BLOCK_N - 1 before them.
@@ -220,8 +235,11 @@ def tiles_launch_config(num_seqs: int, num_heads: int, head_dim: int, block_size
 def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, scale: float,
                         max_seq_len: int, sliding_window: int | None, soft_cap: float | None, tuning: DecodeTuning,
-                        sm_count: int, counters: torch.Tensor | None = None) -> torch.Tensor:
+                        sm_count: int, counters: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the tiled decode kernel (and the merge kernel for `merge="launch"` splits) into `out`.
+
+    FP8 caches take `k_scale`/`v_scale` (`[num_kv_heads]` float32) and the FP8 launch settings.
 
     `max_seq_len`: a host bound of seq_lens (sizes the split plan). `counters` (`merge="in_kernel"`):
     at least `num_seqs * num_kv_heads` int32 zeros, left zero; allocated when None.
@@ -230,8 +248,9 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_seqs == 0:
         return out
+    fp8 = k_scale is not None
     config = tiles_launch_config(num_seqs, num_heads, head_dim, block_size, num_kv_heads, max_seq_len,
-                                 sliding_window, sm_count, tuning)
+                                 sliding_window, sm_count, tuning, fp8)
     num_splits, dim_pad = config["num_splits"], triton.next_power_of_2(head_dim)
     is_split = num_splits > 1
     merge_in_kernel = is_split and tuning.merge == "in_kernel"
@@ -243,6 +262,7 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _tiles_decode_kernel[config["grid"]](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, counters if merge_in_kernel else seq_lens,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
         num_splits, config["split_tokens"], block_tables.shape[1],
         *query.stride(), *out.stride(),
@@ -253,8 +273,8 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         CHUNK_TOKENS=config["CHUNK_TOKENS"], USE_DOT=True,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
-        MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(config["ROWS_P2"], dim_pad),
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(config["ROWS_P2"], dim_pad), KV_FP8=fp8,
+        num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         # Up to 8192 partial floats per load (64 fp32 registers a thread): 64 splits at head_dim 128 merge
