@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     parser.add_argument("--budget", type=int, default=512, help="tokens per sequence (naive reservation)")
     parser.add_argument("--prompt-len", type=int, default=10)
     parser.add_argument("--latency-steps", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed generate calls per cache (>= 1)")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="timed generate calls per cache (>= 1); 8 x 128 steps puts ~10 samples in the slowest 1%%, "
+                             "where 2-3 repeats left P99 to 2-4 samples and it swung by 1.5x between runs")
     parser.add_argument("--gc", choices=hf_latency.GC_MODES, default="on",
                         help="Python GC while timing: on, freeze (gc.freeze() after loading, as servers do), or off "
                              "(disabled during the timed calls); to test whether GC makes the P99 tail")
