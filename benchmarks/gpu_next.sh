@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# What session 4 left unmeasured, for one two-GPU call (nvidia-h200-x2, ~9 minutes). Stage 1 uses both
+# What session 4 left unmeasured, for one two-GPU call (nvidia-h200-x2, ~8 minutes). Stage 1 uses both
 # GPUs: routing after the parent-side sender fix (default workload, then 256 prefixes over 16 GiB pools),
 # TP=2 with NCCL's and with the symmetric-memory all-reduce, and the TP GPU tests (both all-reduces).
-# Stage 2 lanes: GPU 0 the FP8 tiles sweep; GPU 1 the FP8 GPU tests (the rewritten rotary-write check).
+# The one-GPU part is benchmarks/gpu_next_single.sh.
 set -u
 source benchmarks/gpu_env.sh
 R=/tmp/rnext; mkdir -p "$R"
@@ -16,12 +16,5 @@ say "tp2, tp2-symm"; timeout 200 python3 -m pagedkv bench parallel tp2 tp2-symm 
 grep -E "^tp2|Error" "$R/tp.log" | cut -c1-400 | tee -a "$R/summary.log"
 say "TP GPU tests"; timeout 90 $PYTEST -m gpu tests/test_tensor_parallel_gpu.py > "$R/tp_tests.log" 2>&1
 tail -4 "$R/tp_tests.log" >> "$R/summary.log"
-( export CUDA_VISIBLE_DEVICES=0; say "gpu0: fp8 tiles sweep"
-  timeout 100 python3 benchmarks/fp8_decode_sweep.py --schedule tiles --block-n 64,128 --warps 2,4 --stages 3 \
-    --heads-per-program 1,2 > "$R/fp8_tiles_sweep.jsonl" 2> "$R/fp8_tiles_sweep.err" ) &
-( export CUDA_VISIBLE_DEVICES=1; say "gpu1: fp8 + fused tests"
-  timeout 100 $PYTEST -m gpu tests/test_kernels_fp8_gpu.py tests/test_kernels_decode_write_gpu.py > "$R/fp8_tests.log" 2>&1
-  tail -4 "$R/fp8_tests.log" >> "$R/summary.log" ) &
-wait
 say "done"
 tar czf "$OUT/results.tgz" -C "$R" . ; cp "$R/summary.log" "$OUT/"; tail -c 11000 "$R/summary.log"
