@@ -13,6 +13,8 @@ poisoned blocks, as in `test_kernels.py`.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_scenarios import Fp8Pool, Scenario, assert_matches, cu_seqlens, seq_lens_for
 
 from pagedkv.errors import ConfigError, KernelInputError
@@ -30,6 +32,7 @@ from pagedkv.kernels import (
     reference_write_kv,
     write_kv,
 )
+from pagedkv.kernels.triton_fp8 import fp8_bits_to_f16
 from pagedkv.kernels.fp8 import KVScales, dequantize, fp8_max, quantize, resolve_kv_cache_dtype
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -131,6 +134,42 @@ def test_decode_schedules_match_reference(tuning, cache_dtype):
                                  workspace=workspace, **fp8.scales)
     assert_matches(out, expected, torch.float32)
     workspace.check_integrity()
+
+
+@triton.jit
+def _convert_bits(src, dst, n: tl.constexpr):
+    """n FP8 values to fp16 through `fp8_bits_to_f16`."""
+    offsets = tl.arange(0, n)
+    tl.store(dst + offsets, fp8_bits_to_f16(tl.load(src + offsets)))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_bits_route_builds_the_same_fp16_tiles(cache_dtype, monkeypatch):
+    """PAGEDKV_FP8_CONVERT=bits: fp16 tiles from integer operations, bit for bit the converted ones.
+
+    Every byte value (NaN excepted) goes through both routes; then a decode over a pool holding
+    them matches the fp32 route exactly and the float64 reference.
+    """
+    from pagedkv.kernels import triton_fp8
+
+    convert = _convert_bits
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache_dtype)
+    finite = ~codes.float().isnan()
+    got = torch.empty(256, dtype=torch.float16)
+    convert[(1,)](codes, got, 256)
+    assert torch.equal(got[finite], codes.float()[finite].half())
+
+    case = (torch.float16, (8, 2), 64, 16, cache_dtype)
+    scenario, fp8, num_q_heads = _fp8_case(case, [30, 64, 0, 100, 1], seed=8)
+    query = scenario.query(5, num_q_heads)
+    args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
+    outs = {}
+    for route in ("fp32", "bits"):
+        monkeypatch.setattr(triton_fp8, "FP8_CONVERT", tl.constexpr(route))
+        outs[route] = paged_decode_attention(*args, scale=0.125, num_splits=2, backend="triton", **fp8.scales)
+    assert torch.equal(outs["bits"], outs["fp32"])
+    expected = reference_decode_attention(*args, scale=0.125, float64=True, **fp8.scales)
+    assert_matches(outs["bits"], expected, torch.float16)
 
 
 @pytest.mark.parametrize("heads_per_program, merge", [(2, "in_kernel"), (1, "launch"), (4, "in_kernel")])

@@ -15,9 +15,12 @@ it the interpreter runs the Triton write path on CPU and matches torch exactly. 
 integer operations per value in a kernel that is bound by memory.
 
 `to_compute` converts a loaded FP8 tile to the compute dtype. Every FP8 value is exact in fp16,
-bf16 and fp32, so on a GPU the conversion is direct (`FP8_VIA_FP32` False); under the
-interpreter it goes through fp32, because the interpreter's direct e5m2 -> fp16 conversion
-loses subnormals. PAGEDKV_FP8_CONVERT=fp32 forces the fp32 route on a GPU too (to compare).
+bf16 and fp32, so on a GPU the conversion is direct (`FP8_CONVERT` "direct"); under the
+interpreter it goes through fp32 ("fp32"), because the interpreter's direct e5m2 -> fp16
+conversion loses subnormals. PAGEDKV_FP8_CONVERT=fp32|direct|bits picks a route (to compare):
+"bits" builds fp16 tiles with integer operations instead of conversion instructions - e5m2 is
+the top byte of an fp16, and an e4m3 byte moved into fp16's exponent and mantissa fields is its
+value times 2**-8, so one exact multiply by 256 restores it (fp16 compute only; else "direct").
 
 `fp8_query` picks the compute dtype of an FP8 cache's tiles. A bf16 model's query is taken
 to fp16 (clamped to fp16's range; fp16 holds every bf16 value in it with 3 more mantissa
@@ -35,9 +38,22 @@ import triton
 import triton.language as tl
 
 
-#: Whether `to_compute` converts FP8 tiles through fp32 (the interpreter) rather than directly (a GPU).
-FP8_VIA_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1"
-                            or os.environ.get("PAGEDKV_FP8_CONVERT") == "fp32")
+FP8_CONVERT_ROUTES = ("fp32", "direct", "bits")
+
+
+def _fp8_convert_route() -> str:
+    """`to_compute`'s route: PAGEDKV_FP8_CONVERT, else fp32 under the interpreter and direct on a GPU."""
+    route = os.environ.get("PAGEDKV_FP8_CONVERT") or ("fp32" if os.environ.get("TRITON_INTERPRET") == "1"
+                                                      else "direct")
+    if route not in FP8_CONVERT_ROUTES:
+        from pagedkv.errors import ConfigError
+
+        raise ConfigError(f"PAGEDKV_FP8_CONVERT must be one of {', '.join(FP8_CONVERT_ROUTES)}, got {route!r}")
+    return route
+
+
+#: How `to_compute` turns FP8 tiles into the compute dtype (see the module docstring).
+FP8_CONVERT = tl.constexpr(_fp8_convert_route())
 #: Whether an FP8 cache's tiles are computed in fp16 for a bf16 model (`fp8_query`).
 FP8_F16_COMPUTE = tl.constexpr(os.environ.get("PAGEDKV_FP8_COMPUTE", "f16") == "f16")
 FP16_MAX = tl.constexpr(65504.0)
@@ -80,10 +96,22 @@ def quantize(x, scale, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_MAX: 
 
 
 @triton.jit
+def fp8_bits_to_f16(tile):
+    """An e4m3 or e5m2 tile as fp16, by integer operations (exact; see the module docstring)."""
+    byte = tile.to(tl.uint8, bitcast=True).to(tl.uint16)
+    if tile.dtype == tl.float8e5:
+        return (byte << 8).to(tl.uint16).to(tl.float16, bitcast=True)
+    half = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.uint16)
+    return half.to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
 def to_compute(tile, dtype: tl.constexpr, KV_FP8: tl.constexpr):
-    """A loaded K or V tile in the compute dtype (exact for FP8 either way); anything else as loaded."""
+    """A loaded K or V tile in the compute dtype (exact for FP8 on every route); anything else as loaded."""
     if KV_FP8:
-        if FP8_VIA_FP32:
+        if FP8_CONVERT == "bits" and dtype == tl.float16:
+            tile = fp8_bits_to_f16(tile)
+        elif FP8_CONVERT == "fp32":
             tile = tile.to(tl.float32).to(dtype)
         else:
             tile = tile.to(dtype)
