@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, InvalidArgumentError
 
 
 def _prompts(shared_len=24, count=6):
@@ -103,8 +103,8 @@ def test_a_burst_of_requests_while_replicas_stream_does_not_deadlock():
 def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
     """A replica reads its pipe only between steps; the router's least-loaded choice is often the busy one.
 
-    Replica 0 is stopped (SIGSTOP: it reads nothing, as in a long step) while 3 MB of requests are
-    added: the parent must queue them and return (its sender thread waits), the other replica must
+    Replica 0 is stopped (SIGSTOP: it reads nothing, as in a long step) while ~900 KB of requests
+    are added: the parent must queue them and return (its sender thread waits), the other replica must
     keep being fed, and once replica 0 resumes every request must finish. Writing from the caller's
     thread, as before, blocked in the first full pipe.
     """
@@ -116,8 +116,10 @@ def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
               max_num_seqs=64)
     engine = llm.engine
     gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 500, (300,), generator=gen).tolist() for _ in range(400)]
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    # ~900 KB of pickled requests (ids >= 256 pickle as 3 bytes), ~450 KB for the stopped replica: twice
+    # Linux's default socket buffer, so a direct write must block.
+    prompts = [torch.randint(256, 500, (500,), generator=gen).tolist() for _ in range(600)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     engine.stream_outputs = False
     stopped = engine.replicas[0].process
     os.kill(stopped.pid, signal.SIGSTOP)
@@ -138,4 +140,25 @@ def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
         assert min(engine.router.stats.num_per_replica) > 0
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_request_that_cannot_be_pickled_is_refused_and_the_replica_keeps_serving():
+    """Commands are pickled in the caller's thread: an unpicklable one raises there, nothing is queued."""
+    class LocalId(str):  # a local class: pickle cannot find it by name
+        pass
+
+    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=256)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        with pytest.raises(InvalidArgumentError, match="cannot be sent to a replica"):
+            engine.add_request(LocalId("bad"), [5, 6, 7], params)
+        assert not engine.has_unfinished_requests() and engine.router.stats.num_routed == 0
+        outputs = llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
+        assert all(r.sender.is_alive() for r in engine.replicas)
+        assert all(s is not None for s in engine.stats().per_replica)
+    finally:
         engine.shutdown()

@@ -147,7 +147,8 @@ def _convert_bits(src, dst, n: tl.constexpr):
 def test_bits_route_builds_the_same_fp16_tiles(cache_dtype, monkeypatch):
     """PAGEDKV_FP8_CONVERT=bits: fp16 tiles from integer operations, bit for bit the converted ones.
 
-    Every byte value (NaN excepted) goes through both routes; then a decode over a pool holding
+    Every finite byte value goes through both routes (e4m3's NaN codes become +-480: pools never
+    hold them); then a decode over a pool holding
     them matches the fp32 route exactly and the float64 reference.
     """
     from pagedkv.kernels import triton_fp8

@@ -209,6 +209,7 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
             queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
             per_replica = [{name: now[name] - then[name] for name in ("busy_seconds", "num_steps",
                                                                        "num_prompt_tokens", "prefix_cache_hit_tokens")}
+                           if now and then else None  # a replica that died or did not answer
                            for now, then in zip(stats["replicas"], before["replicas"])]
             results[policy] = {
                 "elapsed_s": elapsed, "output_tokens_per_s": num_requests * 32 / elapsed,
@@ -255,11 +256,15 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
         if section == "tp-greedy":
             tensor_parallel_greedy(out, *(["random:tiny-llama"] if args.smoke else []))
         elif section == "tp2-symm":  # TP=2 with the symmetric-memory all-reduce (the workers inherit the variable)
+            before = os.environ.get("PAGEDKV_TP_ALL_REDUCE")
             os.environ["PAGEDKV_TP_ALL_REDUCE"] = "symm_mem"
             try:
                 tensor_parallel(2, out, *(["random:tiny-llama"] if args.smoke else []), key="tp2_symm_mem")
             finally:
-                os.environ.pop("PAGEDKV_TP_ALL_REDUCE")
+                if before is None:
+                    os.environ.pop("PAGEDKV_TP_ALL_REDUCE")
+                else:
+                    os.environ["PAGEDKV_TP_ALL_REDUCE"] = before
         elif section.startswith("tp"):
             tensor_parallel(int(section[2:]), out, *(["random:tiny-llama"] if args.smoke else []))
         elif section.startswith("dp"):

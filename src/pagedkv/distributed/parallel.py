@@ -15,8 +15,9 @@ activations with torch's symmetric-memory one-shot all-reduce (`torch.ops.symm_m
 copies its partial sums into a buffer every peer can read over NVLink, and one kernel reads all
 peers' buffers and adds them - the latency-bound path vLLM and sglang take for decode-sized
 messages, where NCCL's ring costs ~10 us per call (65 calls per Llama-3-8B step). It needs no
-NVLink multicast. Messages over its buffer (8 MiB per dtype) and any setup failure fall back to
-NCCL, with a warning at startup.
+NVLink multicast. It takes bf16 and fp32 messages of up to 1 MiB (a decode step's activations up
+to batch 128 at width 4096) whose size is a multiple of 16 bytes; anything else, and any setup
+failure, goes to NCCL. Rank 0's choice is broadcast, so every rank takes the same path.
 
 Ranks join the way `torchrun` starts them (the `MASTER_ADDR`/`MASTER_PORT`, `RANK`,
 `WORLD_SIZE` variables) or the way the engine spawns them (an explicit TCP address), so the
@@ -38,8 +39,11 @@ from pagedkv.errors import ConfigError
 logger = logging.getLogger("pagedkv")
 
 ALL_REDUCE_MODES = ("nccl", "symm_mem")
-#: Bytes of each symmetric buffer: a batch-256 step of a 4096-wide bf16 model is 2 MiB.
-SYMM_MEM_BYTES = 8 * 2**20
+#: Bytes of each symmetric buffer, and the largest message the one-shot all-reduce takes: each rank reads
+#: every peer's whole message, so past decode sizes (prefill chunks) NCCL's ring is the better algorithm.
+SYMM_MEM_BYTES = 2**20
+#: Dtypes torch's one-shot all-reduce implements (bf16 and fp32; fp16 messages go to NCCL).
+SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def _symmetric_buffers(device: torch.device, group) -> dict[torch.dtype, torch.T
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before rendezvous on older torch
             symm_mem.enable_symm_mem_for_group(group.group_name)
         buffers = {}
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dtype in SYMM_MEM_DTYPES:
             buffer = symm_mem.empty(SYMM_MEM_BYTES // dtype.itemsize, dtype=dtype, device=device)
             buffer.zero_()
             symm_mem.rendezvous(buffer, group.group_name)
@@ -113,8 +117,10 @@ class TensorParallel:
         self.data_group = dist.group.WORLD
         self.control_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else self.data_group
         mode = all_reduce_mode_from_env()
+        if self.size > 1:
+            mode = self.broadcast_object(mode)  # rank 0's environment decides for every rank
         self._symm_buffers: dict[torch.dtype, torch.Tensor] = {}
-        if mode == "symm_mem" and backend == "nccl" and self.size > 1:
+        if mode == "symm_mem" and backend == "nccl":
             self._symm_buffers = _symmetric_buffers(self.device, self.data_group)
             if self.min_int(int(bool(self._symm_buffers))) == 0:  # every rank takes the same path, or none
                 self._symm_buffers = {}
@@ -124,7 +130,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (returns `x`)."""
         buffer = self._symm_buffers.get(x.dtype)
-        if buffer is not None and x.is_contiguous() and x.numel() <= buffer.numel():
+        if buffer is not None and x.is_contiguous() and x.numel() <= buffer.numel() \
+                and (x.numel() * x.element_size()) % 16 == 0:
             staged = buffer[:x.numel()]
             staged.copy_(x.view(-1))
             torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.data_group.group_name, x.view(-1))

@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from multiprocessing.reduction import ForkingPickler
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import chat_token_ids, tokenize_prompt
@@ -61,7 +62,9 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     sender = threading.Thread(target=_send_all, args=(conn, outbox), name="pagedkv-replica-send", daemon=True)
     sender.start()
-    send = outbox.put
+
+    def send(message) -> None:
+        outbox.put(_pickled(message))
 
     def publish() -> None:
         sched = engine.scheduler
@@ -99,12 +102,20 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
     engine.shutdown()
 
 
+def _pickled(message) -> bytes:
+    """`message` as `Connection.send` would write it, pickled in the caller's thread (so errors reach the caller)."""
+    return bytes(ForkingPickler.dumps(message))
+
+
 def _send_all(conn, outbox: queue.SimpleQueue) -> None:
-    """A replica's sender thread: everything put in `outbox`, in order, until None (or the parent is gone)."""
+    """A sender thread (replica or parent side): each pickled message put in `outbox`, in order, until None.
+
+    The other end reads them with `conn.recv()`. It stops when the peer is gone.
+    """
     while (message := outbox.get()) is not None:
         try:
-            conn.send(message)
-        except (OSError, EOFError):
+            conn.send_bytes(message)
+        except (OSError, EOFError, ValueError):
             return
 
 
@@ -169,9 +180,11 @@ class _Replica:
         self.sender.start()
 
     def send(self, message) -> None:
-        self.outbox.put(message)
+        """Queue `message` for the replica; pickled here, so an unpicklable one raises in the caller."""
+        self.outbox.put(_pickled(message))
 
     def close_sender(self) -> None:
+        """Let the sender finish what is queued (shutdown queues None after the stop), then join it."""
         self.outbox.put(None)
         if self.sender is not None:
             self.sender.join(timeout=10)
@@ -235,6 +248,11 @@ class DataParallelEngine:
         for index, process, conn in pending:
             kind, info = conn.recv()
             if kind != "ready":
+                for ready in self.replicas:  # started ones stop cleanly; the rest are not serving yet
+                    ready.send(("stop", None))
+                    ready.close_sender()
+                for _, other, _ in pending[len(self.replicas) + 1:]:
+                    other.kill()
                 self._stop_all([p for _, p, _ in pending])
                 raise ConfigError(f"data-parallel replica {index} failed to start: {info}")
             self.replicas.append(_Replica(process, conn, _ProcessReplica(index, info["block_size"], self._load),
@@ -292,9 +310,14 @@ class DataParallelEngine:
         alive = [i for i, r in enumerate(self.replicas) if r.process.is_alive()]
         if not alive:
             raise EngineDeadError("every data-parallel replica has died")
+        try:  # pickled before routing: a request that cannot travel changes no state
+            message = _pickled(("add", (request_id, prompt, params, priority)))
+        except Exception as error:  # noqa: BLE001 - pickling: anything a custom object's reducer raises
+            raise InvalidArgumentError(f"request {request_id!r} cannot be sent to a replica process: "
+                                       f"{type(error).__name__}: {error}") from error
         decision = self.router.route(token_ids, exclude=[i for i in range(len(self.replicas)) if i not in alive])
         replica = self.replicas[decision.replica]
-        replica.send(("add", (request_id, prompt, params, priority)))
+        replica.outbox.put(message)
         replica.view.sent += 1
         replica.requests.add(request_id)
         self._request_replica[request_id] = decision.replica
@@ -353,16 +376,28 @@ class DataParallelEngine:
     def _failed(self, request_id: str, message: str, reason: str) -> RequestOutput:
         return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], reason)], True, error=message)
 
-    def stats(self):
-        """The replicas' stats summed (per-replica figures under 'replicas')."""
+    def stats(self, timeout_s: float = 30.0):
+        """The replicas' stats summed (per-replica figures under 'replicas').
+
+        A replica answers between steps, after the commands queued before this one. One that dies,
+        or does not answer within `timeout_s`, counts as None (no figures) instead of blocking.
+        """
         asked = [r for r in self.replicas if r.process.is_alive()]
         for replica in asked:
             replica.send(("stats", None))
         per_replica = []
         for replica in self.replicas:
             found = None
+            deadline = time.perf_counter() + timeout_s
             while replica in asked and found is None:
-                message = replica.conn.recv()
+                try:
+                    if not replica.conn.poll(max(0.0, deadline - time.perf_counter())):
+                        logger.warning("data-parallel replica %d did not report its stats within %.0f s",
+                                       self.replicas.index(replica), timeout_s)
+                        break
+                    message = replica.conn.recv()
+                except (EOFError, OSError):
+                    break  # it died meanwhile: step() fails its requests
                 if message[0] == "stats":
                     found = message[1]
                 else:
@@ -380,9 +415,11 @@ class DataParallelEngine:
         """Each replica checks its own engine after every step; nothing is shared to check here."""
 
     def shutdown(self) -> None:
-        for replica in self.replicas:
+        for replica in self.replicas:  # every replica gets its stop first, then the senders finish
             if replica.process.is_alive():
                 replica.send(("stop", None))
+            replica.outbox.put(None)
+        for replica in self.replicas:
             replica.close_sender()  # a dead replica's sender has returned on its broken pipe
         self._stop_all([r.process for r in self.replicas])
 

@@ -203,7 +203,7 @@ def chunk_tokens(table_chunk: int, block_size: int, block_n: int, aligned: bool)
 
 def tiles_launch_config(num_seqs: int, num_heads: int, head_dim: int, block_size: int, num_kv_heads: int,
                         max_seq_len: int, sliding_window: int | None, sm_count: int,
-                        tuning: DecodeTuning, fp8: bool = False) -> dict:
+                        tuning: DecodeTuning) -> dict:
     """The host ints and constexprs of one launch: grid, split plan, tile and table sizes."""
     # A program's heads must all exist and its tile rows (BLOCK_N x heads) be a power of 2: the
     # packing narrows to the largest power-of-2 divisor of num_kv_heads within the tuning's.
@@ -211,7 +211,7 @@ def tiles_launch_config(num_seqs: int, num_heads: int, head_dim: int, block_size
     while heads * 2 <= tuning.heads_per_program and num_kv_heads % (heads * 2) == 0:
         heads *= 2
     group = num_heads // num_kv_heads
-    block_n = tuning.block_n_for(head_dim, fp8)
+    block_n = tuning.block_n_for(head_dim)  # FP8 takes the model-dtype tile until FP8 tiles are swept
     span = max(1, max_seq_len)
     if sliding_window is not None:
         # At most `window` visible tokens, but the first tile starts up to BLOCK_N - 1 before them.
@@ -239,7 +239,8 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the tiled decode kernel (and the merge kernel for `merge="launch"` splits) into `out`.
 
-    FP8 caches take `k_scale`/`v_scale` (`[num_kv_heads]` float32) and the FP8 launch settings.
+    FP8 caches take `k_scale`/`v_scale` (`[num_kv_heads]` float32); the launch settings stay the
+    tuning's own (`fp8_block_n`/`fp8_num_warps` were measured for the split schedule only).
 
     `max_seq_len`: a host bound of seq_lens (sizes the split plan). `counters` (`merge="in_kernel"`):
     at least `num_seqs * num_kv_heads` int32 zeros, left zero; allocated when None.
@@ -250,7 +251,7 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     fp8 = k_scale is not None
     config = tiles_launch_config(num_seqs, num_heads, head_dim, block_size, num_kv_heads, max_seq_len,
-                                 sliding_window, sm_count, tuning, fp8)
+                                 sliding_window, sm_count, tuning)
     num_splits, dim_pad = config["num_splits"], triton.next_power_of_2(head_dim)
     is_split = num_splits > 1
     merge_in_kernel = is_split and tuning.merge == "in_kernel"
@@ -274,7 +275,7 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(config["ROWS_P2"], dim_pad), KV_FP8=fp8,
-        num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         # Up to 8192 partial floats per load (64 fp32 registers a thread): 64 splits at head_dim 128 merge

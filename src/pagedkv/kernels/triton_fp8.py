@@ -21,10 +21,12 @@ conversion loses subnormals. PAGEDKV_FP8_CONVERT=fp32|direct|bits picks a route 
 "bits" builds fp16 tiles with integer operations instead of conversion instructions - e5m2 is
 the top byte of an fp16, and an e4m3 byte moved into fp16's exponent and mantissa fields is its
 value times 2**-8, so one exact multiply by 256 restores it (fp16 compute only; else "direct").
+Exact for every finite code; e4m3's two NaN codes come out as +-480, which no pool holds
+(`quantize` saturates at 448).
 
 `fp8_query` picks the compute dtype of an FP8 cache's tiles. A bf16 model's query is taken
-to fp16 (clamped to fp16's range; fp16 holds every bf16 value in it with 3 more mantissa
-bits), so a K/V tile needs one conversion (e4m3x2 -> f16x2, one instruction per two values)
+to fp16 (clamped to fp16's range; fp16 holds every bf16 value of its normal range exactly, with
+3 more mantissa bits, and rounds the tiny ones below 2**-14 to its subnormals), so a K/V tile needs one conversion (e4m3x2 -> f16x2, one instruction per two values)
 instead of two (then f16 -> bf16, one per value), and the dots run in fp16 with fp32
 accumulation. PAGEDKV_FP8_COMPUTE=model keeps the model's dtype (to compare).
 """
@@ -54,8 +56,18 @@ def _fp8_convert_route() -> str:
 
 #: How `to_compute` turns FP8 tiles into the compute dtype (see the module docstring).
 FP8_CONVERT = tl.constexpr(_fp8_convert_route())
+def _fp8_compute() -> bool:
+    """PAGEDKV_FP8_COMPUTE: "f16" (the default) or "model"."""
+    value = os.environ.get("PAGEDKV_FP8_COMPUTE", "f16")
+    if value not in ("f16", "model"):
+        from pagedkv.errors import ConfigError
+
+        raise ConfigError(f"PAGEDKV_FP8_COMPUTE must be f16 or model, got {value!r}")
+    return value == "f16"
+
+
 #: Whether an FP8 cache's tiles are computed in fp16 for a bf16 model (`fp8_query`).
-FP8_F16_COMPUTE = tl.constexpr(os.environ.get("PAGEDKV_FP8_COMPUTE", "f16") == "f16")
+FP8_F16_COMPUTE = tl.constexpr(_fp8_compute())
 FP16_MAX = tl.constexpr(65504.0)
 
 

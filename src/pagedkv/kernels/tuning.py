@@ -72,9 +72,10 @@ class DecodeTuning:
     table_chunk: int = 64  # tiles: block-table entries read ahead per outer step (a power of 2)
     tiles_max_waves: float | None = None  # tiles: a batch of >= this many waves of (seq x kv head) items
     # runs the default split schedule instead (round 1 is at copy speed there); None: tiles always
-    # FP8 caches (split schedule): 1-byte tiles of 128 tokens hold bf16's 64-token bytes, and 2 warps
+    # FP8 caches, split schedule: 1-byte tiles of 128 tokens hold bf16's 64-token bytes, and 2 warps
     # beat 4 and 8 by 1.3-1.6x (H200, session 4: B=64 x 4096 193 us at 128/2 against 317 at 64/4).
-    # None: the model-dtype block_n_for / num_warps.
+    # They apply while block_n is None: an explicit block_n means the caller tunes the launch (and
+    # then num_warps is theirs too). None: the model-dtype settings.
     fp8_block_n: int | None = 128
     fp8_num_warps: int | None = 2
 
@@ -107,16 +108,19 @@ class DecodeTuning:
     def block_n_for(self, head_dim: int, fp8: bool = False) -> int:
         """Tokens per iteration: 64 keeps a bf16 K tile at 16 KiB for head_dim 128; halve it for 256.
 
-        FP8 tiles (1 byte per value) take `fp8_block_n` tokens at the same head dims."""
-        if fp8 and self.fp8_block_n is not None:
+        FP8 tiles (1 byte per value) take `fp8_block_n` tokens at the same head dims, unless
+        `block_n` is set."""
+        if fp8 and self.block_n is None and self.fp8_block_n is not None:
             return self.fp8_block_n if head_dim <= 128 else self.fp8_block_n // 2
         if self.block_n is not None:
             return self.block_n
         return 64 if head_dim <= 128 else 32
 
     def num_warps_for(self, fp8: bool = False) -> int:
-        """Warps per program: `fp8_num_warps` over FP8 tiles, else `num_warps`."""
-        return self.fp8_num_warps if fp8 and self.fp8_num_warps is not None else self.num_warps
+        """Warps per program: `fp8_num_warps` over FP8 tiles (while `block_n` is None), else `num_warps`."""
+        if fp8 and self.block_n is None and self.fp8_num_warps is not None:
+            return self.fp8_num_warps
+        return self.num_warps
 
     def stream_k_programs_per_sm(self, head_dim: int, masked: bool) -> int:
         """Stream-K programs resident per SM: the grid must fit in one wave, or half of it waits a whole program.
