@@ -111,6 +111,7 @@ def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
     import os
     import signal
     import threading
+    import time
 
     llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=2048,
               max_num_seqs=64)
@@ -129,6 +130,12 @@ def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
         adder.start()
         adder.join(timeout=60)
         blocked = adder.is_alive()
+        if not blocked:  # metrics never wait on the stopped replica; a fresh stats() gives up on it
+            reader = threading.Thread(target=engine.latest_stats, daemon=True)
+            reader.start()
+            reader.join(timeout=30)
+            assert not reader.is_alive(), "latest_stats() waited on a replica that was not reading"
+            assert engine.stats(timeout_s=0.5).per_replica[0] is None
         os.kill(stopped.pid, signal.SIGCONT)
         if blocked:
             adder.join(timeout=60)
@@ -138,6 +145,12 @@ def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
             finished |= {o.request_id for o in engine.step(timeout_s=1.0) if o.finished}
         assert len(finished) == len(prompts)
         assert min(engine.router.stats.num_per_replica) > 0
+        for _ in range(200):  # a replica pushes its stats once more when it goes idle
+            latest = engine.latest_stats()
+            if latest.num_used_blocks == 0 and latest.num_generated_tokens == len(prompts):
+                break
+            time.sleep(0.05)
+        assert latest.num_used_blocks == 0 and latest.num_generated_tokens == len(prompts)
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
         engine.shutdown()
@@ -160,5 +173,32 @@ def test_a_request_that_cannot_be_pickled_is_refused_and_the_replica_keeps_servi
         assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
         assert all(r.sender.is_alive() for r in engine.replicas)
         assert all(s is not None for s in engine.stats().per_replica)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_server_metrics_follow_the_replicas_pushed_stats():
+    """The server's per-step metrics read `latest_stats()` (no round trip to busy replicas) and still add up."""
+    import time
+
+    from pagedkv.server.metrics import ServerMetrics
+
+    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=256)
+    engine = llm.engine
+    metrics = ServerMetrics()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        metrics.update_from_engine(engine)  # the baseline
+        llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], params)
+        for _ in range(200):  # each replica pushes once more on going idle
+            metrics.update_from_engine(engine)
+            text = metrics.render().decode()
+            if "pagedkv_generation_tokens_total 16.0" in text:
+                break
+            time.sleep(0.05)
+        assert "pagedkv_generation_tokens_total 16.0" in text
+        assert 'pagedkv_replica_alive{replica="0"} 1.0' in text and 'pagedkv_replica_alive{replica="1"} 1.0' in text
+        assert "pagedkv_kv_cache_used_blocks 0.0" in text
     finally:
         engine.shutdown()

@@ -40,6 +40,8 @@ from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, P
 logger = logging.getLogger("pagedkv")
 
 _LOAD_FIELDS = 5  # waiting, running, free blocks, alive, add commands consumed (written in this order)
+#: A busy replica pushes its stats at most this often (and once more when it goes idle).
+_STATS_PUSH_S = 0.05
 
 
 def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
@@ -71,6 +73,14 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
         load[index * _LOAD_FIELDS:(index + 1) * _LOAD_FIELDS] = [len(sched.waiting), len(sched.running),
                                                                    sched.block_manager.num_free_blocks, 1, consumed]
 
+    last_push = 0.0
+
+    def push_stats() -> None:  # the parent's `latest_stats()`: metrics that never wait on this process
+        nonlocal last_push
+        last_push = time.perf_counter()
+        send(("load", engine.stats().as_dict()))
+
+    push_stats()
     while True:
         busy = engine.has_unfinished_requests()
         if conn.poll(0 if busy else 0.05):
@@ -96,6 +106,8 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
             outputs = engine.step()
             if outputs:
                 send(("outputs", outputs))
+            if time.perf_counter() - last_push >= _STATS_PUSH_S or not engine.has_unfinished_requests():
+                push_stats()
         publish()
     outbox.put(None)
     sender.join(timeout=10)
@@ -164,6 +176,7 @@ class _Replica:
     inbox: list
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     sender: threading.Thread | None = None
+    latest_stats: dict | None = None  # the replica's last pushed stats (a "load" message)
 
     def start_sender(self, index: int) -> None:
         """Commands are written to the pipe by a thread of the parent, so adding a request never blocks.
@@ -352,6 +365,8 @@ class DataParallelEngine:
                     elif kind == "rejected":
                         request_id, message = payload
                         outputs.append(self._failed(request_id, message, "rejected"))
+                    elif kind == "load":
+                        replica.latest_stats = payload
                 replica.inbox.clear()
                 if not replica.process.is_alive() and replica.requests:
                     for request_id in list(replica.requests):
@@ -400,10 +415,29 @@ class DataParallelEngine:
                     break  # it died meanwhile: step() fails its requests
                 if message[0] == "stats":
                     found = message[1]
+                elif message[0] == "load":
+                    replica.latest_stats = message[1]
                 else:
                     replica.inbox.append(message)  # outputs that came first wait for the next step()
             per_replica.append(found)
         return _DPStats(per_replica)
+
+    def latest_stats(self):
+        """The replicas' stats as each last pushed them (after a step, every 50 ms at most, and on going idle).
+
+        Never waits on a replica, unlike `stats()`, which asks each for a fresh copy and so waits
+        for its step to end: the server's per-step metrics read this one. Before every replica has
+        pushed once, it is `stats()`.
+        """
+        for replica in self.replicas:
+            self._drain(replica)
+            for kind, payload in replica.inbox:
+                if kind == "load":
+                    replica.latest_stats = payload
+            replica.inbox[:] = [m for m in replica.inbox if m[0] != "load"]
+        if any(r.latest_stats is None and r.process.is_alive() for r in self.replicas):
+            return self.stats()
+        return _DPStats([r.latest_stats if r.process.is_alive() else None for r in self.replicas])
 
     def health(self) -> list[dict]:
         """Per replica: alive or not, its device, and its load."""

@@ -100,7 +100,8 @@ class ServerMetrics:
 
         The first call only records a baseline, so an engine that already ran offline starts at zero.
         """
-        stats = engine.stats()
+        # Data parallel: the replicas' pushed stats (asking each for fresh ones would wait on its step).
+        stats = engine.latest_stats() if hasattr(engine, "latest_stats") else engine.stats()
         scheduler = engine.scheduler
         for replica in engine.health() if hasattr(engine, "health") else ():  # data-parallel replicas, labelled
             label = str(replica["replica"])
