@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -25,17 +26,15 @@ from transformers import DynamicCache
 from pagedkv.hf import PagedCache, PagePool, random_model
 from pagedkv.kernels import triton_decode_write as tdw
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import helpers  # noqa: E402 - the tests' own batch builder, so the diagnosis runs the failing test's inputs
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1 PAGEDKV_KERNEL_BACKEND=triton
 
 
-def left_padded(lengths, vocab=500, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[row, width - n:] = 1
+def left_padded(lengths):
+    """The GPU tests' left-padded batch (`tests/helpers.py`), on DEVICE."""
+    ids, mask = helpers.left_padded(lengths)
     return ids.to(DEVICE), mask.to(DEVICE)
 
 

@@ -13,6 +13,11 @@ def _prompts(shared_len=24, count=6):
     return [shared + torch.randint(3, 500, (n,), generator=gen).tolist() for n in range(3, 3 + count)]
 
 
+def _two_replicas(**options) -> LLM:
+    """Two CPU replicas of the tiny Qwen3 behind the router."""
+    return LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, **options)
+
+
 @pytest.mark.slow
 def test_two_replicas_equal_one_engine_and_spread_the_load():
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -69,8 +74,7 @@ def test_a_burst_of_requests_while_replicas_stream_does_not_deadlock():
     import threading
     import time
 
-    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=2048,
-              max_num_seqs=64)
+    llm = _two_replicas(num_blocks=2048, max_num_seqs=64)
     engine = llm.engine
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (200,), generator=gen).tolist() for _ in range(800)]
@@ -113,8 +117,7 @@ def test_adding_requests_never_waits_for_a_replica_that_is_not_reading():
     import threading
     import time
 
-    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=2048,
-              max_num_seqs=64)
+    llm = _two_replicas(num_blocks=2048, max_num_seqs=64)
     engine = llm.engine
     gen = torch.Generator().manual_seed(4)
     # ~900 KB of pickled requests (ids >= 256 pickle as 3 bytes), ~450 KB for the stopped replica: twice
@@ -162,7 +165,7 @@ def test_a_request_that_cannot_be_pickled_is_refused_and_the_replica_keeps_servi
     class LocalId(str):  # a local class: pickle cannot find it by name
         pass
 
-    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=256)
+    llm = _two_replicas(num_blocks=256)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     try:
@@ -184,7 +187,7 @@ def test_server_metrics_follow_the_replicas_pushed_stats():
 
     from pagedkv.server.metrics import ServerMetrics
 
-    llm = LLM("random:tiny-qwen3", data_parallel_size=2, device="cpu", block_size=4, num_blocks=256)
+    llm = _two_replicas(num_blocks=256)
     engine = llm.engine
     metrics = ServerMetrics()
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

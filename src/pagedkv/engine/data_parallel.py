@@ -196,11 +196,23 @@ class _Replica:
         """Queue `message` for the replica; pickled here, so an unpicklable one raises in the caller."""
         self.outbox.put(_pickled(message))
 
-    def close_sender(self) -> None:
-        """Let the sender finish what is queued (shutdown queues None after the stop), then join it."""
+    def stop(self) -> None:
+        """Queue the stop command (when the process lives) and the sender's end; `join_sender` waits for it."""
+        if self.process.is_alive():
+            self.send(("stop", None))
         self.outbox.put(None)
+
+    def join_sender(self) -> None:
+        """Wait for the sender to write what was queued (a dead replica's sender has returned on its broken pipe)."""
         if self.sender is not None:
             self.sender.join(timeout=10)
+
+    def take(self, message) -> None:
+        """A message from the replica: pushed stats update `latest_stats`, the rest waits in `inbox` for step()."""
+        if message[0] == "load":
+            self.latest_stats = message[1]
+        else:
+            self.inbox.append(message)
 
 
 @dataclass(frozen=True)
@@ -262,8 +274,8 @@ class DataParallelEngine:
             kind, info = conn.recv()
             if kind != "ready":
                 for ready in self.replicas:  # started ones stop cleanly; the rest are not serving yet
-                    ready.send(("stop", None))
-                    ready.close_sender()
+                    ready.stop()
+                    ready.join_sender()
                 for _, other, _ in pending[len(self.replicas) + 1:]:
                     other.kill()
                 self._stop_all([p for _, p, _ in pending])
@@ -365,8 +377,6 @@ class DataParallelEngine:
                     elif kind == "rejected":
                         request_id, message = payload
                         outputs.append(self._failed(request_id, message, "rejected"))
-                    elif kind == "load":
-                        replica.latest_stats = payload
                 replica.inbox.clear()
                 if not replica.process.is_alive() and replica.requests:
                     for request_id in list(replica.requests):
@@ -384,7 +394,7 @@ class DataParallelEngine:
     def _drain(replica: _Replica) -> None:
         try:
             while replica.conn.poll():
-                replica.inbox.append(replica.conn.recv())
+                replica.take(replica.conn.recv())
         except (EOFError, OSError):  # the replica is gone; step() fails its requests
             pass
 
@@ -415,10 +425,8 @@ class DataParallelEngine:
                     break  # it died meanwhile: step() fails its requests
                 if message[0] == "stats":
                     found = message[1]
-                elif message[0] == "load":
-                    replica.latest_stats = message[1]
                 else:
-                    replica.inbox.append(message)  # outputs that came first wait for the next step()
+                    replica.take(message)  # outputs that came first wait for the next step()
             per_replica.append(found)
         return _DPStats(per_replica)
 
@@ -431,10 +439,6 @@ class DataParallelEngine:
         """
         for replica in self.replicas:
             self._drain(replica)
-            for kind, payload in replica.inbox:
-                if kind == "load":
-                    replica.latest_stats = payload
-            replica.inbox[:] = [m for m in replica.inbox if m[0] != "load"]
         if any(r.latest_stats is None and r.process.is_alive() for r in self.replicas):
             return self.stats()
         return _DPStats([r.latest_stats if r.process.is_alive() else None for r in self.replicas])
@@ -450,11 +454,9 @@ class DataParallelEngine:
 
     def shutdown(self) -> None:
         for replica in self.replicas:  # every replica gets its stop first, then the senders finish
-            if replica.process.is_alive():
-                replica.send(("stop", None))
-            replica.outbox.put(None)
+            replica.stop()
         for replica in self.replicas:
-            replica.close_sender()  # a dead replica's sender has returned on its broken pipe
+            replica.join_sender()
         self._stop_all([r.process for r in self.replicas])
 
     @staticmethod
