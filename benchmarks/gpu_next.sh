@@ -5,8 +5,7 @@
 # The one-GPU part is benchmarks/gpu_next_single.sh.
 set -u
 source benchmarks/gpu_env.sh
-R=/tmp/rnext; mkdir -p "$R"
-T0=$(date +%s); say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/summary.log"; }
+start_log /tmp/rnext
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 say "routing, 32 prompts"; timeout 110 python3 -m pagedkv bench parallel routing --out "$R" > "$R/routing.log" 2>&1
 say "routing, 256 prompts"; timeout 120 python3 -m pagedkv bench parallel routing --system-prompts 256 --routing-kv-gib 16 \
@@ -16,5 +15,4 @@ say "tp2, tp2-symm"; timeout 200 python3 -m pagedkv bench parallel tp2 tp2-symm 
 grep -E "^tp2|Error" "$R/tp.log" | cut -c1-400 | tee -a "$R/summary.log"
 say "TP GPU tests"; timeout 90 $PYTEST -m gpu tests/test_tensor_parallel_gpu.py > "$R/tp_tests.log" 2>&1
 tail -4 "$R/tp_tests.log" >> "$R/summary.log"
-say "done"
-tar czf "$OUT/results.tgz" -C "$R" . ; cp "$R/summary.log" "$OUT/"; tail -c 11000 "$R/summary.log"
+finish_log

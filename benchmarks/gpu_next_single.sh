@@ -3,8 +3,7 @@
 # rewritten rotary-write check), the FP8 tiles sweep, and the drop-in latency with 8 repeats (a steadier P99).
 set -u
 source benchmarks/gpu_env.sh
-R=/tmp/rnext1; mkdir -p "$R"
-T0=$(date +%s); say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/summary.log"; }
+start_log /tmp/rnext1
 say "fp8 + fused tests"
 timeout 110 python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short -m gpu tests/test_kernels_fp8_gpu.py \
   tests/test_kernels_decode_write_gpu.py > "$R/gpu_tests.log" 2>&1; tail -4 "$R/gpu_tests.log" >> "$R/summary.log"
@@ -19,5 +18,4 @@ cut -c1-300 "$R/fp8_bits_sweep.jsonl" >> "$R/summary.log"
 say "drop-in latency"
 timeout 300 python3 -m pagedkv bench hf --only latency --out "$R" > "$R/hf_latency.log" 2>&1
 grep -E "^\|" "$R/hf_latency.log" | cut -c1-200 >> "$R/summary.log"
-say "done"
-tar czf "$OUT/results.tgz" -C "$R" . ; cp "$R/summary.log" "$OUT/"; tail -c 11000 "$R/summary.log"
+finish_log
