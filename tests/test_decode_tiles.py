@@ -289,3 +289,35 @@ def test_tiles_max_waves_hands_big_batches_to_the_split_kernel(monkeypatch, tile
     out, expected = run(scenario, 8, tiles(tiles_max_waves=tiles_max_waves))
     assert_matches(out, expected, torch.float32)
     assert bool(calls) == runs_tiles
+
+
+@pytest.mark.parametrize("value, expected", [(None, "split"), ("tiles", "tiles"), ("stream_k", "stream_k"),
+                                             ("bogus", "schedule must be one of")])
+def test_decode_schedule_environment_picks_the_default_launch(value, expected):
+    """PAGEDKV_DECODE_SCHEDULE sets the schedule of calls without a `tuning` (the engine's); a bad name fails on
+    import, naming itself. The fused write+decode kernel keeps the split schedule either way."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_DECODE_SCHEDULE"}
+    if value is not None:
+        env["PAGEDKV_DECODE_SCHEDULE"] = value
+    code = "import pagedkv.kernels.ops as o; print(o._DEFAULT_DECODE.schedule, o._DEFAULT_DECODE_WRITE.schedule)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if value == "bogus":
+        assert proc.returncode != 0 and expected in proc.stderr and "'bogus'" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == [expected, "split"]
+
+
+def test_tiles_default_runs_through_the_engine_backend(monkeypatch):
+    """With the tiles default, an engine-shaped decode call (num_splits given, no tuning) runs the tiles kernel."""
+    import pagedkv.kernels.ops as ops
+    import pagedkv.kernels.triton_decode_tiles as tiles_module
+
+    calls = []
+    original = tiles_module.triton_tiles_decode
+    monkeypatch.setattr(tiles_module, "triton_tiles_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(ops, "_DEFAULT_DECODE", DecodeTuning(schedule="tiles"))
+    scenario = Scenario([1, 17, 40], 16, 2, 64, torch.float32, seed=3)
+    out, expected = run(scenario, 8, None)
+    assert_matches(out, expected, torch.float32)
+    assert calls

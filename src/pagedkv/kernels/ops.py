@@ -191,7 +191,7 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
                                           counters=_counters(workspace, num_seqs * num_kv_heads),
                                           k_scale=k_scale, v_scale=v_scale)
     if tuning.schedule == "tiles" and not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device)):
-        tuning = _DEFAULT_DECODE  # a big batch: round 1's split kernel is at copy speed there
+        tuning = _DEFAULT_DECODE_WRITE  # a big batch: round 1's split kernel is at copy speed there
     if tuning.schedule == "tiles":
         from pagedkv.kernels.triton_decode_tiles import triton_tiles_decode
 
@@ -371,7 +371,7 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                       sliding_window=sliding_window, soft_cap=soft_cap, out=out)
     from pagedkv.kernels.triton_decode_write import triton_decode_write_attention
 
-    tuning = tuning or _DEFAULT_DECODE
+    tuning = tuning or _DEFAULT_DECODE_WRITE
     num_seqs, num_kv_heads = query.shape[0], k_cache.shape[2]
     if num_splits is None:
         capacity = block_tables.shape[1] * k_cache.shape[1]
@@ -383,6 +383,10 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                          tuning=tuning, counters=_counters(workspace, num_seqs * num_kv_heads))
 
 
-_DEFAULT_DECODE = DecodeTuning()
+#: The decode launch when the caller passes no `tuning`. PAGEDKV_DECODE_SCHEDULE=split|stream_k|tiles
+#: picks its schedule (the engine and the HF attention function take this default); an unknown name
+#: raises InvalidArgumentError on import, naming the value and the choices.
+_DEFAULT_DECODE = DecodeTuning(schedule=os.environ.get("PAGEDKV_DECODE_SCHEDULE", "split"))
+_DEFAULT_DECODE_WRITE = DecodeTuning()  # the split schedule: the fused write+decode kernel's only one
 _DEFAULT_PREFILL = PrefillTuning()
 _DEFAULT_UNIFIED = UnifiedTuning()
