@@ -118,6 +118,65 @@ def fp8_bits_to_f16(tile):
 
 
 @triton.jit
+def _fp8_byte_to_f16(byte, E5M2: tl.constexpr):
+    """int32 lanes holding one FP8 code each (0..255) as fp16, by integer operations (exact)."""
+    if E5M2:
+        return (byte << 8).to(tl.uint16).to(tl.float16, bitcast=True)
+    half = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.uint16)
+    return half.to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def fp8_words_to_f16(words, E5M2: tl.constexpr):
+    """An int32 tile `[N, W]` of packed FP8 codes (4 per word, little-endian) as the fp16 tile `[N, 4 W]`.
+
+    The four codes of a word become four fp16 tensors, joined and reshaped back into token order, so
+    each thread converts the words it loaded: the tile reaches the dot operand as fp16, through fp16
+    shared memory, instead of as single bytes (see the module docstring). On a GPU one `cvt` turns two
+    codes into two fp16 (inline PTX); elsewhere integer operations do.
+    """
+    if FP8_CONVERT == "direct":
+        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2" if E5M2 else "cvt.rn.f16x2.e4m3x2"
+        h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; " + cvt.value + " a, lo; " + cvt.value
+                + " b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        h0 = _fp8_byte_to_f16(words & 0xFF, E5M2)
+        h1 = _fp8_byte_to_f16((words >> 8) & 0xFF, E5M2)
+        h2 = _fp8_byte_to_f16((words >> 16) & 0xFF, E5M2)
+        h3 = _fp8_byte_to_f16((words >> 24) & 0xFF, E5M2)
+    return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [words.shape[0], words.shape[1] * 4])
+
+
+@triton.jit
+def load_fp8_words(k_cache_ptr, v_cache_ptr, token_rows, token_mask, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   DIM_PAD: tl.constexpr):
+    """K and V `[rows, DIM_PAD]` of an FP8 cache in `dtype`, each row at element offset `token_rows`, loaded as
+    int32 words (`fp8_words_to_f16`); masked rows read as 0.
+
+    The launcher checks (`fp8_words_ok`) that head_dim, the cache strides and base addresses are multiples of 4."""
+    words = tl.arange(0, DIM_PAD // 4)
+    E5M2: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e5
+    offsets = (token_rows // 4)[:, None] + words[None, :]
+    mask = token_mask[:, None] & (words < HEAD_DIM // 4)[None, :]
+    k = fp8_words_to_f16(tl.load(k_cache_ptr.to(tl.pointer_type(tl.int32)) + offsets, mask=mask, other=0), E5M2)
+    v = fp8_words_to_f16(tl.load(v_cache_ptr.to(tl.pointer_type(tl.int32)) + offsets, mask=mask, other=0), E5M2)
+    return k.to(dtype), v.to(dtype)
+
+
+def fp8_words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether an FP8 pool can be read as int32 words: head_dim, every stride and both base addresses in 4s.
+
+    PAGEDKV_FP8_LOAD=bytes turns the word loads off (to compare)."""
+    if os.environ.get("PAGEDKV_FP8_LOAD", "words") == "bytes":
+        return False
+    return (k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1 and all(s % 4 == 0 for s in k_cache.stride()[:-1])
+            and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
+
+
+@triton.jit
 def to_compute(tile, dtype: tl.constexpr, KV_FP8: tl.constexpr):
     """A loaded K or V tile in the compute dtype (exact for FP8 on every route); anything else as loaded."""
     if KV_FP8:
