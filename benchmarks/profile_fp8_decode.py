@@ -28,8 +28,10 @@ def main() -> None:
         "fp8 tiles n64 w2": lambda: paged_decode_attention(
             query, k8, v8, table, lens, **base, **fp8,
             tuning=DecodeTuning(schedule="tiles", block_n=64, num_warps=2, fp8_block_n=None, fp8_num_warps=None)),
+        "fp8 split words": lambda: paged_decode_attention(query, k8, v8, table, lens, **base, **fp8),
     }
     for name, call in variants.items():
+        os.environ["PAGEDKV_FP8_LOAD"] = "words" if "words" in name else "bytes"
         call(), call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
@@ -39,7 +41,6 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
         print("profiled", name, flush=True)
-    os.environ.setdefault("PAGEDKV_FP8_LOAD", "words")
 
 
 if __name__ == "__main__":

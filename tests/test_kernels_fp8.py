@@ -196,13 +196,14 @@ def test_word_conversion_keeps_every_code_in_place(cache_dtype):
 @pytest.mark.parametrize("schedule", ["split", "tiles"])
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 def test_word_loads_equal_byte_loads(schedule, cache_dtype, monkeypatch):
-    """FP8 tiles read as int32 words (the default where the pool allows) give the byte loads' output exactly;
-    a pool view whose rows are not 4-byte aligned takes the byte loads."""
+    """FP8 tiles read as int32 words (PAGEDKV_FP8_LOAD=words, where the pool allows) give the byte loads' output
+    exactly; a pool view whose rows are not 4-byte aligned takes the byte loads."""
     case = (torch.float16, (8, 2), 64, 16, cache_dtype)
     scenario, fp8, num_q_heads = _fp8_case(case, [30, 64, 0, 100, 1], seed=9)
     query = scenario.query(5, num_q_heads)
     args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
     tuning = DecodeTuning(schedule=schedule, block_n=16, min_split_tokens=16, programs_per_sm=8, fp8_block_n=None)
+    monkeypatch.setenv("PAGEDKV_FP8_LOAD", "words")
     assert fp8_words_ok(fp8.k_cache, fp8.v_cache)
     outs = {}
     for load in ("words", "bytes"):
@@ -212,11 +213,12 @@ def test_word_loads_equal_byte_loads(schedule, cache_dtype, monkeypatch):
     assert torch.equal(outs["words"], outs["bytes"])
     expected = reference_decode_attention(*args, scale=0.125, float64=True, **fp8.scales)
     assert_matches(outs["words"], expected, torch.float16)
-    monkeypatch.delenv("PAGEDKV_FP8_LOAD")
     flat = torch.empty(fp8.k_cache.numel() + 1, dtype=cache_dtype)
     shifted = flat[1:].view(fp8.k_cache.shape)  # rows start one byte past a word
     assert not fp8_words_ok(shifted, shifted)
     assert not fp8_words_ok(fp8.k_cache[..., :62], fp8.v_cache[..., :62])  # 62 values: not whole words
+    monkeypatch.delenv("PAGEDKV_FP8_LOAD")
+    assert not fp8_words_ok(fp8.k_cache, fp8.v_cache)  # byte loads unless asked
 
 
 @pytest.mark.parametrize("heads_per_program, merge", [(2, "in_kernel"), (1, "launch"), (4, "in_kernel")])

@@ -169,8 +169,9 @@ def load_fp8_words(k_cache_ptr, v_cache_ptr, token_rows, token_mask, dtype: tl.c
 def fp8_words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether an FP8 pool can be read as int32 words: head_dim, every stride and both base addresses in 4s.
 
-    PAGEDKV_FP8_LOAD=bytes turns the word loads off (to compare)."""
-    if os.environ.get("PAGEDKV_FP8_LOAD", "words") == "bytes":
+    Opt-in, PAGEDKV_FP8_LOAD=words: on the H200 the word loads removed the byte-wise shared loads but ran
+    3-12% slower than the byte loads (benchmarks/results/fp8_words_sweep_h200.jsonl)."""
+    if os.environ.get("PAGEDKV_FP8_LOAD", "bytes") != "words":
         return False
     return (k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1 and all(s % 4 == 0 for s in k_cache.stride()[:-1])
             and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
