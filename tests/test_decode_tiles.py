@@ -291,21 +291,23 @@ def test_tiles_max_waves_hands_big_batches_to_the_split_kernel(monkeypatch, tile
     assert bool(calls) == runs_tiles
 
 
-@pytest.mark.parametrize("value, expected", [(None, "split"), ("tiles", "tiles"), ("stream_k", "stream_k"),
-                                             ("bogus", "schedule must be one of")])
+@pytest.mark.parametrize("value, expected", [(None, "split tiles"), ("tiles", "tiles tiles"),
+                                             ("stream_k", "stream_k stream_k"), ("bogus", "schedule must be one of")])
 def test_decode_schedule_environment_picks_the_default_launch(value, expected):
-    """PAGEDKV_DECODE_SCHEDULE sets the schedule of calls without a `tuning` (the engine's); a bad name fails on
-    import, naming itself. The fused write+decode kernel keeps the split schedule either way."""
+    """Calls without a `tuning` (the engine's) run split over model-dtype caches and tiles over FP8 ones;
+    PAGEDKV_DECODE_SCHEDULE sets one schedule for both, and a bad name fails on import, naming itself. The
+    fused write+decode kernel keeps the split schedule either way."""
     env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_DECODE_SCHEDULE"}
     if value is not None:
         env["PAGEDKV_DECODE_SCHEDULE"] = value
-    code = "import pagedkv.kernels.ops as o; print(o._DEFAULT_DECODE.schedule, o._DEFAULT_DECODE_WRITE.schedule)"
+    code = ("import pagedkv.kernels.ops as o; "
+            "print(o._DEFAULT_DECODE.schedule, o._DEFAULT_FP8_DECODE.schedule, o._DEFAULT_DECODE_WRITE.schedule)")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if value == "bogus":
         assert proc.returncode != 0 and expected in proc.stderr and "'bogus'" in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.split() == [expected, "split"]
+        assert proc.stdout.split() == expected.split() + ["split"]
 
 
 def test_tiles_default_runs_through_the_engine_backend(monkeypatch):

@@ -396,3 +396,20 @@ def test_fused_rotary_write_quantizes_like_write_kv(cache_dtype, dtype):
     # Rotary in fp32 may differ from torch's in the last bit, which can move a value across a rounding edge.
     torch.testing.assert_close(got, want, atol=1e-6, rtol=RELATIVE_STEP[cache_dtype] * 2)
     assert k_cache.view(-1, num_kv_heads, head_dim)[slots].float().isfinite().all()
+
+
+def test_fp8_decode_without_tuning_runs_the_tiles_schedule(monkeypatch):
+    """The default launch over an FP8 cache is the tiles schedule (the faster one on the H200), and it matches."""
+    import pagedkv.kernels.triton_decode_tiles as tiles_module
+
+    calls = []
+    original = tiles_module.triton_tiles_decode
+    monkeypatch.setattr(tiles_module, "triton_tiles_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    case = (torch.float16, (8, 2), 64, 16, torch.float8_e4m3fn)
+    scenario, fp8, num_q_heads = _fp8_case(case, [30, 64, 0, 100, 1], seed=11)
+    query = scenario.query(5, num_q_heads)
+    args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
+    out = paged_decode_attention(*args, scale=0.125, max_seq_len=100, backend="triton", **fp8.scales)
+    assert calls
+    expected = reference_decode_attention(*args, scale=0.125, float64=True, **fp8.scales)
+    assert_matches(out, expected, torch.float16)
