@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Session 5, one GPU, final call (~4 minutes): the kernel GPU suite at the session's last kernel change (split,
+# Session 5, one GPU, final call (~6 minutes): the FP8 GPU tests on the new FP8 default, the kernel GPU suite at the session's last kernel change (split,
 # tiles, fused write+decode), then the integer-op FP8 conversion route timed against the default.
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/r5f
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
+say "FP8 GPU tests (tiles now FP8's default)"
+timeout 110 $PYTEST -m gpu tests/test_kernels_fp8_gpu.py > "$R/fp8_tests.log" 2>&1
+tail -4 "$R/fp8_tests.log" >> "$R/summary.log"
 say "kernel GPU tests"
 timeout 150 $PYTEST -m gpu tests/test_kernels_gpu.py tests/test_decode_tiles.py > "$R/kernel_tests.log" 2>&1
 tail -4 "$R/kernel_tests.log" >> "$R/summary.log"

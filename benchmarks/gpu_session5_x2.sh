@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 5, two GPUs (nvidia-h200-x2, <= 10 minutes): routing after the parent-side sender fix (32 prompts,
 # then 256 prompts over 16 GiB pools), TP=2 with NCCL's and the symmetric-memory all-reduce in one run, the TP
-# GPU tests, and the kernel GPU suite on one GPU if time is left.
+# GPU tests, and the FP8 and kernel GPU suites on one GPU if time is left.
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/r5x2
@@ -14,9 +14,9 @@ say "tp2, tp2-symm"; timeout 200 python3 -m pagedkv bench parallel tp2 tp2-symm 
 grep -E "^tp2|Error" "$R/tp.log" | cut -c1-400 | tee -a "$R/summary.log"
 say "TP GPU tests"; timeout 80 $PYTEST -m gpu tests/test_tensor_parallel_gpu.py > "$R/tp_tests.log" 2>&1
 tail -4 "$R/tp_tests.log" >> "$R/summary.log"
-if [ $(( $(date +%s) - T0 )) -lt 470 ]; then
-  say "kernel GPU tests"; CUDA_VISIBLE_DEVICES=0 timeout $(( 560 - ($(date +%s) - T0) )) $PYTEST -m gpu \
-    tests/test_kernels_gpu.py tests/test_decode_tiles.py > "$R/kernel_tests.log" 2>&1
+if [ $(( $(date +%s) - T0 )) -lt 480 ]; then
+  say "FP8 and kernel GPU tests"; CUDA_VISIBLE_DEVICES=0 timeout $(( 565 - ($(date +%s) - T0) )) $PYTEST -m gpu \
+    tests/test_kernels_fp8_gpu.py tests/test_kernels_gpu.py tests/test_decode_tiles.py > "$R/kernel_tests.log" 2>&1
   tail -4 "$R/kernel_tests.log" >> "$R/summary.log"
 fi
 finish_log
