@@ -250,8 +250,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     A row with seq_len 0 returns zeros. `max_seq_len` is a host-side upper bound of seq_lens used
     to choose the split-KV count without a device sync (default: the block tables' capacity);
     `num_splits` overrides the choice (split schedule only; the tiles schedule plans its own).
-    `tuning` overrides the Triton launch parameters and picks the schedule (FP8 caches run the
-    split schedule). `workspace` holds the self-resetting counters of the in-kernel merge
+    `tuning` overrides the Triton launch parameters and picks the schedule; without one, model-dtype
+    caches run the split schedule and FP8 caches the tiles schedule (PAGEDKV_DECODE_SCHEDULE sets
+    both; see `_DEFAULT_FP8_DECODE`). `workspace` holds the self-resetting counters of the in-kernel merge
     (allocated per call when None). `k_scale`/`v_scale`: an FP8 cache's `[num_kv_heads]` scales.
     `validate=False` trusts the caller and skips every check.
     """
