@@ -18,8 +18,10 @@ def test_kernel_bench_fp8_section(tmp_path, monkeypatch):
     assert kernel_main(["--smoke", "--kv-dtype", "fp8_e4m3", "--fp8-only", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "kernel_fp8.json").read_text())
     rows = result["fp8_decode"]
-    assert {row["schedule"] for row in rows} == {"split", "split, in-kernel merge", "stream-K"}
+    assert [row["schedule"] for row in rows] == ["split", "tiles (FP8 default)", "split, in-kernel merge", "stream-K"]
+    split = rows[0]
     for row in rows:
+        assert row["model_default_ms"] == split["model_ms"]  # every ratio is against the model dtype's default
         assert row["ok"] and row["max_abs_err"] < 1e-3  # validated against the reference before timing
         assert row["fp8_kv_bytes"] * 4 == row["model_kv_bytes"]  # fp32 smoke caches: 4 bytes against 1
         assert row["time_ratio"] is not None and row["targets"]

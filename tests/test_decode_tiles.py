@@ -292,7 +292,8 @@ def test_tiles_max_waves_hands_big_batches_to_the_split_kernel(monkeypatch, tile
 
 
 @pytest.mark.parametrize("value, expected", [(None, "split tiles"), ("tiles", "tiles tiles"),
-                                             ("stream_k", "stream_k stream_k"), ("bogus", "schedule must be one of")])
+                                             ("stream_k", "stream_k stream_k"),
+                                             ("bogus", "PAGEDKV_DECODE_SCHEDULE must be one of")])
 def test_decode_schedule_environment_picks_the_default_launch(value, expected):
     """Calls without a `tuning` (the engine's) run split over model-dtype caches and tiles over FP8 ones;
     PAGEDKV_DECODE_SCHEDULE sets one schedule for both, and a bad name fails on import, naming itself. The
@@ -301,17 +302,19 @@ def test_decode_schedule_environment_picks_the_default_launch(value, expected):
     if value is not None:
         env["PAGEDKV_DECODE_SCHEDULE"] = value
     code = ("import pagedkv.kernels.ops as o; "
-            "print(o._DEFAULT_DECODE.schedule, o._DEFAULT_FP8_DECODE.schedule, o._DEFAULT_DECODE_WRITE.schedule)")
+            "print(o._DEFAULT_DECODE.schedule, o._DEFAULT_FP8_DECODE.schedule, o._SPLIT_DECODE.schedule)")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if value == "bogus":
         assert proc.returncode != 0 and expected in proc.stderr and "'bogus'" in proc.stderr
+        assert "ConfigError" in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == expected.split() + ["split"]
 
 
-def test_tiles_default_runs_through_the_engine_backend(monkeypatch):
-    """With the tiles default, an engine-shaped decode call (num_splits given, no tuning) runs the tiles kernel."""
+def test_tiles_default_takes_engine_shaped_calls(monkeypatch):
+    """With the tiles default, a call shaped like the engine backend's (a split count given, no tuning) runs the
+    tiles kernel, which plans its own splits, and matches."""
     import pagedkv.kernels.ops as ops
     import pagedkv.kernels.triton_decode_tiles as tiles_module
 
@@ -320,6 +323,8 @@ def test_tiles_default_runs_through_the_engine_backend(monkeypatch):
     monkeypatch.setattr(tiles_module, "triton_tiles_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
     monkeypatch.setattr(ops, "_DEFAULT_DECODE", DecodeTuning(schedule="tiles"))
     scenario = Scenario([1, 17, 40], 16, 2, 64, torch.float32, seed=3)
-    out, expected = run(scenario, 8, None)
-    assert_matches(out, expected, torch.float32)
+    query = scenario.query(3, 8)
+    args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
+    out = paged_decode_attention(*args, scale=SCALE, max_seq_len=40, num_splits=3, backend="triton")
+    assert_matches(out, reference_decode_attention(*args, scale=SCALE, float64=True), torch.float32)
     assert calls

@@ -112,9 +112,11 @@ def test_decode_matches_reference(backend, case):
     query = scenario.query(len(scenario.seq_lens), num_q_heads)
     args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
     expected = reference_decode_attention(*args, scale=case[2] ** -0.5, float64=True, **fp8.scales)
-    for num_splits in (1, 3):
+    # The default launch (FP8: the tiles schedule, which plans its own splits), then the split kernel unsplit
+    # and split three ways.
+    for tuning, num_splits in ((None, None), (DecodeTuning(), 1), (DecodeTuning(), 3)):
         out = paged_decode_attention(*args, scale=case[2] ** -0.5, num_splits=num_splits, backend=backend,
-                                     **fp8.scales)
+                                     tuning=tuning, **fp8.scales)
         assert out.dtype == query.dtype
         assert_matches(out, expected, case[0])
 
@@ -167,7 +169,8 @@ def test_bits_route_builds_the_same_fp16_tiles(cache_dtype, monkeypatch):
     outs = {}
     for route in ("fp32", "bits"):
         monkeypatch.setattr(triton_fp8, "FP8_CONVERT", tl.constexpr(route))
-        outs[route] = paged_decode_attention(*args, scale=0.125, num_splits=2, backend="triton", **fp8.scales)
+        outs[route] = paged_decode_attention(*args, scale=0.125, num_splits=2, backend="triton", tuning=DecodeTuning(),
+                                             **fp8.scales)
     assert torch.equal(outs["bits"], outs["fp32"])
     expected = reference_decode_attention(*args, scale=0.125, float64=True, **fp8.scales)
     assert_matches(outs["bits"], expected, torch.float16)
@@ -193,12 +196,20 @@ def test_word_conversion_keeps_every_code_in_place(cache_dtype):
     assert torch.equal(got[finite], values[finite].half())
 
 
+@pytest.mark.parametrize("head_dim", [64, 80])  # 80: padded to 128, so the word mask hides 12 of 32 words
 @pytest.mark.parametrize("schedule", ["split", "tiles"])
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-def test_word_loads_equal_byte_loads(schedule, cache_dtype, monkeypatch):
+def test_word_loads_equal_byte_loads(schedule, cache_dtype, head_dim, monkeypatch):
     """FP8 tiles read as int32 words (PAGEDKV_FP8_LOAD=words, where the pool allows) give the byte loads' output
     exactly; a pool view whose rows are not 4-byte aligned takes the byte loads."""
-    case = (torch.float16, (8, 2), 64, 16, cache_dtype)
+    import pagedkv.kernels.triton_decode as split_module
+    import pagedkv.kernels.triton_decode_tiles as tiles_module
+
+    module = tiles_module if schedule == "tiles" else split_module
+    seen = []
+    original = module.fp8_words_ok
+    monkeypatch.setattr(module, "fp8_words_ok", lambda *a: seen.append(original(*a)) or seen[-1])
+    case = (torch.float16, (8, 2), head_dim, 16, cache_dtype)
     scenario, fp8, num_q_heads = _fp8_case(case, [30, 64, 0, 100, 1], seed=9)
     query = scenario.query(5, num_q_heads)
     args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
@@ -210,6 +221,7 @@ def test_word_loads_equal_byte_loads(schedule, cache_dtype, monkeypatch):
         monkeypatch.setenv("PAGEDKV_FP8_LOAD", load)
         outs[load] = paged_decode_attention(*args, scale=0.125, max_seq_len=100, backend="triton", tuning=tuning,
                                             **fp8.scales)
+    assert seen == [True, False]  # the launches took the word loads, then the byte loads
     assert torch.equal(outs["words"], outs["bytes"])
     expected = reference_decode_attention(*args, scale=0.125, float64=True, **fp8.scales)
     assert_matches(outs["words"], expected, torch.float16)
@@ -249,7 +261,9 @@ def test_decode_window_and_soft_cap(backend, sliding_window, soft_cap):
     args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
     options = {"scale": 0.125, "sliding_window": sliding_window, "soft_cap": soft_cap, **fp8.scales}
     expected = reference_decode_attention(*args, **options, float64=True)
-    assert_matches(paged_decode_attention(*args, **options, num_splits=3, backend=backend), expected, torch.float32)
+    for tuning in (None, DecodeTuning()):  # FP8's default (tiles), the split kernel
+        assert_matches(paged_decode_attention(*args, **options, num_splits=3, backend=backend, tuning=tuning),
+                       expected, torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -399,8 +413,13 @@ def test_fused_rotary_write_quantizes_like_write_kv(cache_dtype, dtype):
 
 
 def test_fp8_decode_without_tuning_runs_the_tiles_schedule(monkeypatch):
-    """The default launch over an FP8 cache is the tiles schedule (the faster one on the H200), and it matches."""
+    """A call without a tuning over an FP8 cache takes the FP8 default (tiles), not the model-dtype one (split),
+    and matches the reference. (Which schedules the defaults are: test_decode_schedule_environment_picks_...)"""
+    import pagedkv.kernels.ops as ops
     import pagedkv.kernels.triton_decode_tiles as tiles_module
+
+    monkeypatch.setattr(ops, "_DEFAULT_FP8_DECODE", DecodeTuning(schedule="tiles"))  # whatever the environment set
+    monkeypatch.setattr(ops, "_DEFAULT_DECODE", DecodeTuning())
 
     calls = []
     original = tiles_module.triton_tiles_decode

@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from pagedkv.errors import KernelInputError
+from pagedkv.errors import ConfigError, KernelInputError
 from pagedkv.kernels import checks
 from pagedkv.kernels.fp8 import check_scales
 from pagedkv.kernels.torch_ops import (
@@ -43,7 +43,14 @@ from pagedkv.kernels.torch_ops import (
     torch_prefill_attention,
     torch_write_kv,
 )
-from pagedkv.kernels.tuning import DecodeTuning, PrefillTuning, UnifiedTuning, choose_num_splits, num_sms
+from pagedkv.kernels.tuning import (
+    DECODE_SCHEDULES,
+    DecodeTuning,
+    PrefillTuning,
+    UnifiedTuning,
+    choose_num_splits,
+    num_sms,
+)
 from pagedkv.kernels.workspace import KernelWorkspace
 
 BACKENDS = ("auto", "triton", "torch")
@@ -191,7 +198,7 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
                                           counters=_counters(workspace, num_seqs * num_kv_heads),
                                           k_scale=k_scale, v_scale=v_scale)
     if tuning.schedule == "tiles" and not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device)):
-        tuning = _DEFAULT_DECODE_WRITE  # a big batch: round 1's split kernel is at copy speed there
+        tuning = _SPLIT_DECODE  # a big batch: round 1's split kernel is at copy speed there
     if tuning.schedule == "tiles":
         from pagedkv.kernels.triton_decode_tiles import triton_tiles_decode
 
@@ -267,8 +274,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                       sliding_window=sliding_window, soft_cap=soft_cap, out=out, k_scale=k_scale,
                                       v_scale=v_scale)
     return _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len, sliding_window,
-                          soft_cap, num_splits, tuning or (_DEFAULT_DECODE if k_scale is None else _DEFAULT_FP8_DECODE),
-                          workspace, k_scale, v_scale)
+                          soft_cap, num_splits, tuning or _default_decode(k_scale), workspace, k_scale, v_scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -318,7 +324,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Everything that shapes the launch is a host int (`num_tokens`, `num_seqs`, `max_seqlen_q`,
     `max_seq_len`), so a step of fixed shape captures in a CUDA graph. A batch of one-token rows
     only (`max_seqlen_q == 1` and `num_tokens == num_seqs`, so cu_seqlens_q is 0, 1, .., num_seqs)
-    runs the decode kernel of `tuning.decode` unless `tuning.decode_route` is off; `max_seq_len`
+    runs the decode kernel of `tuning.decode` (without a tuning: `paged_decode_attention`'s default
+    schedule for the cache) unless `tuning.decode_route` is off; `max_seq_len`
     (default: the tables' capacity) sizes its split, and `workspace` holds its counters.
     `k_scale`/`v_scale`: an FP8 cache's scales. `validate=False` trusts the caller and skips every check.
     """
@@ -328,10 +335,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return torch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
                                      sliding_window=sliding_window, soft_cap=soft_cap, out=out, k_scale=k_scale,
                                      v_scale=v_scale)
+    # Without a tuning, the decode route takes paged_decode_attention's defaults (tiles over FP8 caches).
+    decode_tuning = tuning.decode if tuning is not None else _default_decode(k_scale)
     tuning = tuning or _DEFAULT_UNIFIED
     if tuning.decode_route and max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
         return _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, max_seq_len,
-                              sliding_window, soft_cap, None, tuning.decode, workspace, k_scale, v_scale)
+                              sliding_window, soft_cap, None, decode_tuning, workspace, k_scale, v_scale)
     from pagedkv.kernels.triton_unified import triton_unified_attention
 
     out = torch.empty_like(query) if out is None else out
@@ -373,7 +382,7 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                       sliding_window=sliding_window, soft_cap=soft_cap, out=out)
     from pagedkv.kernels.triton_decode_write import triton_decode_write_attention
 
-    tuning = tuning or _DEFAULT_DECODE_WRITE
+    tuning = tuning or _SPLIT_DECODE  # the fused write+decode kernel has the split schedule only
     num_seqs, num_kv_heads = query.shape[0], k_cache.shape[2]
     if num_splits is None:
         capacity = block_tables.shape[1] * k_cache.shape[1]
@@ -388,11 +397,17 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
 #: The decode launch when the caller passes no `tuning`: the split schedule over model-dtype caches, the tiles
 #: schedule over FP8 caches (H200, session 5: 0.70x bf16's time at B=64 x 4096 against split's 0.77x, and
 #: 26,805 against 24,030 tok/s on nano-vllm's engine workload). PAGEDKV_DECODE_SCHEDULE=split|stream_k|tiles
-#: sets one schedule for both (the engine and the HF attention function take these defaults); an unknown name
-#: raises InvalidArgumentError on import, naming the value and the choices.
+#: sets one schedule for both (the engine and the HF attention function take these defaults; read on import); an
+#: unknown name raises ConfigError on import, naming the variable, the value and the choices.
 _SCHEDULE = os.environ.get("PAGEDKV_DECODE_SCHEDULE")
+if _SCHEDULE is not None and _SCHEDULE not in DECODE_SCHEDULES:
+    raise ConfigError(f"PAGEDKV_DECODE_SCHEDULE must be one of {', '.join(DECODE_SCHEDULES)}, got {_SCHEDULE!r}")
 _DEFAULT_DECODE = DecodeTuning(schedule=_SCHEDULE or "split")
 _DEFAULT_FP8_DECODE = DecodeTuning(schedule=_SCHEDULE or "tiles")
-_DEFAULT_DECODE_WRITE = DecodeTuning()  # the split schedule: the fused write+decode kernel's only one
+_SPLIT_DECODE = DecodeTuning()
+
+
+def _default_decode(k_scale: torch.Tensor | None) -> DecodeTuning:
+    return _DEFAULT_DECODE if k_scale is None else _DEFAULT_FP8_DECODE
 _DEFAULT_PREFILL = PrefillTuning()
 _DEFAULT_UNIFIED = UnifiedTuning()

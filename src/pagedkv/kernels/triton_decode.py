@@ -21,8 +21,8 @@ resets. An empty split (a short sequence in a batch split for a long one) writes
 Every tensor but the caches is addressed through its strides, so views (a query sliced
 from a fused QKV projection, `block_tables[:, ::2]`, `seq_lens[::2]`) read the right memory.
 
-FP8 caches (`KV_FP8`): tiles are loaded as bytes and converted to the query's dtype in
-registers (exact); the program's one KV head has one K scale, folded into the softmax scale,
+FP8 caches (`KV_FP8`): tiles are loaded as bytes (or, with PAGEDKV_FP8_LOAD=words, as int32
+words: `triton_fp8.load_fp8_words`) and converted to the query's dtype in registers (exact); the program's one KV head has one K scale, folded into the softmax scale,
 and one V scale, applied to the normalised output (and so to every split's partial, which
 keeps the merge linear).
 """
@@ -219,7 +219,8 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad), KV_FP8=fp8,
-        FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
+        FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8),
+        num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         _merge_kernel[(num_seqs, num_heads)](

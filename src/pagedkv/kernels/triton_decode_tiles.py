@@ -282,7 +282,8 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(config["ROWS_P2"], dim_pad), KV_FP8=fp8,
-        FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
+        FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8),
+        num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         # Up to 8192 partial floats per load (64 fp32 registers a thread): 64 splits at head_dim 128 merge

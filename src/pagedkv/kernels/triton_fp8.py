@@ -24,6 +24,14 @@ value times 2**-8, so one exact multiply by 256 restores it (fp16 compute only; 
 Exact for every finite code; e4m3's two NaN codes come out as +-480, which no pool holds
 (`quantize` saturates at 448).
 
+Word loads (opt-in, PAGEDKV_FP8_LOAD=words; `load_fp8_words`): Triton stages an FP8 tile in shared
+memory and loads it straight into the `mma` operand layout, where an 8-bit operand has no `ldmatrix`
+path, so every value comes out of shared memory with its own byte load. Loading the tile as int32
+words and converting the four codes of each word in registers (`fp8_words_to_f16`) removes those
+loads: the tile reaches the dot as fp16 through `st.shared.v4` + `ldmatrix`. It is exact and
+GPU-tested, but measured 3-12% slower on the H200 (benchmarks/KERNELS.md, round 5), so byte loads
+stay the default.
+
 `fp8_query` picks the compute dtype of an FP8 cache's tiles. A bf16 model's query is taken
 to fp16 (clamped to fp16's range; fp16 holds every bf16 value of its normal range exactly, with
 3 more mantissa bits, and rounds the tiny ones below 2**-14 to its subnormals), so a K/V tile needs one conversion (e4m3x2 -> f16x2, one instruction per two values)
@@ -132,7 +140,7 @@ def fp8_words_to_f16(words, E5M2: tl.constexpr):
 
     The four codes of a word become four fp16 tensors, joined and reshaped back into token order, so
     each thread converts the words it loaded: the tile reaches the dot operand as fp16, through fp16
-    shared memory, instead of as single bytes (see the module docstring). On a GPU one `cvt` turns two
+    shared memory, instead of as single bytes (module docstring, "Word loads"). On a GPU one `cvt` turns two
     codes into two fp16 (inline PTX); elsewhere integer operations do.
     """
     if FP8_CONVERT == "direct":
@@ -173,7 +181,7 @@ def fp8_words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     3-12% slower than the byte loads (benchmarks/results/fp8_words_sweep_h200.jsonl)."""
     if os.environ.get("PAGEDKV_FP8_LOAD", "bytes") != "words":
         return False
-    return (k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1 and all(s % 4 == 0 for s in k_cache.stride()[:-1])
+    return (k_cache.stride() == v_cache.stride() and k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1 and all(s % 4 == 0 for s in k_cache.stride()[:-1])
             and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
 
 

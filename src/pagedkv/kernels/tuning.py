@@ -76,7 +76,8 @@ class DecodeTuning:
     # beat 4 and 8 by 1.3-1.6x (H200, session 4: B=64 x 4096 193 us at 128/2 against 317 at 64/4).
     # They apply while block_n is None: an explicit block_n means the caller tunes the launch (and
     # then num_warps is theirs too). None: the model-dtype settings. The tiles schedule takes
-    # fp8_num_warps but keeps its 64-token tile (FP8 tiles of 128 tokens ran 1.3-1.8x slower there).
+    # fp8_num_warps (also only while block_n is None) but keeps the model-dtype tile (64 tokens,
+    # 32 at head_dim 256): FP8 tiles of 128 tokens ran 1.3-1.8x slower there.
     fp8_block_n: int | None = 128
     fp8_num_warps: int | None = 2
 
