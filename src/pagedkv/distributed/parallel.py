@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagedkv.env import env_choice
 from pagedkv.errors import ConfigError
 
 logger = logging.getLogger("pagedkv")
@@ -63,10 +64,7 @@ class ParallelConfig:
 
 def all_reduce_mode_from_env() -> str:
     """PAGEDKV_TP_ALL_REDUCE ("nccl", the default, or "symm_mem"); anything else is a `ConfigError`."""
-    mode = os.environ.get("PAGEDKV_TP_ALL_REDUCE", "nccl")
-    if mode not in ALL_REDUCE_MODES:
-        raise ConfigError(f"PAGEDKV_TP_ALL_REDUCE must be one of {', '.join(ALL_REDUCE_MODES)}, got {mode!r}")
-    return mode
+    return env_choice("PAGEDKV_TP_ALL_REDUCE", ALL_REDUCE_MODES, "nccl")
 
 
 def _symmetric_buffers(device: torch.device, group) -> dict[torch.dtype, torch.Tensor]:

@@ -28,7 +28,6 @@ into the step's metadata transfer).
 from __future__ import annotations
 
 import operator
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +35,7 @@ from transformers import Cache
 
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable
+from pagedkv.env import env_choice
 from pagedkv.errors import InvalidArgumentError, PagedKVError, require_positive_int
 from pagedkv.hf.attention import ATTN_IMPLEMENTATION, STEP_ATTR, PagedAttentionMetadata, register
 from pagedkv.kernels import KVPool, resolve_backend
@@ -147,7 +147,7 @@ class PagePool:
         # False takes the write + decode pair. (Off during session 3: the first fused kernel folded
         # the new token as a [G, 1] tile inside a branch, which was right under the interpreter and
         # wrong on the H200; fixed and checked against float64 on the GPU in session 4.)
-        self.fused_decode = os.environ.get("PAGEDKV_FUSED_DECODE", "1") != "0"
+        self.fused_decode = env_choice("PAGEDKV_FUSED_DECODE", ("1", "0"), "1") == "1"
 
     def decode_write_kernel(self):
         """The fused decode + K/V write kernel bound to this pool's pages, shared by its caches (made once):

@@ -30,11 +30,10 @@ the model's dtype.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from pagedkv.errors import ConfigError, KernelInputError
+from pagedkv.env import env_choice
+from pagedkv.errors import KernelInputError
 from pagedkv.kernels import checks
 from pagedkv.kernels.fp8 import check_scales
 from pagedkv.kernels.torch_ops import (
@@ -64,8 +63,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return backend
     if device.type == "cuda":
         return "triton"
-    forced = os.environ.get("PAGEDKV_KERNEL_BACKEND", "")
-    return forced if forced in ("triton", "torch") else "torch"
+    return env_choice("PAGEDKV_KERNEL_BACKEND", ("triton", "torch")) or "torch"
 
 
 def _check_triton_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -399,9 +397,7 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
 #: 26,805 against 24,030 tok/s on nano-vllm's engine workload). PAGEDKV_DECODE_SCHEDULE=split|stream_k|tiles
 #: sets one schedule for both (the engine and the HF attention function take these defaults; read on import); an
 #: unknown name raises ConfigError on import, naming the variable, the value and the choices.
-_SCHEDULE = os.environ.get("PAGEDKV_DECODE_SCHEDULE")
-if _SCHEDULE is not None and _SCHEDULE not in DECODE_SCHEDULES:
-    raise ConfigError(f"PAGEDKV_DECODE_SCHEDULE must be one of {', '.join(DECODE_SCHEDULES)}, got {_SCHEDULE!r}")
+_SCHEDULE = env_choice("PAGEDKV_DECODE_SCHEDULE", DECODE_SCHEDULES)
 _DEFAULT_DECODE = DecodeTuning(schedule=_SCHEDULE or "split")
 _DEFAULT_FP8_DECODE = DecodeTuning(schedule=_SCHEDULE or "tiles")
 _SPLIT_DECODE = DecodeTuning()

@@ -47,31 +47,23 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.env import env_choice
+
 
 FP8_CONVERT_ROUTES = ("fp32", "direct", "bits")
 
 
 def _fp8_convert_route() -> str:
     """`to_compute`'s route: PAGEDKV_FP8_CONVERT, else fp32 under the interpreter and direct on a GPU."""
-    route = os.environ.get("PAGEDKV_FP8_CONVERT") or ("fp32" if os.environ.get("TRITON_INTERPRET") == "1"
-                                                      else "direct")
-    if route not in FP8_CONVERT_ROUTES:
-        from pagedkv.errors import ConfigError
-
-        raise ConfigError(f"PAGEDKV_FP8_CONVERT must be one of {', '.join(FP8_CONVERT_ROUTES)}, got {route!r}")
-    return route
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return env_choice("PAGEDKV_FP8_CONVERT", FP8_CONVERT_ROUTES, "fp32" if interpreted else "direct")
 
 
 #: How `to_compute` turns FP8 tiles into the compute dtype (see the module docstring).
 FP8_CONVERT = tl.constexpr(_fp8_convert_route())
 def _fp8_compute() -> bool:
     """PAGEDKV_FP8_COMPUTE: "f16" (the default) or "model"."""
-    value = os.environ.get("PAGEDKV_FP8_COMPUTE", "f16")
-    if value not in ("f16", "model"):
-        from pagedkv.errors import ConfigError
-
-        raise ConfigError(f"PAGEDKV_FP8_COMPUTE must be f16 or model, got {value!r}")
-    return value == "f16"
+    return env_choice("PAGEDKV_FP8_COMPUTE", ("f16", "model"), "f16") == "f16"
 
 
 #: Whether an FP8 cache's tiles are computed in fp16 for a bf16 model (`fp8_query`).
@@ -179,7 +171,7 @@ def fp8_words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
     Opt-in, PAGEDKV_FP8_LOAD=words: on the H200 the word loads removed the byte-wise shared loads but ran
     3-12% slower than the byte loads (benchmarks/results/fp8_words_sweep_h200.jsonl)."""
-    if os.environ.get("PAGEDKV_FP8_LOAD", "bytes") != "words":
+    if env_choice("PAGEDKV_FP8_LOAD", ("bytes", "words"), "bytes") != "words":
         return False
     return (k_cache.stride() == v_cache.stride() and k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1 and all(s % 4 == 0 for s in k_cache.stride()[:-1])
             and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
