@@ -64,11 +64,9 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token
 
 @triton.jit
 def tile_scores(q, k, qk_scale, soft_cap, USE_DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr = False):
+                DOT_PRECISION: tl.constexpr):
     """Scores `[M, BLOCK_N]` in log2 units: scale * q.k, or cap * tanh(scale * q.k / cap) with a soft cap."""
-    if USE_DOT and KEYS_AS_ROWS:
-        s = tl.trans(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION))
-    elif USE_DOT:
+    if USE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
         s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
@@ -80,17 +78,14 @@ def tile_scores(q, k, qk_scale, soft_cap, USE_DOT: tl.constexpr, USE_SOFT_CAP: t
 
 
 @triton.jit
-def online_softmax_step(s, v, m_i, l_i, acc, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        KEYS_AS_ROWS: tl.constexpr = False):
+def online_softmax_step(s, v, m_i, l_i, acc, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold a tile of scores `s` (-inf where hidden) and its values into (running max, running sum, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if USE_DOT and KEYS_AS_ROWS:
-        pv = tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(v.dtype)), input_precision=DOT_PRECISION))
-    elif USE_DOT:
+    if USE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
         pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)

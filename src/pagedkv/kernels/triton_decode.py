@@ -63,7 +63,7 @@ def attend_range(q, m_i, l_i, acc, lo, hi, k_cache_ptr, v_cache_ptr, table_row, 
                  dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_WORDS: tl.constexpr = False,
-                 HEAD_DIM: tl.constexpr = 0, KEYS_AS_ROWS: tl.constexpr = False):
+                 HEAD_DIM: tl.constexpr = 0):
     """Fold kv positions [lo, hi) of one sequence's pages into the softmax state of the rows of `q`."""
     for start in range(lo, hi, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
@@ -76,9 +76,9 @@ def attend_range(q, m_i, l_i, acc, lo, hi, k_cache_ptr, v_cache_ptr, table_row, 
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
                                 dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
             k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
-        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, KEYS_AS_ROWS)
+        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION, KEYS_AS_ROWS)
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -93,7 +93,6 @@ def _decode_kernel(
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, FP8_WORDS: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,7 +125,7 @@ def _decode_kernel(
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b,
                                  head_offset, dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap,
                                  BLOCK_SIZE, BLOCK_N, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, KV_FP8, FP8_WORDS,
-                                 HEAD_DIM, KEYS_AS_ROWS)
+                                 HEAD_DIM)
 
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -200,7 +199,6 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     is_split = num_splits > 1
     fp8 = k_scale is not None
     merge_in_kernel = is_split and tuning.merge == "in_kernel"
-    keys_as_rows = use_dot and tuning.keys_as_rows
     if is_split:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -216,13 +214,13 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         num_splits,
         *query.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
-        GROUP=group, GROUP_PAD=group_padding(group, use_dot and not keys_as_rows), GROUP_P2=group_p2, HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=group_padding(group, use_dot), GROUP_P2=group_p2, HEAD_DIM=head_dim,
         DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim, fp8), USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad), KV_FP8=fp8,
         FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8),
-        num_stages=tuning.num_stages, KEYS_AS_ROWS=keys_as_rows,
+        num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         _merge_kernel[(num_seqs, num_heads)](

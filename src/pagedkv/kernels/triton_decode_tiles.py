@@ -75,7 +75,7 @@ def _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, 
                 stride_cache_b, stride_cache_o, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 TABLE_MODE: tl.constexpr, TABLE_CHUNK: tl.constexpr, USE_DOT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-                KV_FP8: tl.constexpr, FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
+                KV_FP8: tl.constexpr, FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Fold the tiles of kv positions [range_lo, range_hi) into (m_i, l_i, acc).
 
     `qk_scale` is a scalar, or `[ROWS_PAD, 1]` per-row scales (FP8: each row's KV head's K scale
@@ -103,9 +103,9 @@ def _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, 
             k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
             v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
             k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
-        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, KEYS_AS_ROWS)
+        s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :] & same_head, s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION, KEYS_AS_ROWS)
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -121,7 +121,7 @@ def _tiles_decode_kernel(
     TABLE_MODE: tl.constexpr, TABLE_CHUNK: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     IS_SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_WORDS: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+    FP8_WORDS: tl.constexpr,
 ):
     split = tl.program_id(0)  # splits vary fastest: an item's splits start (and finish) together
     head_group = tl.program_id(1)
@@ -168,7 +168,7 @@ def _tiles_decode_kernel(
                                     same_head, tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, row_scale,
                                     soft_cap, stride_cache_b, stride_cache_o, BLOCK_SIZE, BLOCK_N, TABLE_MODE,
                                     TABLE_CHUNK, USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8,
-                                    FP8_WORDS, HEAD_DIM, KEYS_AS_ROWS)
+                                    FP8_WORDS, HEAD_DIM)
     else:
         slots = tl.arange(0, TABLE_CHUNK)
         for chunk_lo in range(lo, hi, CHUNK_TOKENS):
@@ -181,7 +181,7 @@ def _tiles_decode_kernel(
                                         tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, row_scale, soft_cap,
                                         stride_cache_b, stride_cache_o, BLOCK_SIZE, BLOCK_N, TABLE_MODE, TABLE_CHUNK,
                                         USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8, FP8_WORDS,
-                                        HEAD_DIM, KEYS_AS_ROWS)
+                                        HEAD_DIM)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -231,8 +231,7 @@ def tiles_launch_config(num_seqs: int, num_heads: int, head_dim: int, block_size
     return {
         "grid": (num_splits, num_kv_heads // heads, num_seqs), "num_splits": num_splits,
         "split_tokens": split_tokens, "HEADS": heads, "GROUP": group, "ROWS": rows,
-        "ROWS_PAD": triton.next_power_of_2(rows) if tuning.keys_as_rows else max(16, triton.next_power_of_2(rows)),
-        "ROWS_P2": merge_group_rows(rows),
+        "ROWS_PAD": max(16, triton.next_power_of_2(rows)), "ROWS_P2": merge_group_rows(rows),
         "BLOCK_N": block_n, "TABLE_CHUNK": table_chunk,
         "CHUNK_TOKENS": (chunk_tokens(table_chunk, block_size, block_n, aligned) if tuning.table != "inline"
                          else _ONE_CHUNK),
@@ -284,7 +283,7 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(config["ROWS_P2"], dim_pad), KV_FP8=fp8,
         FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8),
-        num_stages=tuning.num_stages, KEYS_AS_ROWS=tuning.keys_as_rows,
+        num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         # Up to 8192 partial floats per load (64 fp32 registers a thread): 64 splits at head_dim 128 merge

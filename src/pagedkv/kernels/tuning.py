@@ -80,10 +80,6 @@ class DecodeTuning:
     # 32 at head_dim 256): FP8 tiles of 128 tokens ran 1.3-1.8x slower there.
     fp8_block_n: int | None = 128
     fp8_num_warps: int | None = 2
-    # Split and tiles schedules: compute S^T = K Q^T and O^T = V^T P^T, so the tile's tokens are the mma's M
-    # and the query rows its N (padded to 8 by the hardware instead of 16 by tl.dot's old minimum): half
-    # the mma work at GQA group 4 (sm_90 compile: 32 -> 16 mma per 64-token step and warp).
-    keys_as_rows: bool = False
 
     def __post_init__(self):
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
