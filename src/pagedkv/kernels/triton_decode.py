@@ -21,10 +21,10 @@ resets. An empty split (a short sequence in a batch split for a long one) writes
 Every tensor but the caches is addressed through its strides, so views (a query sliced
 from a fused QKV projection, `block_tables[:, ::2]`, `seq_lens[::2]`) read the right memory.
 
-FP8 caches (`KV_FP8`): tiles are loaded as bytes (or, with PAGEDKV_FP8_LOAD=words, as int32
-words: `triton_fp8.load_fp8_words`) and converted to the query's dtype in registers (exact); the program's one KV head has one K scale, folded into the softmax scale,
-and one V scale, applied to the normalised output (and so to every split's partial, which
-keeps the merge linear).
+FP8 caches (`KV_FP8`): tiles are loaded as bytes (or, with PAGEDKV_FP8_LOAD=words, as int32 words:
+`triton_fp8.load_fp8_words`) and converted to the query's dtype in registers (exact); the program's
+one KV head has one K scale, folded into the softmax scale, and one V scale, applied to the
+normalised output (and so to every split's partial, which keeps the merge linear).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ stay the default.
 
 `fp8_query` picks the compute dtype of an FP8 cache's tiles. A bf16 model's query is taken
 to fp16 (clamped to fp16's range; fp16 holds every bf16 value of its normal range exactly, with
-3 more mantissa bits, and rounds the tiny ones below 2**-14 to its subnormals), so a K/V tile needs one conversion (e4m3x2 -> f16x2, one instruction per two values)
+3 more mantissa bits, and rounds the tiny ones below 2**-14 to its subnormals), so a K/V tile needs one
+conversion (e4m3x2 -> f16x2, one instruction per two values)
 instead of two (then f16 -> bf16, one per value), and the dots run in fp16 with fp32
 accumulation. PAGEDKV_FP8_COMPUTE=model keeps the model's dtype (to compare).
 """
@@ -173,7 +174,8 @@ def fp8_words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     3-12% slower than the byte loads (benchmarks/results/fp8_words_sweep_h200.jsonl)."""
     if env_choice("PAGEDKV_FP8_LOAD", ("bytes", "words"), "bytes") != "words":
         return False
-    return (k_cache.stride() == v_cache.stride() and k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1 and all(s % 4 == 0 for s in k_cache.stride()[:-1])
+    return (k_cache.stride() == v_cache.stride() and k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1
+            and all(s % 4 == 0 for s in k_cache.stride()[:-1])
             and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
 
 
