@@ -34,8 +34,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="split", choices=("split", "tiles"))
     parser.add_argument("--heads-per-program", default="1", help="tiles: kv heads per program (comma-separated)")
     args = parser.parse_args()
-    route = (f"convert={os.environ.get('PAGEDKV_FP8_CONVERT', 'direct')},compute={os.environ.get('PAGEDKV_FP8_COMPUTE', 'f16')}"
-             f",load={os.environ.get('PAGEDKV_FP8_LOAD', 'bytes')}")
+    route = f"convert={os.environ.get('PAGEDKV_FP8_CONVERT', 'direct')},compute={os.environ.get('PAGEDKV_FP8_COMPUTE', 'f16')}"
     device = torch.device("cuda")
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     grid = list(itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages),

@@ -6,7 +6,6 @@
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/rnext
-PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 say "routing, 32 prompts"; timeout 110 python3 -m pagedkv bench parallel routing --out "$R" > "$R/routing.log" 2>&1
 say "routing, 256 prompts"; timeout 120 python3 -m pagedkv bench parallel routing --system-prompts 256 --routing-kv-gib 16 \
   --routing-key routing_256_prompts_16gib --out "$R" >> "$R/routing.log" 2>&1

@@ -4,7 +4,6 @@
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/r5f
-PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 say "FP8 GPU tests (tiles now FP8's default)"
 timeout 120 $PYTEST -m gpu tests/test_kernels_fp8_gpu.py > "$R/fp8_tests.log" 2>&1
 tail -4 "$R/fp8_tests.log" >> "$R/summary.log"

@@ -4,7 +4,6 @@
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/r5g
-PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 say "tiles + FP8 engine GPU tests"
 timeout 110 $PYTEST -m gpu tests/test_decode_tiles.py tests/test_kernels_fp8_gpu.py -k "tiles_gpu or engine" \
   > "$R/tests.log" 2>&1

@@ -5,7 +5,6 @@
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/r5a
-PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 say "fp8 + fused tests"
 timeout 100 $PYTEST -m gpu tests/test_kernels_fp8_gpu.py tests/test_kernels_decode_write_gpu.py > "$R/gpu_tests_fp8_fused.log" 2>&1
 tail -4 "$R/gpu_tests_fp8_fused.log" >> "$R/summary.log"

@@ -4,7 +4,6 @@
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/r5b
-PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 say "fp8 GPU tests"
 timeout 110 $PYTEST -m gpu tests/test_kernels_fp8_gpu.py > "$R/gpu_tests_fp8.log" 2>&1
 tail -4 "$R/gpu_tests_fp8.log" >> "$R/summary.log"

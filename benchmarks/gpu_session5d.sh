@@ -4,7 +4,6 @@
 set -u
 source benchmarks/gpu_env.sh
 start_log /tmp/r5d
-PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 say "fp8 engine + graph tests, tiles"
 PAGEDKV_DECODE_SCHEDULE=tiles timeout 80 $PYTEST -m gpu tests/test_kernels_fp8_gpu.py -k "engine or graph" \
   > "$R/gpu_tests_fp8_tiles.log" 2>&1

@@ -58,7 +58,3 @@ def test_fp8_switches(monkeypatch):
     monkeypatch.setenv("PAGEDKV_FP8_CONVERT", "fast")
     with pytest.raises(ConfigError, match="PAGEDKV_FP8_CONVERT must be one of fp32, direct, bits"):
         triton_fp8._fp8_convert_route()
-    monkeypatch.setenv("PAGEDKV_FP8_LOAD", "word")
-    k = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ConfigError, match="PAGEDKV_FP8_LOAD must be one of bytes, words, got 'word'"):
-        triton_fp8.fp8_words_ok(k, k)

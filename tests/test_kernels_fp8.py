@@ -32,7 +32,7 @@ from pagedkv.kernels import (
     reference_write_kv,
     write_kv,
 )
-from pagedkv.kernels.triton_fp8 import fp8_bits_to_f16, fp8_words_ok, fp8_words_to_f16
+from pagedkv.kernels.triton_fp8 import fp8_bits_to_f16
 from pagedkv.kernels.fp8 import KVScales, dequantize, fp8_max, quantize, resolve_kv_cache_dtype
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -174,63 +174,6 @@ def test_bits_route_builds_the_same_fp16_tiles(cache_dtype, monkeypatch):
     assert torch.equal(outs["bits"], outs["fp32"])
     expected = reference_decode_attention(*args, scale=0.125, float64=True, **fp8.scales)
     assert_matches(outs["bits"], expected, torch.float16)
-
-
-@triton.jit
-def _convert_words(src, dst, n: tl.constexpr, E5M2: tl.constexpr):
-    """n // 4 int32 words of packed FP8 codes to n fp16 through `fp8_words_to_f16` (a [n // 16, 4] word tile)."""
-    rows = tl.arange(0, n // 16)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    halves = fp8_words_to_f16(tl.load(src + rows), E5M2)
-    tl.store(dst + tl.arange(0, n // 16)[:, None] * 16 + tl.arange(0, 16)[None, :], halves)
-
-
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-def test_word_conversion_keeps_every_code_in_place(cache_dtype):
-    """Four codes per int32 word come back as four fp16 in their own positions, each exactly its value."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    shuffled = codes[torch.randperm(256, generator=torch.Generator().manual_seed(2))]
-    got = torch.empty(256, dtype=torch.float16)
-    _convert_words[(1,)](shuffled.view(torch.int32), got, 256, cache_dtype == torch.float8_e5m2)
-    values = shuffled.view(cache_dtype).float()
-    finite = ~values.isnan()
-    assert torch.equal(got[finite], values[finite].half())
-
-
-@pytest.mark.parametrize("head_dim", [64, 80])  # 80: padded to 128, so the word mask hides 12 of 32 words
-@pytest.mark.parametrize("schedule", ["split", "tiles"])
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-def test_word_loads_equal_byte_loads(schedule, cache_dtype, head_dim, monkeypatch):
-    """FP8 tiles read as int32 words (PAGEDKV_FP8_LOAD=words, where the pool allows) give the byte loads' output
-    exactly; a pool view whose rows are not 4-byte aligned takes the byte loads."""
-    import pagedkv.kernels.triton_decode as split_module
-    import pagedkv.kernels.triton_decode_tiles as tiles_module
-
-    module = tiles_module if schedule == "tiles" else split_module
-    seen = []
-    original = module.fp8_words_ok
-    monkeypatch.setattr(module, "fp8_words_ok", lambda *a: seen.append(original(*a)) or seen[-1])
-    case = (torch.float16, (8, 2), head_dim, 16, cache_dtype)
-    scenario, fp8, num_q_heads = _fp8_case(case, [30, 64, 0, 100, 1], seed=9)
-    query = scenario.query(5, num_q_heads)
-    args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens)
-    tuning = DecodeTuning(schedule=schedule, block_n=16, min_split_tokens=16, programs_per_sm=8, fp8_block_n=None)
-    monkeypatch.setenv("PAGEDKV_FP8_LOAD", "words")
-    assert fp8_words_ok(fp8.k_cache, fp8.v_cache)
-    outs = {}
-    for load in ("words", "bytes"):
-        monkeypatch.setenv("PAGEDKV_FP8_LOAD", load)
-        outs[load] = paged_decode_attention(*args, scale=0.125, max_seq_len=100, backend="triton", tuning=tuning,
-                                            **fp8.scales)
-    assert seen == [True, False]  # the launches took the word loads, then the byte loads
-    assert torch.equal(outs["words"], outs["bytes"])
-    expected = reference_decode_attention(*args, scale=0.125, float64=True, **fp8.scales)
-    assert_matches(outs["words"], expected, torch.float16)
-    flat = torch.empty(fp8.k_cache.numel() + 1, dtype=cache_dtype)
-    shifted = flat[1:].view(fp8.k_cache.shape)  # rows start one byte past a word
-    assert not fp8_words_ok(shifted, shifted)
-    assert not fp8_words_ok(fp8.k_cache[..., :62], fp8.v_cache[..., :62])  # 62 values: not whole words
-    monkeypatch.delenv("PAGEDKV_FP8_LOAD")
-    assert not fp8_words_ok(fp8.k_cache, fp8.v_cache)  # byte loads unless asked
 
 
 @pytest.mark.parametrize("heads_per_program, merge", [(2, "in_kernel"), (1, "launch"), (4, "in_kernel")])

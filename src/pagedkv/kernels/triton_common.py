@@ -42,19 +42,11 @@ def tanh(x):
 
 
 @triton.jit
-def kv_token_rows(table_row, stride_bt_b, tokens, token_mask, head_offset, stride_cache_b, stride_cache_o,
-                  BLOCK_SIZE: tl.constexpr):
-    """Element offset of each kv position's row (its head's `head_dim` values) through one table row."""
-    block_ids = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt_b, mask=token_mask, other=0).to(tl.int64)
-    return block_ids * stride_cache_b + (tokens % BLOCK_SIZE) * stride_cache_o + head_offset  # [BLOCK_N]
-
-
-@triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset, dims, dim_mask,
                  stride_cache_b, stride_cache_o, BLOCK_SIZE: tl.constexpr):
     """K and V `[BLOCK_N, DIM_PAD]` of kv positions `tokens` (masked lanes read as 0) through one table row."""
-    token_rows = kv_token_rows(table_row, stride_bt_b, tokens, token_mask, head_offset, stride_cache_b,
-                               stride_cache_o, BLOCK_SIZE)
+    block_ids = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt_b, mask=token_mask, other=0).to(tl.int64)
+    token_rows = block_ids * stride_cache_b + (tokens % BLOCK_SIZE) * stride_cache_o + head_offset  # [BLOCK_N]
     offsets = token_rows[:, None] + dims[None, :]  # [BLOCK_N, DIM_PAD] int64
     mask = token_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)

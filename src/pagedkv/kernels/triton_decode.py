@@ -21,10 +21,10 @@ resets. An empty split (a short sequence in a batch split for a long one) writes
 Every tensor but the caches is addressed through its strides, so views (a query sliced
 from a fused QKV projection, `block_tables[:, ::2]`, `seq_lens[::2]`) read the right memory.
 
-FP8 caches (`KV_FP8`): tiles are loaded as bytes (or, with PAGEDKV_FP8_LOAD=words, as int32 words:
-`triton_fp8.load_fp8_words`) and converted to the query's dtype in registers (exact); the program's
-one KV head has one K scale, folded into the softmax scale, and one V scale, applied to the
-normalised output (and so to every split's partial, which keeps the merge linear).
+FP8 caches (`KV_FP8`): tiles are loaded as bytes and converted to the query's dtype in
+registers (exact); the program's one KV head has one K scale, folded into the softmax scale,
+and one V scale, applied to the normalised output (and so to every split's partial, which
+keeps the merge linear).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import triton.language as tl
 
 from pagedkv.kernels.triton_common import (
     LOG2E,
-    kv_token_rows,
     load_kv_tile,
     merge_chunk,
     merge_group_rows,
@@ -43,7 +42,7 @@ from pagedkv.kernels.triton_common import (
     store_split_part,
     tile_scores,
 )
-from pagedkv.kernels.triton_fp8 import fp8_query, fp8_words_ok, load_fp8_words, to_compute
+from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import DecodeTuning
 
 
@@ -62,20 +61,14 @@ def split_range(seq_len, sliding_window, num_splits, split, BLOCK_N: tl.constexp
 def attend_range(q, m_i, l_i, acc, lo, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, head_offset, dims,
                  dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_WORDS: tl.constexpr = False,
-                 HEAD_DIM: tl.constexpr = 0):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Fold kv positions [lo, hi) of one sequence's pages into the softmax state of the rows of `q`."""
     for start in range(lo, hi, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         token_mask = tokens < hi
-        if FP8_WORDS:
-            token_rows = kv_token_rows(table_row, stride_bt_b, tokens, token_mask, head_offset, stride_cache_b,
-                                       stride_cache_o, BLOCK_SIZE)
-            k, v = load_fp8_words(k_cache_ptr, v_cache_ptr, token_rows, token_mask, q.dtype, HEAD_DIM, dims.shape[0])
-        else:
-            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
-                                dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
-            k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, token_mask, head_offset,
+                            dims, dim_mask, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
         s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
@@ -92,7 +85,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, FP8_WORDS: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,8 +117,7 @@ def _decode_kernel(
 
     m_i, l_i, acc = attend_range(q, m_i, l_i, acc, lo, hi, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b,
                                  head_offset, dims, dim_mask, stride_cache_b, stride_cache_o, qk_scale, soft_cap,
-                                 BLOCK_SIZE, BLOCK_N, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, KV_FP8, FP8_WORDS,
-                                 HEAD_DIM)
+                                 BLOCK_SIZE, BLOCK_N, USE_DOT, USE_SOFT_CAP, DOT_PRECISION, KV_FP8)
 
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -219,8 +211,7 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad), KV_FP8=fp8,
-        FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8),
-        num_stages=tuning.num_stages,
+        num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         _merge_kernel[(num_seqs, num_heads)](

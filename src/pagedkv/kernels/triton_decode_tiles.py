@@ -60,7 +60,7 @@ from pagedkv.kernels.triton_common import (
     tile_scores,
 )
 from pagedkv.kernels.triton_decode import _merge_kernel
-from pagedkv.kernels.triton_fp8 import fp8_query, fp8_words_ok, load_fp8_words, to_compute
+from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import DecodeTuning, tiles_plan
 
 #: `DecodeTuning.table` modes -> the kernel's TABLE_MODE.
@@ -75,7 +75,7 @@ def _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, 
                 stride_cache_b, stride_cache_o, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 TABLE_MODE: tl.constexpr, TABLE_CHUNK: tl.constexpr, USE_DOT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-                KV_FP8: tl.constexpr, FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                KV_FP8: tl.constexpr):
     """Fold the tiles of kv positions [range_lo, range_hi) into (m_i, l_i, acc).
 
     `qk_scale` is a scalar, or `[ROWS_PAD, 1]` per-row scales (FP8: each row's KV head's K scale
@@ -95,14 +95,11 @@ def _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, 
             slots = tl.arange(0, TABLE_CHUNK)
             block_ids = tl.sum(tl.where((page - first_page)[:, None] == slots[None, :], table_vec[None, :], 0), axis=1)
         token_rows = block_ids.to(tl.int64) * stride_cache_b + (tokens % BLOCK_SIZE) * stride_cache_o + head_offsets
-        if FP8_WORDS:
-            k, v = load_fp8_words(k_cache_ptr, v_cache_ptr, token_rows, token_mask, q.dtype, HEAD_DIM, dims.shape[0])
-        else:
-            offsets = token_rows[:, None] + dims[None, :]  # [TILE_ROWS, DIM_PAD] int64
-            mask = token_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
-            v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
-            k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
+        offsets = token_rows[:, None] + dims[None, :]  # [TILE_ROWS, DIM_PAD] int64
+        mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+        k, v = to_compute(k, q.dtype, KV_FP8), to_compute(v, q.dtype, KV_FP8)
         s = tile_scores(q, k, qk_scale, soft_cap, USE_DOT, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(token_mask[None, :] & same_head, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, USE_DOT, DOT_PRECISION)
@@ -121,7 +118,6 @@ def _tiles_decode_kernel(
     TABLE_MODE: tl.constexpr, TABLE_CHUNK: tl.constexpr, CHUNK_TOKENS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     IS_SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_WORDS: tl.constexpr,
 ):
     split = tl.program_id(0)  # splits vary fastest: an item's splits start (and finish) together
     head_group = tl.program_id(1)
@@ -167,8 +163,7 @@ def _tiles_decode_kernel(
         m_i, l_i, acc = _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, rows, 0, lo, hi, kv_start,
                                     same_head, tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, row_scale,
                                     soft_cap, stride_cache_b, stride_cache_o, BLOCK_SIZE, BLOCK_N, TABLE_MODE,
-                                    TABLE_CHUNK, USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8,
-                                    FP8_WORDS, HEAD_DIM)
+                                    TABLE_CHUNK, USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8)
     else:
         slots = tl.arange(0, TABLE_CHUNK)
         for chunk_lo in range(lo, hi, CHUNK_TOKENS):
@@ -180,8 +175,7 @@ def _tiles_decode_kernel(
                                         chunk_lo, tl.minimum(chunk_lo + CHUNK_TOKENS, hi), kv_start, same_head,
                                         tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, row_scale, soft_cap,
                                         stride_cache_b, stride_cache_o, BLOCK_SIZE, BLOCK_N, TABLE_MODE, TABLE_CHUNK,
-                                        USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8, FP8_WORDS,
-                                        HEAD_DIM)
+                                        USE_DOT, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -282,8 +276,7 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(config["ROWS_P2"], dim_pad), KV_FP8=fp8,
-        FP8_WORDS=fp8 and fp8_words_ok(k_cache, v_cache), num_warps=tuning.num_warps_for(fp8),
-        num_stages=tuning.num_stages,
+        num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
     )
     if is_split and not merge_in_kernel:
         # Up to 8192 partial floats per load (64 fp32 registers a thread): 64 splits at head_dim 128 merge

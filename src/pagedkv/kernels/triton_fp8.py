@@ -24,13 +24,10 @@ value times 2**-8, so one exact multiply by 256 restores it (fp16 compute only; 
 Exact for every finite code; e4m3's two NaN codes come out as +-480, which no pool holds
 (`quantize` saturates at 448).
 
-Word loads (opt-in, PAGEDKV_FP8_LOAD=words; `load_fp8_words`): Triton stages an FP8 tile in shared
-memory and loads it straight into the `mma` operand layout, where an 8-bit operand has no `ldmatrix`
-path, so every value comes out of shared memory with its own byte load. Loading the tile as int32
-words and converting the four codes of each word in registers (`fp8_words_to_f16`) removes those
-loads: the tile reaches the dot as fp16 through `st.shared.v4` + `ldmatrix`. It is exact and
-GPU-tested, but measured 3-12% slower on the H200 (benchmarks/KERNELS.md, round 5), so byte loads
-stay the default.
+Byte loads: Triton stages an FP8 tile in shared memory and reads it into the `mma` operand layout
+one byte per value (8-bit operands have no `ldmatrix` path). Loading int32 words and converting
+four codes per word in registers removes those reads but ran 3-12% slower on the H200; that route
+was removed again (benchmarks/KERNELS.md, round 5; code at commit 526bc55).
 
 `fp8_query` picks the compute dtype of an FP8 cache's tiles. A bf16 model's query is taken
 to fp16 (clamped to fp16's range; fp16 holds every bf16 value of its normal range exactly, with
@@ -62,6 +59,8 @@ def _fp8_convert_route() -> str:
 
 #: How `to_compute` turns FP8 tiles into the compute dtype (see the module docstring).
 FP8_CONVERT = tl.constexpr(_fp8_convert_route())
+
+
 def _fp8_compute() -> bool:
     """PAGEDKV_FP8_COMPUTE: "f16" (the default) or "model"."""
     return env_choice("PAGEDKV_FP8_COMPUTE", ("f16", "model"), "f16") == "f16"
@@ -116,67 +115,6 @@ def fp8_bits_to_f16(tile):
         return (byte << 8).to(tl.uint16).to(tl.float16, bitcast=True)
     half = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.uint16)
     return half.to(tl.float16, bitcast=True) * 256.0
-
-
-@triton.jit
-def _fp8_byte_to_f16(byte, E5M2: tl.constexpr):
-    """int32 lanes holding one FP8 code each (0..255) as fp16, by integer operations (exact)."""
-    if E5M2:
-        return (byte << 8).to(tl.uint16).to(tl.float16, bitcast=True)
-    half = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.uint16)
-    return half.to(tl.float16, bitcast=True) * 256.0
-
-
-@triton.jit
-def fp8_words_to_f16(words, E5M2: tl.constexpr):
-    """An int32 tile `[N, W]` of packed FP8 codes (4 per word, little-endian) as the fp16 tile `[N, 4 W]`.
-
-    The four codes of a word become four fp16 tensors, joined and reshaped back into token order, so
-    each thread converts the words it loaded: the tile reaches the dot operand as fp16, through fp16
-    shared memory, instead of as single bytes (module docstring, "Word loads"). On a GPU one `cvt` turns two
-    codes into two fp16 (inline PTX); elsewhere integer operations do.
-    """
-    if FP8_CONVERT == "direct":
-        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2" if E5M2 else "cvt.rn.f16x2.e4m3x2"
-        h0, h1, h2, h3 = tl.inline_asm_elementwise(
-            asm="{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; " + cvt.value + " a, lo; " + cvt.value
-                + " b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=1)
-    else:
-        h0 = _fp8_byte_to_f16(words & 0xFF, E5M2)
-        h1 = _fp8_byte_to_f16((words >> 8) & 0xFF, E5M2)
-        h2 = _fp8_byte_to_f16((words >> 16) & 0xFF, E5M2)
-        h3 = _fp8_byte_to_f16((words >> 24) & 0xFF, E5M2)
-    return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [words.shape[0], words.shape[1] * 4])
-
-
-@triton.jit
-def load_fp8_words(k_cache_ptr, v_cache_ptr, token_rows, token_mask, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   DIM_PAD: tl.constexpr):
-    """K and V `[rows, DIM_PAD]` of an FP8 cache in `dtype`, each row at element offset `token_rows`, loaded as
-    int32 words (`fp8_words_to_f16`); masked rows read as 0.
-
-    The launcher checks (`fp8_words_ok`) that head_dim, the cache strides and base addresses are multiples of 4."""
-    words = tl.arange(0, DIM_PAD // 4)
-    E5M2: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e5
-    offsets = (token_rows // 4)[:, None] + words[None, :]
-    mask = token_mask[:, None] & (words < HEAD_DIM // 4)[None, :]
-    k = fp8_words_to_f16(tl.load(k_cache_ptr.to(tl.pointer_type(tl.int32)) + offsets, mask=mask, other=0), E5M2)
-    v = fp8_words_to_f16(tl.load(v_cache_ptr.to(tl.pointer_type(tl.int32)) + offsets, mask=mask, other=0), E5M2)
-    return k.to(dtype), v.to(dtype)
-
-
-def fp8_words_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether an FP8 pool can be read as int32 words: head_dim, every stride and both base addresses in 4s.
-
-    Opt-in, PAGEDKV_FP8_LOAD=words: on the H200 the word loads removed the byte-wise shared loads but ran
-    3-12% slower than the byte loads (benchmarks/results/fp8_words_sweep_h200.jsonl)."""
-    if env_choice("PAGEDKV_FP8_LOAD", ("bytes", "words"), "bytes") != "words":
-        return False
-    return (k_cache.stride() == v_cache.stride() and k_cache.shape[-1] % 4 == 0 and k_cache.stride(-1) == 1
-            and all(s % 4 == 0 for s in k_cache.stride()[:-1])
-            and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
 
 
 @triton.jit
