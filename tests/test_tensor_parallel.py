@@ -36,6 +36,27 @@ def test_tp2_over_gloo_equals_tp1(name, kv_cache_dtype):
 
 
 @pytest.mark.slow
+def test_tp2_sampling_equals_tp1():
+    """Only rank 0 samples; the workers take its broadcast tokens as their next inputs (seeded, n=2, logprobs)."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.2, top_k=20, seed=6, n=2, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=7, max_tokens=9, ignore_eos=True, frequency_penalty=0.5)]
+
+    def run(llm):
+        outputs = llm.generate(_prompts(), params)
+        return [[(c.token_ids, [e.token_id for e in c.logprobs or []]) for c in o.outputs] for o in outputs]
+
+    single = run(_llm("tiny-llama", 1))
+    llm = _llm("tiny-llama", 2)
+    try:
+        assert run(llm) == single
+        assert llm.stats()["num_used_blocks"] == 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
 def test_a_dead_worker_fails_requests_with_a_clear_error():
     llm = _llm("tiny-llama", 2)
     try:

@@ -8,7 +8,8 @@ Every rank holds one `TensorParallel`. It wraps two groups over the same ranks:
   decode CUDA graphs like any other kernel;
 - the **control group** (gloo, CPU) on which rank 0 broadcasts each step's `StepInput` as a
   pickled object (`broadcast_object_list`), and on which the ranks agree at startup (the pool
-  is the smallest rank's).
+  is the smallest rank's). Only rank 0 samples: the step's tokens go to the other ranks as a
+  device broadcast on the data group, so the pickled step carries no sampling rows.
 
 `PAGEDKV_TP_ALL_REDUCE=symm_mem` (opt-in, CUDA) replaces NCCL's all-reduce for the model's
 activations with torch's symmetric-memory one-shot all-reduce (`torch.ops.symm_mem`): each rank
@@ -144,6 +145,11 @@ class TensorParallel:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(gathered, x.contiguous(), group=self.data_group)
         return gathered.view(self.size, x.shape[0], x.shape[1]).permute(1, 0, 2).reshape(x.shape[0], -1)
+
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere), over the data group."""
+        dist.broadcast(x, src=0, group=self.data_group)
+        return x
 
     # ------------------------------------------------------------------ control
     def broadcast_object(self, obj=None):

@@ -2,9 +2,9 @@
 
 A worker builds the same engine as rank 0 (same config, so the same pool, the same CUDA graphs,
 captured in lockstep because capture runs the model's collectives) and then loops: receive a
-`StepInput`, execute it, keep the sampled tokens on the device for the next step's pending
-inputs. Every rank samples from the same all-gathered logits with the same counter-based
-streams, so the tokens agree without being sent anywhere. A `None` ends the loop.
+`StepInput` (without its sampling rows: see `StepInput.for_workers`), execute it, and keep the
+tokens rank 0 sampled and broadcast on the device for the next step's pending inputs. A `None`
+ends the loop.
 """
 
 from __future__ import annotations

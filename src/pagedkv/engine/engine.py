@@ -269,7 +269,7 @@ class LLMEngine:
                                   max_blocks_per_seq=max_blocks_per_seq, num_table_rows=num_table_rows,
                                   max_model_len=max_model_len, vocab_size=self.vocab_size,
                                   eos_token_ids=self._eos_ids(), scratch_slot=num_blocks * config.block_size,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager, tp=self.tp)
         self.requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None
         self._num_sync_requests = 0  # live requests that need their tokens before the next step (n > 1, penalties)
@@ -550,7 +550,7 @@ class LLMEngine:
         previous_tokens = previous.result.device_tokens if previous is not None and previous.result else None
         if self.tp is not None:
             self._check_workers()
-            self.tp.broadcast_object(step_input)
+            self.tp.broadcast_object(step_input.for_workers())
         result = self.runner.execute(step_input, previous_tokens)  # block moves run even in an empty step
         length_finished = self.scheduler.advance(out)
         current = _InFlight(out, step_input, result, length_finished)

@@ -86,12 +86,20 @@ class HFModelAdapter:
         return output.logits[0]
 
 
+class ReceivedTokens:
+    """What a tensor-parallel worker's step yields: rank 0's sampled first tokens, on the device."""
+
+    def __init__(self, device_tokens: torch.Tensor):
+        self.device_tokens = device_tokens
+
+
 class ModelRunner:
     """Owns the model, the pool tensors, the attention backend, the CUDA graphs and the sampler."""
 
     def __init__(self, model, pool: KVPool, *, is_own_model: bool, num_swap_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_blocks_per_seq: int, num_table_rows: int, max_model_len: int,
-                 vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False):
+                 vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False, tp=None):
+        self.tp = tp  # a TensorParallel group: rank 0 samples and broadcasts the tokens (see _sample)
         self.model = model if is_own_model else HFModelAdapter(model, pool)
         self.is_own_model = is_own_model
         self.pool = pool
@@ -304,4 +312,23 @@ class ModelRunner:
                                 self.backend.bind(meta), indices)
         if not num_sample:
             return None
-        return self.sampler.sample(logits, step.sampling)
+        return self._sample(logits, step, num_sample)
+
+    def _sample(self, logits: torch.Tensor, step: StepInput, num_sample: int):
+        """The sampler's output; under tensor parallelism only rank 0 samples.
+
+        Rank 0 samples from the all-gathered logits and broadcasts each row's first token over
+        the data group (an asynchronous device collective on CUDA); the other ranks receive them
+        into `ReceivedTokens`, the next step's pending inputs. So the workers need no sampling
+        rows (the bulk of a pickled step) and do no sampling work.
+        """
+        if self.tp is None:
+            return self.sampler.sample(logits, step.sampling)
+        if self.tp.rank == 0:
+            result = self.sampler.sample(logits, step.sampling)
+            result.device_tokens = result.device_tokens.contiguous()
+            self.tp.broadcast_tensor(result.device_tokens)
+            return result
+        tokens = torch.empty(num_sample, dtype=torch.int64, device=self.device)
+        self.tp.broadcast_tensor(tokens)
+        return ReceivedTokens(tokens)
