@@ -6,6 +6,9 @@ Sections (each appends to `<out>/parallel.json`, so a run cut short keeps what i
   batch 1 and 64 (128-token prompts, 64 new tokens) and nano-vllm's workload (256 requests).
 - `tp2-symm`: `tp2` with PAGEDKV_TP_ALL_REDUCE=symm_mem (torch's one-shot symmetric-memory
   all-reduce instead of NCCL's).
+- `tp2-bound`: one rank's shard of the TP=2 model (half the heads, MLP width and vocab rows)
+  run as a whole model on one GPU: what a TP=2 step costs without its collectives, broadcasts
+  and worker processes, so `tp2` against it is the price of the communication.
 - `tp-greedy`: the same shape in fp32: greedy tokens at tensor_parallel_size 2 against 1 (the
   sums of two shards round differently from one matmul only in the last bits of fp32, so the
   tokens must agree).
@@ -82,6 +85,25 @@ def _throughput(llm, prompts, output_lens) -> dict:
     return {"elapsed_s": elapsed, "num_output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
 
 
+def shard_model(model: str, tp: int) -> str:
+    """`random:NAME` -> a registered `random:NAME-tpN-shard`: one TP rank's shard of NAME as a whole model.
+
+    Heads, KV heads and MLP width divided by `tp`, the vocab rows too (each rank's LM head and
+    embedding shard; the sampler then scans 1/tp of the vocab, a few microseconds less).
+    """
+    from pagedkv.hf.models import RANDOM_CONFIGS
+
+    base = model.split(":", 1)[1]
+    cfg = dict(RANDOM_CONFIGS[base])
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        cfg[key] //= tp
+    cfg["vocab_size"] = -(-cfg["vocab_size"] // tp)
+    name = f"{base}-tp{tp}-shard"
+    RANDOM_CONFIGS[name] = cfg
+    return f"random:{name}"
+
+
 def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b", key: str | None = None) -> None:
     from pagedkv.engine.llm import LLM
 
@@ -93,7 +115,7 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b", key: st
     warm, warm_lens = nano_vllm_workload(8, 32, 64, seed=1, vocab=vocab)
     _throughput(llm, warm, warm_lens)
     phases: dict[str, dict] = {"1": {}, "64": {}}
-    result = {"tensor_parallel_size": tp, "startup_s": startup,
+    result = {"model": model, "tensor_parallel_size": tp, "startup_s": startup,
               "all_reduce": llm.engine.tp.all_reduce_mode if llm.engine.tp is not None else None,
               "decode_ms": {b: _decode_ms(llm, int(b), vocab, phases[b]) for b in phases},
               "decode_phases_ms": phases}
@@ -232,7 +254,7 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") -> int:
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="+",
-                        choices=("tp1", "tp2", "tp2-symm", "tp-greedy", "dp1", "dp2", "routing"))
+                        choices=("tp1", "tp2", "tp2-symm", "tp2-bound", "tp-greedy", "dp1", "dp2", "routing"))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--routing-requests", type=int, default=2048)
     parser.add_argument("--system-prompts", type=int, default=32)
@@ -265,6 +287,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
                     os.environ.pop("PAGEDKV_TP_ALL_REDUCE")
                 else:
                     os.environ["PAGEDKV_TP_ALL_REDUCE"] = before
+        elif section == "tp2-bound":
+            tensor_parallel(1, out, shard_model("random:tiny-llama" if args.smoke else "random:llama3-8b", 2),
+                            key="tp2_shard_bound")
         elif section.startswith("tp"):
             tensor_parallel(int(section[2:]), out, *(["random:tiny-llama"] if args.smoke else []))
         elif section.startswith("dp"):

@@ -12,9 +12,9 @@ Every rank holds one `TensorParallel`. It wraps two groups over the same ranks:
   device broadcast on the data group, so the pickled step carries no sampling rows.
 
 `PAGEDKV_TP_ALL_REDUCE=symm_mem` (opt-in, CUDA) replaces NCCL's all-reduce for the model's
-activations with torch's symmetric-memory one-shot all-reduce (`torch.ops.symm_mem`): each rank
-copies its partial sums into a buffer every peer can read over NVLink, and one kernel reads all
-peers' buffers and adds them - the latency-bound path vLLM and sglang take for decode-sized
+activations with torch's symmetric-memory one-shot all-reduce (`torch.ops.symm_mem`): one kernel
+copies this rank's partial sums into a buffer every peer can read over NVLink and, after a
+barrier, reads all peers' buffers and adds them - the latency-bound path vLLM and sglang take for decode-sized
 messages, where NCCL's ring costs ~10 us per call (65 calls per Llama-3-8B step). It needs no
 NVLink multicast. It takes bf16 and fp32 messages of up to 1 MiB (a decode step's activations up
 to batch 128 at width 4096) whose size is a multiple of 16 bytes; anything else, and any setup
@@ -127,13 +127,19 @@ class TensorParallel:
 
     # ------------------------------------------------------------------ model collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place (returns `x`)."""
+        """Sum `x` over the ranks; returns the sum (`x` itself, summed in place, on NCCL and gloo)."""
         buffer = self._symm_buffers.get(x.dtype)
         if buffer is not None and x.is_contiguous() and x.numel() <= buffer.numel() \
                 and (x.numel() * x.element_size()) % 16 == 0:
             staged = buffer[:x.numel()]
+            group = self.data_group.group_name
+            copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+            if copy_out is not None:  # one kernel stages x into the symmetric buffer and sums (torch >= 2.8)
+                out = torch.empty_like(x)  # not x: the kernel may still read x while it writes the sum
+                copy_out(staged, x.view(-1), "sum", group, out.view(-1))
+                return out
             staged.copy_(x.view(-1))
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.data_group.group_name, x.view(-1))
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group, x.view(-1))
             return x
         dist.all_reduce(x, group=self.data_group)
         return x
