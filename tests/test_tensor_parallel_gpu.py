@@ -24,3 +24,22 @@ def test_tp2_with_graphs_equals_tp1_fp32(name, all_reduce, monkeypatch):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == single
     finally:
         llm.engine.shutdown()
+
+
+def test_tp2_seeded_sampling_equals_tp1_fp32():
+    """Rank 0 samples and broadcasts the tokens on the device; the workers' next inputs are those tokens."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 33, 12, 70)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=20, ignore_eos=True) for i in range(3)]
+    params.append(SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=16, ignore_eos=True))
+    options = dict(dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=256, max_num_seqs=16)
+
+    def tokens(llm):
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+    single = tokens(LLM("random:tiny-llama", **options))
+    llm = LLM("random:tiny-llama", tensor_parallel_size=2, **options)
+    try:
+        assert tokens(llm) == single
+    finally:
+        llm.engine.shutdown()

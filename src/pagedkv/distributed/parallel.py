@@ -14,11 +14,12 @@ Every rank holds one `TensorParallel`. It wraps two groups over the same ranks:
 `PAGEDKV_TP_ALL_REDUCE=symm_mem` (opt-in, CUDA) replaces NCCL's all-reduce for the model's
 activations with torch's symmetric-memory one-shot all-reduce (`torch.ops.symm_mem`): one kernel
 copies this rank's partial sums into a buffer every peer can read over NVLink and, after a
-barrier, reads all peers' buffers and adds them - the latency-bound path vLLM and sglang take for decode-sized
-messages, where NCCL's ring costs ~10 us per call (65 calls per Llama-3-8B step). It needs no
-NVLink multicast. It takes bf16 and fp32 messages of up to 1 MiB (a decode step's activations up
-to batch 128 at width 4096) whose size is a multiple of 16 bytes; anything else, and any setup
-failure, goes to NCCL. Rank 0's choice is broadcast, so every rank takes the same path.
+barrier, reads all peers' buffers and adds them - the latency-bound path vLLM and sglang take
+for decode-sized messages, where NCCL's ring costs ~10 us per call (65 calls per Llama-3-8B
+step). It needs no NVLink multicast. It takes bf16 and fp32 messages whose size is a multiple
+of 16 bytes, up to 4 MiB with two ranks (a decode step's activations up to batch 512 at width
+4096) and 1 MiB with more (`symm_mem_bytes`); anything else, and any setup failure, goes to
+NCCL. Rank 0's choice is broadcast, so every rank takes the same path.
 
 Ranks join the way `torchrun` starts them (the `MASTER_ADDR`/`MASTER_PORT`, `RANK`,
 `WORLD_SIZE` variables) or the way the engine spawns them (an explicit TCP address), so the
@@ -41,9 +42,16 @@ from pagedkv.errors import ConfigError
 logger = logging.getLogger("pagedkv")
 
 ALL_REDUCE_MODES = ("nccl", "symm_mem")
-#: Bytes of each symmetric buffer, and the largest message the one-shot all-reduce takes: each rank reads
-#: every peer's whole message, so past decode sizes (prefill chunks) NCCL's ring is the better algorithm.
-SYMM_MEM_BYTES = 2**20
+
+
+def symm_mem_bytes(world_size: int) -> int:
+    """Bytes of each symmetric buffer: the largest message the one-shot all-reduce takes.
+
+    Each rank reads every peer's whole message. With two ranks that is the bytes a ring moves
+    too, so 4 MiB (a decode step of 512 rows at width 4096 in bf16) still wins on latency; with
+    more ranks the reads grow with the peers and NCCL's ring takes over past 1 MiB.
+    """
+    return 4 * 2**20 if world_size == 2 else 2**20
 #: Dtypes torch's one-shot all-reduce implements (bf16 and fp32; fp16 messages go to NCCL).
 SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -68,7 +76,7 @@ def all_reduce_mode_from_env() -> str:
     return env_choice("PAGEDKV_TP_ALL_REDUCE", ALL_REDUCE_MODES, "nccl")
 
 
-def _symmetric_buffers(device: torch.device, group) -> dict[torch.dtype, torch.Tensor]:
+def _symmetric_buffers(device: torch.device, group, world_size: int) -> dict[torch.dtype, torch.Tensor]:
     """One rendezvoused symmetric buffer per activation dtype (made before any graph capture), or {} on failure."""
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -77,7 +85,7 @@ def _symmetric_buffers(device: torch.device, group) -> dict[torch.dtype, torch.T
             symm_mem.enable_symm_mem_for_group(group.group_name)
         buffers = {}
         for dtype in SYMM_MEM_DTYPES:
-            buffer = symm_mem.empty(SYMM_MEM_BYTES // dtype.itemsize, dtype=dtype, device=device)
+            buffer = symm_mem.empty(symm_mem_bytes(world_size) // dtype.itemsize, dtype=dtype, device=device)
             buffer.zero_()
             symm_mem.rendezvous(buffer, group.group_name)
             buffers[dtype] = buffer
@@ -120,7 +128,7 @@ class TensorParallel:
             mode = self.broadcast_object(mode)  # rank 0's environment decides for every rank
         self._symm_buffers: dict[torch.dtype, torch.Tensor] = {}
         if mode == "symm_mem" and backend == "nccl":
-            self._symm_buffers = _symmetric_buffers(self.device, self.data_group)
+            self._symm_buffers = _symmetric_buffers(self.device, self.data_group, self.size)
             if self.min_int(int(bool(self._symm_buffers))) == 0:  # every rank takes the same path, or none
                 self._symm_buffers = {}
         self.all_reduce_mode = "symm_mem" if self._symm_buffers else backend  # what all_reduce runs on
