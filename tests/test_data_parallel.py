@@ -205,3 +205,40 @@ def test_server_metrics_follow_the_replicas_pushed_stats():
         assert "pagedkv_kv_cache_used_blocks 0.0" in text
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_replicas_of_tensor_parallel_groups_equal_one_engine():
+    """DP=2 x TP=2 on CPU (gloo): each replica leads its own two-rank group; the tokens are one engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    options = dict(device="cpu", block_size=4, num_blocks=128)
+    single = [o.outputs[0].token_ids for o in LLM("random:tiny-llama", **options).generate(_prompts(), params)]
+    llm = LLM("random:tiny-llama", data_parallel_size=2, tensor_parallel_size=2, **options)
+    try:
+        outputs = llm.generate(_prompts(), params)
+        assert [o.outputs[0].token_ids for o in outputs] == single
+        assert [h["alive"] for h in llm.engine.health()] == [True, True]
+        assert llm.stats()["num_used_blocks"] == 0
+    finally:
+        llm.engine.shutdown()
+    assert not any(r.process.is_alive() for r in llm.engine.replicas)
+
+
+def test_replica_devices_give_each_tensor_parallel_group_its_own_gpus(monkeypatch):
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.data_parallel import DataParallelEngine
+
+    class FakeCuda:
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def device_count():
+            return 4
+
+    fake_torch = type("FakeTorch", (), {"cuda": FakeCuda})
+    config = EngineConfig(model="random:tiny-llama", tensor_parallel_size=2)
+    assert DataParallelEngine._devices(config, 2, fake_torch) == ["cuda:0", "cuda:2"]
+    with pytest.raises(ConfigError, match="needs 6 GPUs, but torch sees 4"):
+        DataParallelEngine._devices(config, 3, fake_torch)

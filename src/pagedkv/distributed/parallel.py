@@ -65,10 +65,18 @@ class ParallelConfig:
     init_method: str  # "env://" (torchrun) or "tcp://host:port"
     device_type: str  # "cuda" or "cpu"
     timeout_s: float = 120.0
+    first_device: int = 0  # spawned groups: rank r runs on cuda:(first_device + r) (torchrun: LOCAL_RANK)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.tensor_parallel_size:
             raise ConfigError(f"rank {self.rank} is outside a tensor-parallel group of {self.tensor_parallel_size}")
+
+    @property
+    def local_device(self) -> int:
+        """This rank's CUDA device index: torchrun's LOCAL_RANK, else first_device + rank."""
+        if self.init_method == "env://" and "LOCAL_RANK" in os.environ:
+            return int(os.environ["LOCAL_RANK"])
+        return self.first_device + self.rank
 
 
 def all_reduce_mode_from_env() -> str:
@@ -112,9 +120,8 @@ class TensorParallel:
         timeout = datetime.timedelta(seconds=config.timeout_s)
         backend = "nccl" if config.device_type == "cuda" else "gloo"
         if config.device_type == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", config.rank))
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
+            self.device = torch.device("cuda", config.local_device)
+            torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         if not dist.is_initialized():

@@ -22,6 +22,7 @@ others serving; `health()` reports each one.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import queue
@@ -266,7 +267,10 @@ class DataParallelEngine:
         pending = []
         for index, device in enumerate(devices):
             parent, child = context.Pipe()
-            process = context.Process(target=_replica_main, daemon=True,
+            # A replica that leads a tensor-parallel group spawns its workers, and multiprocessing lets
+            # no daemonic process have children: such replicas are non-daemonic, and `shutdown` (also
+            # run at exit) stops them.
+            process = context.Process(target=_replica_main, daemon=config.tensor_parallel_size == 1,
                                       args=(replace(config, device=device), index, child, self._load))
             process.start()
             pending.append((index, process, parent))
@@ -283,6 +287,7 @@ class DataParallelEngine:
             self.replicas.append(_Replica(process, conn, _ProcessReplica(index, info["block_size"], self._load),
                                           info, set(), []))
             self.replicas[-1].start_sender(index)
+        atexit.register(self.shutdown)
         self.router = Router([r.view for r in self.replicas], router_config)
         self.max_model_len = min(r.info["max_model_len"] for r in self.replicas)
         self.scheduler = _SchedulerView(self, Scheduler(self.replicas[0].info["scheduler_config"]))
@@ -299,10 +304,8 @@ class DataParallelEngine:
         if size * per_replica > available:
             raise ConfigError(f"data_parallel_size {size} x tensor_parallel_size {per_replica} needs "
                               f"{size * per_replica} GPUs, but torch sees {available}")
-        if per_replica > 1:
-            raise ConfigError("data parallel replicas of tensor-parallel groups are started with torchrun, one "
-                              "group per replica; in one process tree, replicas are one GPU each")
-        return [f"cuda:{i}" for i in range(size)]
+        # Replica i leads the tensor-parallel group on GPUs i * per_replica .. (i + 1) * per_replica - 1.
+        return [f"cuda:{i * per_replica}" for i in range(size)]
 
     # ------------------------------------------------------------------ the engine API
     @property
@@ -453,6 +456,8 @@ class DataParallelEngine:
         """Each replica checks its own engine after every step; nothing is shared to check here."""
 
     def shutdown(self) -> None:
+        """Stop every replica (idempotent; also registered to run at exit)."""
+        atexit.unregister(self.shutdown)
         for replica in self.replicas:  # every replica gets its stop first, then the senders finish
             replica.stop()
         for replica in self.replicas:

@@ -309,9 +309,12 @@ class LLMEngine:
         if model is not None:
             raise ConfigError("tensor_parallel_size > 1 loads the model by name in every rank: pass the model "
                               "name or path, not a loaded model object")
-        if self.device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, but torch sees "
-                              f"{torch.cuda.device_count()}")
+        # A spawned group takes GPUs first..first + size - 1 (first: the engine's device, e.g. cuda:2 for the
+        # second TP=2 replica of a data-parallel server).
+        first = (self.device.index or 0) if self.device.type == "cuda" else 0
+        if self.device.type == "cuda" and torch.cuda.device_count() < first + size:
+            raise ConfigError(f"tensor_parallel_size {size} from cuda:{first} needs GPUs {first}..{first + size - 1}, "
+                              f"but torch sees {torch.cuda.device_count()}")
         torchrun = tp_rank is None and launched_by_torchrun()
         if torchrun:
             tp_rank, init_method = int(os.environ["RANK"]), "env://"
@@ -327,7 +330,7 @@ class LLMEngine:
                 self._workers.append(process)
             atexit.register(self.shutdown)
         self.tp = TensorParallel(ParallelConfig(size, tp_rank, init_method, self.device.type,
-                                                self.config.distributed_timeout_s))
+                                                self.config.distributed_timeout_s, first_device=first))
         self.device = self.tp.device
         logger.info("tensor parallel: rank %d of %d, activations all-reduced over %s", self.tp.rank, size,
                     self.tp.all_reduce_mode)
