@@ -1,5 +1,8 @@
 """Tensor parallelism on CPU: two processes over gloo give TP=1's greedy tokens; a dead worker fails cleanly."""
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -72,6 +75,25 @@ def test_a_dead_worker_fails_requests_with_a_clear_error():
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
+def test_a_stuck_worker_fails_the_engine_at_the_collective_timeout():
+    """A worker that stops answering (SIGSTOP) makes a collective time out: requests fail, the engine stops."""
+    llm = _llm("tiny-llama", 2, distributed_timeout_s=10)
+    worker = llm.engine._workers[0]
+    try:
+        llm.generate(_prompts()[:1], PARAMS)
+        os.kill(worker.pid, signal.SIGSTOP)
+        with pytest.raises(EngineDeadError, match="tensor-parallel step failed"):
+            llm.generate(_prompts(), PARAMS)
+        assert llm.stats()["num_used_blocks"] == 0 and not llm.engine.has_unfinished_requests()
+        with pytest.raises(EngineDeadError):
+            llm.engine.step()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        llm.engine.shutdown()
+    assert not worker.is_alive()
+
+
 def test_heads_that_do_not_divide_are_refused_before_any_process_starts():
     # tiny-mistral has one KV head: it cannot be split two ways.
     with pytest.raises(ConfigError, match="num_key_value_heads = 1 does not divide"):
@@ -96,3 +118,25 @@ def test_more_gpus_than_exist_is_refused():
         from pagedkv.hf import random_model
 
         LLM(hf_model=random_model("tiny-llama"), device="cpu", tensor_parallel_size=2)
+
+
+def test_a_worker_that_dies_before_joining_fails_the_startup_at_once():
+    """Rank 0 waits for each worker's check-in while watching the processes, not for torch's whole timeout."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from pagedkv.distributed import ParallelConfig, TensorParallel
+    from pagedkv.distributed.worker import free_tcp_address
+
+    worker = mp.get_context("spawn").Process(target=os._exit, args=(3,))
+    worker.start()
+
+    def alive():
+        if not worker.is_alive():
+            raise EngineDeadError(f"worker exited with code {worker.exitcode}")
+
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="exited with code 3"):
+        TensorParallel(ParallelConfig(2, 0, free_tcp_address(), "cpu", timeout_s=120), alive=alive)
+    assert time.monotonic() - start < 60

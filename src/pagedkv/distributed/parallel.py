@@ -31,13 +31,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from pagedkv.env import env_choice
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger("pagedkv")
 
@@ -105,6 +108,35 @@ def _symmetric_buffers(device: torch.device, group, world_size: int) -> dict[tor
         return {}
 
 
+def _spawned_group_store(config: ParallelConfig, alive: Callable[[], None] | None) -> dist.TCPStore:
+    """The rendezvous store of a spawned group (a tcp:// address), with every rank checked in.
+
+    Rank 0 hosts the store and waits for each worker's check-in key, calling `alive()` (which
+    raises when a worker process has died) as it waits. So a worker that dies before it joins
+    (an import error, a bad device) fails the startup at once, instead of after the whole
+    `timeout_s` that torch's own rendezvous would wait for it.
+    """
+    address = urlparse(config.init_method)
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    size = config.tensor_parallel_size
+    store = dist.TCPStore(address.hostname, address.port, size, config.rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    if config.rank != 0:
+        store.set(f"pagedkv/joined/{config.rank}", "1")
+        return store
+    keys = [f"pagedkv/joined/{rank}" for rank in range(1, size)]
+    deadline = time.monotonic() + config.timeout_s
+    while not store.check(keys):
+        if alive is not None:
+            alive()
+        if time.monotonic() > deadline:
+            missing = [rank for rank in range(1, size) if not store.check([f"pagedkv/joined/{rank}"])]
+            raise EngineDeadError(f"tensor-parallel startup: ranks {missing} did not join within "
+                                  f"{config.timeout_s:g} s")
+        time.sleep(0.01)
+    return store
+
+
 def launched_by_torchrun() -> bool:
     """Whether this process was started by torchrun (or another launcher that sets the env:// variables)."""
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -113,7 +145,8 @@ def launched_by_torchrun() -> bool:
 class TensorParallel:
     """This rank's view of the tensor-parallel group (see the module docstring)."""
 
-    def __init__(self, config: ParallelConfig):
+    def __init__(self, config: ParallelConfig, alive: Callable[[], None] | None = None):
+        """`alive` (rank 0 of a spawned group): raises when a worker process has died; called while waiting."""
         self.config = config
         self.rank = config.rank
         self.size = config.tensor_parallel_size
@@ -125,8 +158,10 @@ class TensorParallel:
         else:
             self.device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=config.init_method, rank=config.rank,
-                                    world_size=config.tensor_parallel_size, timeout=timeout,
+            spawned = config.init_method.startswith("tcp://")
+            store = _spawned_group_store(config, alive) if spawned else None
+            dist.init_process_group(backend, init_method=None if spawned else config.init_method, store=store,
+                                    rank=config.rank, world_size=config.tensor_parallel_size, timeout=timeout,
                                     device_id=self.device if backend == "nccl" else None)
         self.data_group = dist.group.WORLD
         self.control_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else self.data_group

@@ -470,6 +470,7 @@ class DataParallelEngine:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)
 
 
 class _DPStats:

@@ -323,19 +323,24 @@ class LLMEngine:
                                   f"{size}")
         elif tp_rank is None:
             tp_rank, init_method = 0, free_tcp_address()
+            self._watch_stop = threading.Event()
             context = torch.multiprocessing.get_context("spawn")
             for rank in range(1, size):
                 process = context.Process(target=worker_entry, args=(self.config, rank, init_method), daemon=True)
                 process.start()
                 self._workers.append(process)
             atexit.register(self.shutdown)
-        self.tp = TensorParallel(ParallelConfig(size, tp_rank, init_method, self.device.type,
-                                                self.config.distributed_timeout_s, first_device=first))
+        try:
+            self.tp = TensorParallel(ParallelConfig(size, tp_rank, init_method, self.device.type,
+                                                    self.config.distributed_timeout_s, first_device=first),
+                                     alive=self._raise_if_a_worker_died if self._workers else None)
+        except BaseException:
+            self._stop_workers()
+            raise
         self.device = self.tp.device
         logger.info("tensor parallel: rank %d of %d, activations all-reduced over %s", self.tp.rank, size,
                     self.tp.all_reduce_mode)
         if self._workers:
-            self._watch_stop = threading.Event()
             threading.Thread(target=self._watch_workers, name="pagedkv-tp-watch", daemon=True).start()
         if torchrun and tp_rank != 0:
             self._run_torchrun_worker = lambda: run_worker(self)
@@ -354,6 +359,12 @@ class LLMEngine:
                 logger.error("%s; aborting the process group", self._worker_exit)
                 self.tp.abort()
                 return
+
+    def _raise_if_a_worker_died(self) -> None:
+        """`EngineDeadError` naming the exit of the first spawned worker that died (startup: nothing to fail yet)."""
+        exit_message = self._dead_worker()
+        if exit_message:
+            raise EngineDeadError(f"{exit_message} during tensor-parallel startup")
 
     def _check_workers(self) -> None:
         """Raise `EngineDeadError` (failing every request) if a spawned worker has died."""
@@ -379,6 +390,7 @@ class LLMEngine:
             process.join(timeout=30 if self._dead is None and self._worker_exit is None else 1)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)
 
     def _fail(self, reason: str) -> None:
         self._dead = reason
@@ -539,6 +551,19 @@ class LLMEngine:
         """
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if self.tp is None:
+            return self._step()
+        try:
+            return self._step()
+        except EngineDeadError:
+            raise
+        except Exception as error:
+            # Under tensor parallelism a step that failed part-way (a collective that timed out, a
+            # peer that broke its connection) leaves the ranks out of step: nothing can run after it.
+            self._fail(f"tensor-parallel step failed: {type(error).__name__}: {str(error)[:400]}")
+            raise EngineDeadError(self._dead) from error
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         previous = self._in_flight
