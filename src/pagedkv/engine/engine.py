@@ -560,7 +560,8 @@ class LLMEngine:
         except Exception as error:
             # Under tensor parallelism a step that failed part-way (a collective that timed out, a
             # peer that broke its connection) leaves the ranks out of step: nothing can run after it.
-            self._fail(f"tensor-parallel step failed: {type(error).__name__}: {str(error)[:400]}")
+            exit_message = self._worker_exit or self._dead_worker()  # the cause, when a worker died
+            self._fail(exit_message or f"tensor-parallel step failed: {type(error).__name__}: {str(error)[:400]}")
             raise EngineDeadError(self._dead) from error
 
     def _step(self) -> list[RequestOutput]:
