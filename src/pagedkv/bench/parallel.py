@@ -3,7 +3,8 @@
 Sections (each appends to `<out>/parallel.json`, so a run cut short keeps what it measured):
 
 - `tp1`, `tp2`: Llama-3-8B shape, bf16, at tensor_parallel_size 1 and 2: decode ms per step at
-  batch 1 and 64 (128-token prompts, 64 new tokens) and nano-vllm's workload (256 requests).
+  batch 1, 64 and 256 (128-token prompts, 64 new tokens) and nano-vllm's workload (256 requests),
+  with the run's steps grouped (steps with prefill; decode-only steps by batch size).
 - `tp2-symm`: `tp2` with PAGEDKV_TP_ALL_REDUCE=symm_mem (torch's one-shot symmetric-memory
   all-reduce instead of NCCL's).
 - `tp2-bound`: one rank's shard of the TP=2 model (half the heads, MLP width and vocab rows)
@@ -74,15 +75,41 @@ def _decode_ms(llm, batch: int, vocab: int, phases: dict | None = None) -> float
     return statistics.median(t.total_s for t in steps) * 1e3
 
 
-def _throughput(llm, prompts, output_lens) -> dict:
+def _throughput(llm, prompts, output_lens, breakdown: bool = False) -> dict:
+    """Output tok/s of one `generate` over the prompts; `breakdown` adds where the run's steps spent it."""
     from pagedkv.engine.sampling import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    engine = llm.engine
+    if breakdown:
+        engine.step_timings = []
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"elapsed_s": elapsed, "num_output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+    result = {"elapsed_s": elapsed, "num_output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+    if breakdown:
+        result["steps"] = _step_breakdown(engine.step_timings)
+        engine.step_timings = None
+    return result
+
+
+def _step_breakdown(timings) -> dict:
+    """Seconds and counts of the run's steps: those with prefill tokens (eager) and decode-only ones by batch."""
+    groups: dict[str, list] = {}
+    for t in timings:
+        if t.shape.prefill_tokens:
+            key = "with_prefill"
+        else:
+            low = 1 << max(0, (t.shape.decode_seqs - 1).bit_length() - 1) if t.shape.decode_seqs > 1 else 1
+            key = f"decode_{low}-{2 * low - 1}" if low > 1 else "decode_1"
+        groups.setdefault(key, []).append(t)
+    out = {}
+    for key, steps in sorted(groups.items()):
+        out[key] = {"num_steps": len(steps), "total_s": sum(t.total_s for t in steps),
+                    "median_step_ms": statistics.median(t.total_s for t in steps) * 1e3,
+                    "median_wait_ms": statistics.median(t.wait_s for t in steps) * 1e3}
+    return out
 
 
 def shard_model(model: str, tp: int) -> str:
@@ -114,13 +141,13 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b", key: st
     vocab = llm.engine.vocab_size
     warm, warm_lens = nano_vllm_workload(8, 32, 64, seed=1, vocab=vocab)
     _throughput(llm, warm, warm_lens)
-    phases: dict[str, dict] = {"1": {}, "64": {}}
+    phases: dict[str, dict] = {"1": {}, "64": {}, "256": {}}
     result = {"model": model, "tensor_parallel_size": tp, "startup_s": startup,
               "all_reduce": llm.engine.tp.all_reduce_mode if llm.engine.tp is not None else None,
               "decode_ms": {b: _decode_ms(llm, int(b), vocab, phases[b]) for b in phases},
               "decode_phases_ms": phases}
     prompts, output_lens = nano_vllm_workload(256, 100, 1024, 0, vocab)
-    result["nano"] = _throughput(llm, prompts, output_lens)
+    result["nano"] = _throughput(llm, prompts, output_lens, breakdown=True)
     llm.engine.shutdown()
     del llm
     _free_gpu()
