@@ -140,3 +140,31 @@ def test_a_worker_that_dies_before_joining_fails_the_startup_at_once():
     with pytest.raises(EngineDeadError, match="exited with code 3"):
         TensorParallel(ParallelConfig(2, 0, free_tcp_address(), "cpu", timeout_s=120), alive=alive)
     assert time.monotonic() - start < 60
+
+
+def test_a_step_whose_collectives_never_finish_fails_at_the_deadline():
+    """On CUDA a stuck peer leaves the step's event pending: the engine gives up after distributed_timeout_s,
+    aborts the group and fails the requests (NCCL's watchdog, which would end the process, waits longer)."""
+    from dataclasses import replace
+
+    from pagedkv.engine.engine import _InFlight
+
+    llm = LLM("random:tiny-llama", device="cpu", block_size=4, num_blocks=64)
+    engine = llm.engine
+    engine.add_request("r", [5, 6, 7], PARAMS)
+    aborted = []
+
+    class StuckGroup:  # stands in for a TensorParallel whose peer stopped answering
+        def abort(self):
+            aborted.append(True)
+
+    class PendingResult:
+        def ready(self):
+            return False
+
+    engine.tp, engine.config = StuckGroup(), replace(engine.config, distributed_timeout_s=0.2)
+    with pytest.raises(EngineDeadError, match="did not finish within distributed_timeout_s = 0.2 s"):
+        engine._complete(_InFlight(out=None, step_input=None, result=PendingResult(), length_finished=[]))
+    assert aborted and not engine.has_unfinished_requests() and llm.stats()["num_used_blocks"] == 0
+    with pytest.raises(EngineDeadError):
+        engine.step()

@@ -151,6 +151,9 @@ class TensorParallel:
         self.rank = config.rank
         self.size = config.tensor_parallel_size
         timeout = datetime.timedelta(seconds=config.timeout_s)
+        # NCCL's watchdog ends the process when a collective outlasts the group's timeout; the engine's
+        # own step deadline (timeout_s) must come first, to fail the requests with a clear error.
+        data_timeout = 2 * timeout if config.device_type == "cuda" else timeout
         backend = "nccl" if config.device_type == "cuda" else "gloo"
         if config.device_type == "cuda":
             self.device = torch.device("cuda", config.local_device)
@@ -161,7 +164,7 @@ class TensorParallel:
             spawned = config.init_method.startswith("tcp://")
             store = _spawned_group_store(config, alive) if spawned else None
             dist.init_process_group(backend, init_method=None if spawned else config.init_method, store=store,
-                                    rank=config.rank, world_size=config.tensor_parallel_size, timeout=timeout,
+                                    rank=config.rank, world_size=config.tensor_parallel_size, timeout=data_timeout,
                                     device_id=self.device if backend == "nccl" else None)
         self.data_group = dist.group.WORLD
         self.control_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else self.data_group

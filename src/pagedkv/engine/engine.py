@@ -609,9 +609,18 @@ class LLMEngine:
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, resolve them in the scheduler and report what moved."""
         waiting = time.perf_counter()
-        if self._workers and flight.result is not None:
-            while not flight.result.ready():  # a worker that died mid-step would leave its collective hanging
+        if self.tp is not None and flight.result is not None:
+            # A peer that died or stopped answering leaves this step's collectives waiting forever on the
+            # device: watch the workers, and give the step `distributed_timeout_s` (NCCL's own watchdog,
+            # which would end the process instead, waits twice as long: see TensorParallel).
+            deadline = waiting + self.config.distributed_timeout_s
+            while not flight.result.ready():
                 self._check_workers()
+                if time.perf_counter() > deadline:
+                    self.tp.abort()
+                    self._fail(f"a tensor-parallel step did not finish within distributed_timeout_s = "
+                               f"{self.config.distributed_timeout_s:g} s (a peer stopped answering)")
+                    raise EngineDeadError(self._dead)
                 time.sleep(0.0001)
         sampled = self._sampled(flight.step_input, flight.out, flight.result)
         flight.wait_s = time.perf_counter() - waiting
