@@ -168,3 +168,36 @@ def test_a_step_whose_collectives_never_finish_fails_at_the_deadline():
     assert aborted and not engine.has_unfinished_requests() and llm.stats()["num_used_blocks"] == 0
     with pytest.raises(EngineDeadError):
         engine.step()
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys
+from pagedkv import LLM, SamplingParams
+prompts = json.loads(sys.argv[1])
+llm = LLM("random:tiny-llama", device="cpu", block_size=4, num_blocks=256, max_num_batched_tokens=16,
+          tensor_parallel_size=2)  # ranks > 0 serve rank 0's steps inside this call, then exit
+params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+llm.engine.shutdown()
+print("TOKENS " + json.dumps(tokens), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_started_by_torchrun_equal_tp1(tmp_path):
+    """`torchrun --nproc-per-node 2 script.py`: every process builds the LLM; rank 0 drives, rank 1 serves."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp_script.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    single = [o.outputs[0].token_ids for o in _llm("tiny-llama", 1).generate(_prompts(), PARAMS)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), json.dumps(_prompts())],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1  # only rank 0 returns from LLM(...) with an engine to drive
+    assert json.loads(lines[0][len("TOKENS "):]) == single
