@@ -30,7 +30,7 @@ def test_two_replicas_equal_one_engine_and_spread_the_load():
         assert [o.outputs[0].token_ids for o in outputs] == single
         stats = llm.stats()
         assert stats["num_generated_tokens"] == 8 * len(single) and stats["num_used_blocks"] == 0
-        assert [h["alive"] for h in engine.health()] == [True, True]
+        assert [(h["alive"], h["device"]) for h in engine.health()] == [(True, "cpu"), (True, "cpu")]
         # A shared prefix goes where the router sent it first; distinct prompts spread by load.
         assert sum(engine.router.stats.num_per_replica) == len(single)
     finally:

@@ -54,6 +54,7 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
         engine.stream_outputs = True
         bm = engine.scheduler.block_manager
         conn.send(("ready", {"max_model_len": engine.max_model_len, "num_blocks": bm.num_blocks,
+                             "device": str(engine.device),
                              "block_size": bm.block_size, "scheduler_config": engine.scheduler.config}))
     except BaseException as error:  # report, so the parent can refuse to start with a clear message
         conn.send(("failed", f"{type(error).__name__}: {error}"))
@@ -448,7 +449,7 @@ class DataParallelEngine:
 
     def health(self) -> list[dict]:
         """Per replica: alive or not, its device, and its load."""
-        return [{"replica": i, "alive": r.process.is_alive(), "waiting": r.view.num_waiting,
+        return [{"replica": i, "alive": r.process.is_alive(), "device": r.info["device"], "waiting": r.view.num_waiting,
                  "running": r.view.num_running, "free_blocks": r.view.num_free_blocks}
                 for i, r in enumerate(self.replicas)]
 
