@@ -18,6 +18,10 @@ torch op allows: the kernels round to the model dtype exactly where HF does.
 With an FP8 pool, `qk_norm_rope_write_kv` quantizes K (after rotary, in the model dtype) and V
 with their heads' scales as it stores them (`triton_fp8.quantize`): the same bytes `write_kv`
 would store for the same K/V.
+
+Every launch is bound (`pagedkv.kernels.launch`): Triton's own `kernel[grid](...)` spends ~58 us
+of host time per call, four calls per layer, which is most of an eager step (prefill chunks,
+mixed steps, tensor-parallel workers' eager steps); inside a CUDA graph it costs nothing either way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.kernels.launch import BoundKernel
 from pagedkv.kernels.triton_fp8 import fp8_format, quantize
 
 
@@ -93,17 +98,20 @@ def _add_rms_norm_kernel(delta_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, e
     tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
 
 
+_ADD_RMS_NORM = BoundKernel(_add_rms_norm_kernel)
+
+
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused `add_rms_norm_reference`. `residual` is updated in place (returned); with None, `delta` is it."""
     num_rows, n_cols = delta.shape
     out = torch.empty_like(delta)
     if num_rows:
-        _add_rms_norm_kernel[(num_rows,)](
-            delta, residual if residual is not None else delta, weight, out, n_cols, eps,
-            delta.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-            ROUND=delta.dtype != torch.float32, num_warps=4 if n_cols <= 2048 else 8)
+        config = _ADD_RMS_NORM.config(HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+                                      ROUND=delta.dtype != torch.float32, num_warps=4 if n_cols <= 2048 else 8)
+        config.launch((num_rows, 1, 1), (delta, residual if residual is not None else delta, weight, out),
+                      (n_cols, float(eps), delta.stride(0), residual.stride(0) if residual is not None else 0,
+                       out.stride(0)))
     return out, (residual if residual is not None else delta)
 
 
@@ -182,6 +190,9 @@ def _qk_norm_rope_write_kernel(
         tl.store(v_cache_ptr + dst + half + halves, v2.to(cache_dtype), mask=mask)
 
 
+_QK_NORM_ROPE_WRITE = BoundKernel(_qk_norm_rope_write_kernel)
+
+
 def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
@@ -196,14 +207,16 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     if num_tokens:
         mant_bits, min_exp, fp8_max = fp8_format(k_cache.dtype)
         kv_fp8 = k_scale is not None
-        _qk_norm_rope_write_kernel[(num_tokens, num_heads + num_kv_heads)](
-            qkv, positions, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
-            k_cache, v_cache, slot_mapping, k_scale if kv_fp8 else qkv, v_scale if kv_fp8 else qkv, eps,
-            qkv.stride(0), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
+        config = _QK_NORM_ROPE_WRITE.config(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), QK_NORM=q_norm is not None,
             ROUND=qkv.dtype != torch.float32, KV_FP8=kv_fp8, MANT_BITS=mant_bits, MIN_EXP=min_exp,
             FP8_MAX=fp8_max, num_warps=1)
+        config.launch((num_tokens, num_heads + num_kv_heads, 1),
+                      (qkv, positions, cos, sin, q_norm if q_norm is not None else qkv,
+                       k_norm if k_norm is not None else qkv, k_cache, v_cache, slot_mapping,
+                       k_scale if kv_fp8 else qkv, v_scale if kv_fp8 else qkv),
+                      (float(eps), qkv.stride(0), cos.stride(0), k_cache.stride(1), k_cache.stride(2)))
     return qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 
@@ -220,6 +233,9 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out, BLOCK:
     tl.store(out_ptr + row * stride_out + cols, (act * u).to(dtype), mask=mask)
 
 
+_SILU_MUL = BoundKernel(_silu_mul_kernel)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Fused `silu_mul_reference`: [T, 2 I] -> [T, I]."""
     num_rows, width = gate_up.shape
@@ -227,7 +243,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_rows, n_cols, dtype=gate_up.dtype, device=gate_up.device)
     if num_rows:
         block = min(1024, triton.next_power_of_2(n_cols))
-        _silu_mul_kernel[(num_rows, triton.cdiv(n_cols, block))](
-            gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block,
-            ROUND=gate_up.dtype != torch.float32, num_warps=4)
+        config = _SILU_MUL.config(BLOCK=block, ROUND=gate_up.dtype != torch.float32, num_warps=4)
+        config.launch((num_rows, triton.cdiv(n_cols, block), 1), (gate_up, out),
+                      (n_cols, gate_up.stride(0), out.stride(0)))
     return out

@@ -222,3 +222,18 @@ class BoundKernel:
         if config is None:
             config = self._configs[key] = BoundConfig(self.fn, kwargs, self.bindable)
         return config
+
+
+_BOUND: dict = {}
+
+
+def bound(fn) -> BoundKernel:
+    """The process-wide `BoundKernel` of `fn`, made on first use.
+
+    Looked up at call time (a dict lookup), so a caller that replaces a module's kernel
+    attribute (a benchmark stubbing launches out) is still obeyed.
+    """
+    kernel = _BOUND.get(fn)
+    if kernel is None:
+        kernel = _BOUND[fn] = BoundKernel(fn)
+    return kernel

@@ -42,6 +42,7 @@ from pagedkv.kernels.triton_common import (
     store_split_part,
     tile_scores,
 )
+from pagedkv.kernels.launch import bound
 from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import DecodeTuning
 
@@ -198,25 +199,24 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         partial_out = partial_lse = out  # unused by the kernel when IS_SPLIT is False
     if merge_in_kernel and counters is None:
         counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_lse, counters if merge_in_kernel else seq_lens,
-        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
-        scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
-        num_splits,
-        *query.stride(), *out.stride(),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
+    config = bound(_decode_kernel).config(
         GROUP=group, GROUP_PAD=group_padding(group, use_dot), GROUP_P2=group_p2, HEAD_DIM=head_dim,
         DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tuning.block_n_for(head_dim, fp8), USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(group_p2, dim_pad), KV_FP8=fp8,
-        num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
-    )
+        num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages)
+    config.launch(
+        (num_seqs, num_kv_heads, num_splits),
+        (query, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
+         counters if merge_in_kernel else seq_lens, k_scale if k_scale is not None else seq_lens,
+         v_scale if v_scale is not None else seq_lens),
+        (float(scale if soft_cap is not None else scale * LOG2E), float(soft_cap or 1.0), int(sliding_window or 0),
+         num_splits, *query.stride(), *out.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         *block_tables.stride(), seq_lens.stride(0)))
     if is_split and not merge_in_kernel:
-        _merge_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, out, num_splits, *out.stride(),
+        bound(_merge_kernel).config(
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), SPLIT_CHUNK=16,
             num_warps=4,
-        )
+        ).launch((num_seqs, num_heads, 1), (partial_out, partial_lse, out), (num_splits, *out.stride()))
     return out

@@ -59,6 +59,7 @@ from pagedkv.kernels.triton_common import (
     store_split_part,
     tile_scores,
 )
+from pagedkv.kernels.launch import bound
 from pagedkv.kernels.triton_decode import _merge_kernel
 from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import DecodeTuning, tiles_plan
@@ -261,14 +262,8 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         else (out, out)
     if merge_in_kernel and counters is None:
         counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
-    _tiles_decode_kernel[config["grid"]](
-        query, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_lse, counters if merge_in_kernel else seq_lens,
-        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
-        num_splits, config["split_tokens"], block_tables.shape[1],
-        *query.stride(), *out.stride(),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
+    grid = tuple(config["grid"]) + (1,) * (3 - len(config["grid"]))
+    bound(_tiles_decode_kernel).config(
         GROUP=config["GROUP"], HEADS=config["HEADS"], ROWS=config["ROWS"], ROWS_PAD=config["ROWS_PAD"],
         ROWS_P2=config["ROWS_P2"], HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
         BLOCK_N=config["BLOCK_N"], TABLE_MODE=TABLE_MODES[tuning.table], TABLE_CHUNK=config["TABLE_CHUNK"],
@@ -277,12 +272,19 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, IS_SPLIT=is_split,
         MERGE_IN_KERNEL=merge_in_kernel, MERGE_CHUNK=merge_chunk(config["ROWS_P2"], dim_pad), KV_FP8=fp8,
         num_warps=tuning.num_warps_for(fp8), num_stages=tuning.num_stages,
-    )
+    ).launch(
+        grid,
+        (query, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
+         counters if merge_in_kernel else seq_lens, k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens),
+        (float(scale if soft_cap is not None else scale * LOG2E), float(soft_cap or 1.0), int(sliding_window or 0),
+         num_splits, config["split_tokens"], block_tables.shape[1], *query.stride(), *out.stride(),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0)))
     if is_split and not merge_in_kernel:
         # Up to 8192 partial floats per load (64 fp32 registers a thread): 64 splits at head_dim 128 merge
         # in one L2 round trip, where round 1's 16-split chunks make four dependent ones.
         splits_pad = triton.next_power_of_2(num_splits)
-        _merge_kernel[(num_seqs, num_heads)](partial_out, partial_lse, out, num_splits, *out.stride(),
-                                             HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=splits_pad,
-                                             SPLIT_CHUNK=min(splits_pad, max(1, 8192 // dim_pad)), num_warps=4)
+        bound(_merge_kernel).config(HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=splits_pad,
+                                    SPLIT_CHUNK=min(splits_pad, max(1, 8192 // dim_pad)), num_warps=4,
+                                    ).launch((num_seqs, num_heads, 1), (partial_out, partial_lse, out),
+                                             (num_splits, *out.stride()))
     return out

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.triton_common import LOG2E, load_kv_tile, online_softmax_step, tile_scores
+from pagedkv.kernels.launch import bound
 from pagedkv.kernels.triton_fp8 import fp8_query, to_compute
 from pagedkv.kernels.tuning import PrefillTuning
 
@@ -161,17 +162,17 @@ def triton_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     # No point in query tiles much taller than the longest chunk (decode-like chunks of a few tokens).
     block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
-        scale if soft_cap is not None else scale * LOG2E, float(soft_cap or 1.0), int(sliding_window or 0),
-        *query.stride(), *out.stride(),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0),
-        cu_seqlens_q.stride(0),
+    config = bound(_prefill_kernel).config(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, KV_FP8=k_scale is not None,
-        num_warps=num_warps, num_stages=tuning.num_stages,
-    )
+        num_warps=num_warps, num_stages=tuning.num_stages)
+    config.launch(
+        grid,
+        (query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+         k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens),
+        (float(scale if soft_cap is not None else scale * LOG2E), float(soft_cap or 1.0), int(sliding_window or 0),
+         *query.stride(), *out.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         *block_tables.stride(), seq_lens.stride(0), cu_seqlens_q.stride(0)))
     return out

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.kernels.launch import bound
 from pagedkv.kernels.triton_fp8 import fp8_format, quantize
 
 
@@ -64,12 +65,11 @@ def triton_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     mant_bits, min_exp, fp8_max = fp8_format(k_cache.dtype)
     kv_fp8 = k_scale is not None
-    _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale if kv_fp8 else key, v_scale if kv_fp8 else key,
-        *key.stride(), *value.stride(), slot_mapping.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    bound(_write_kv_kernel).config(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
-        KV_FP8=kv_fp8, MANT_BITS=mant_bits, MIN_EXP=min_exp, FP8_MAX=fp8_max,
-        num_warps=num_warps,
-    )
+        KV_FP8=kv_fp8, MANT_BITS=mant_bits, MIN_EXP=min_exp, FP8_MAX=fp8_max, num_warps=num_warps,
+    ).launch((num_tokens, 1, 1),
+             (key, value, k_cache, v_cache, slot_mapping, k_scale if kv_fp8 else key, v_scale if kv_fp8 else key),
+             (*key.stride(), *value.stride(), slot_mapping.stride(0), k_cache.stride(0), k_cache.stride(1),
+              k_cache.stride(2)))
