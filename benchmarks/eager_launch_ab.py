@@ -48,6 +48,23 @@ def run(mode: str) -> dict:
         engine.add_request(f"p{k}", [(k * 11 + j) % 5000 + 3 for j in range(512)],
                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         engine.step()
+    if os.environ.get("AB_PROFILE_DIR"):  # where a mixed step's host and device time go, per mode
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for k in range(6):
+                engine.add_request(f"q{k}", [(k * 13 + j) % 5000 + 3 for j in range(512)],
+                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                engine.step()
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in averages) / 6 / 1e3
+        result["profiled_gpu_ms_per_mixed_step"] = gpu_ms
+        path = os.path.join(os.environ["AB_PROFILE_DIR"], f"eager_mixed_{mode}.txt")
+        with open(path, "w") as f:
+            f.write(averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
+            f.write("\n\n")
+            f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     mixed = [t for t in engine.step_timings if t.shape.prefill_tokens and t.shape.decode_seqs]
     result["mixed_steps"] = len(mixed)
     result["mixed_ms"] = statistics.median(t.total_s for t in mixed) * 1e3
