@@ -94,6 +94,34 @@ def test_a_stuck_worker_fails_the_engine_at_the_collective_timeout():
     assert not worker.is_alive()
 
 
+@pytest.mark.slow
+def test_an_error_before_the_step_is_sent_leaves_the_engine_running(monkeypatch):
+    """Only a failure after the broadcast desynchronizes the ranks; one in scheduling propagates as it is."""
+    llm = _llm("tiny-llama", 2)
+    try:
+        engine = llm.engine
+        schedule = engine.scheduler.schedule
+        calls = []
+
+        def failing_once():
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("scheduling failed")
+            return schedule()
+
+        monkeypatch.setattr(engine.scheduler, "schedule", failing_once)
+        engine.add_request("r", _prompts()[0], PARAMS)
+        with pytest.raises(RuntimeError, match="scheduling failed"):
+            engine.step()
+        assert engine._dead is None
+        monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+        outputs = llm.generate(_prompts()[1:2], PARAMS)
+        single = _llm("tiny-llama", 1).generate(_prompts()[1:2], PARAMS)
+        assert outputs[0].outputs[0].token_ids == single[0].outputs[0].token_ids
+    finally:
+        llm.engine.shutdown()
+
+
 def test_heads_that_do_not_divide_are_refused_before_any_process_starts():
     # tiny-mistral has one KV head: it cannot be split two ways.
     with pytest.raises(ConfigError, match="num_key_value_heads = 1 does not divide"):

@@ -553,13 +553,16 @@ class LLMEngine:
             raise EngineDeadError(self._dead)
         if self.tp is None:
             return self._step()
+        self._step_sent = False
         try:
             return self._step()
         except EngineDeadError:
             raise
         except Exception as error:
-            # Under tensor parallelism a step that failed part-way (a collective that timed out, a
-            # peer that broke its connection) leaves the ranks out of step: nothing can run after it.
+            if not self._step_sent:
+                raise  # failed before the workers heard of this step: the ranks are still in step
+            # Under tensor parallelism a step that failed once sent (a collective that timed out, a peer
+            # that broke its connection) leaves the ranks out of step: nothing can run after it.
             exit_message = self._worker_exit or self._dead_worker()  # the cause, when a worker died
             self._fail(exit_message or f"tensor-parallel step failed: {type(error).__name__}: {str(error)[:400]}")
             raise EngineDeadError(self._dead) from error
@@ -579,6 +582,7 @@ class LLMEngine:
         previous_tokens = previous.result.device_tokens if previous is not None and previous.result else None
         if self.tp is not None:
             self._check_workers()
+            self._step_sent = True  # from here on a failure leaves the workers' step behind (see step)
             self.tp.broadcast_object(step_input.for_workers())
         result = self.runner.execute(step_input, previous_tokens)  # block moves run even in an empty step
         length_finished = self.scheduler.advance(out)
