@@ -2,8 +2,9 @@
 
 For each mode (NCCL's ring, torch's symmetric-memory one-shot) and message size, two processes
 capture 16 back-to-back all-reduces of a bf16 [rows, 4096] activation in one graph, check the sum,
-and time 50 replays, less the same chain's elementwise kernels alone. Sizes are the decode steps of Llama-3-8B at batch 1, 64, 256 and 512, and a
-prefill chunk of 8,192 tokens (past the one-shot limit: both modes run NCCL there).
+and time 50 replays, less the same chain's elementwise kernels alone. Sizes are the decode steps
+of Llama-3-8B at batch 1, 64, 256 and 512, and a prefill chunk of 8,192 tokens (past the one-shot
+limit: both modes run NCCL there).
 Usage: python benchmarks/all_reduce_bench.py OUT.jsonl   (needs two GPUs)
 """
 import json

@@ -45,6 +45,8 @@ from pagedkv.errors import ConfigError, EngineDeadError
 logger = logging.getLogger("pagedkv")
 
 ALL_REDUCE_MODES = ("nccl", "symm_mem")
+#: Dtypes torch's one-shot all-reduce implements (bf16 and fp32; fp16 messages go to NCCL).
+SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def symm_mem_bytes(world_size: int) -> int:
@@ -55,8 +57,6 @@ def symm_mem_bytes(world_size: int) -> int:
     more ranks the reads grow with the peers and NCCL's ring takes over past 1 MiB.
     """
     return 4 * 2**20 if world_size == 2 else 2**20
-#: Dtypes torch's one-shot all-reduce implements (bf16 and fp32; fp16 messages go to NCCL).
-SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
