@@ -176,7 +176,23 @@ class TensorParallel:
             self._symm_buffers = _symmetric_buffers(self.device, self.data_group, self.size)
             if self.min_int(int(bool(self._symm_buffers))) == 0:  # every rank takes the same path, or none
                 self._symm_buffers = {}
+            elif self.min_int(int(self._symm_mem_sums_right())) == 0:
+                logger.warning("PAGEDKV_TP_ALL_REDUCE=symm_mem gave a wrong sum at startup; using NCCL's all-reduce")
+                self._symm_buffers = {}
         self.all_reduce_mode = "symm_mem" if self._symm_buffers else backend  # what all_reduce runs on
+
+    def _symm_mem_sums_right(self) -> bool:
+        """One small all-reduce per dtype through the symmetric-memory path, checked (every rank runs it)."""
+        try:
+            want = self.size * (self.size + 1) / 2
+            for dtype in self._symm_buffers:
+                x = torch.full((64,), float(self.rank + 1), dtype=dtype, device=self.device)
+                if not bool((self.all_reduce(x) == want).all()):
+                    return False
+            return True
+        except Exception as error:  # noqa: BLE001 - an optional fast path: say why, keep NCCL
+            logger.warning("PAGEDKV_TP_ALL_REDUCE=symm_mem failed at startup (%s: %s)", type(error).__name__, error)
+            return False
 
     # ------------------------------------------------------------------ model collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
