@@ -12,7 +12,7 @@ On CUDA everything runs as is (host time measured, the GPU synchronized once per
 generate does). Without CUDA nothing can be launched, so host time is approximated:
 
 - the launches are stubbed where they leave Python: the unfused path's at Triton's
-  `kernel[grid](...)` (Triton's own Python then costs ~58 us more per launch on the H200 host),
+  `kernel[grid](...)` (off CUDA its launch is never bound; on the H200 host it is, since session 6),
   the fused path's at the C launcher call (which costs a few us there);
 - DynamicCache's tensors are dispatch-sized (1 KV head of 8 dims, same layers and steps):
   on CPU `torch.cat` and SDPA run synchronously, so full-size tensors would time the copy
@@ -80,7 +80,9 @@ def _stub_launches(pool: PagePool) -> None:
     import pagedkv.kernels.triton_decode as triton_decode
     from pagedkv.kernels.launch import BoundConfig
 
-    triton_decode._decode_kernel = _NoLaunch()
+    stub = _NoLaunch()
+    stub.arg_names = triton_decode._decode_kernel.arg_names  # the bound launch path reads the signature
+    triton_decode._decode_kernel = stub
     bound = pool.decode_write_kernel().kernel
     make = bound.config
 
