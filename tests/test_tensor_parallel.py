@@ -229,3 +229,22 @@ def test_ranks_started_by_torchrun_equal_tp1(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
     assert len(lines) == 1  # only rank 0 returns from LLM(...) with an engine to drive
     assert json.loads(lines[0][len("TOKENS "):]) == single
+
+
+def test_each_rank_finds_its_device(monkeypatch):
+    """Spawned groups count from their first GPU (a DP replica's); torchrun's LOCAL_RANK wins under env://."""
+    from pagedkv.distributed import ParallelConfig
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert ParallelConfig(2, 1, "tcp://127.0.0.1:1", "cuda", first_device=2).local_device == 3
+    assert ParallelConfig(2, 1, "env://", "cuda").local_device == 1
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert ParallelConfig(2, 1, "env://", "cuda").local_device == 5
+    assert ParallelConfig(2, 1, "tcp://127.0.0.1:1", "cuda", first_device=2).local_device == 3  # not torchrun's
+
+
+def test_the_one_shot_limit_covers_decode_steps_with_two_ranks():
+    from pagedkv.distributed.parallel import symm_mem_bytes
+
+    assert symm_mem_bytes(2) >= 256 * 4096 * 2  # a batch-256 decode step of Llama-3-8B, bf16
+    assert symm_mem_bytes(8) < symm_mem_bytes(2)  # more peers to read: NCCL's ring sooner
