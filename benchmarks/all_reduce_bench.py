@@ -19,6 +19,18 @@ ROWS = (1, 64, 256, 512, 8192)
 CALLS_PER_GRAPH = 16
 
 
+def _per_call_us(graph) -> float:
+    """Microseconds per captured call: 50 replays of `graph` after 5 warm-up replays, wall clock."""
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 50 / CALLS_PER_GRAPH * 1e6
+
+
 def _rank_main(rank: int, mode: str, init_method: str, out: str) -> None:
     import faulthandler
 
@@ -43,27 +55,13 @@ def _rank_main(rank: int, mode: str, init_method: str, out: str) -> None:
         torch.cuda.synchronize()
         want = 3.0 * 0.5 * (2 * 0.5) ** (CALLS_PER_GRAPH - 1)  # (1 + 2) / 2 first, then (s/2 + s/2) = s
         ok = bool(torch.allclose(outs[-1].float(), torch.full_like(outs[-1].float(), want)))
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(50):
-            graph.replay()
-        torch.cuda.synchronize()
-        per_call_us = (time.perf_counter() - start) / 50 / CALLS_PER_GRAPH * 1e6
+        per_call_us = _per_call_us(graph)
         scale_graph = torch.cuda.CUDAGraph()  # the same chain without the all-reduces: subtracted
         with torch.cuda.graph(scale_graph):
             z = x
             for _ in range(CALLS_PER_GRAPH):
                 z = z * 0.5
-        for _ in range(5):
-            scale_graph.replay()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(50):
-            scale_graph.replay()
-        torch.cuda.synchronize()
-        scale_us = (time.perf_counter() - start) / 50 / CALLS_PER_GRAPH * 1e6
+        scale_us = _per_call_us(scale_graph)
         if rank == 0:
             line = {"mode": mode, "path": tp.all_reduce_mode, "rows": rows, "bytes": rows * 4096 * 2,
                     "per_call_us": per_call_us - scale_us, "scale_us": scale_us, "sum_ok": ok}

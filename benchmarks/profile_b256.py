@@ -19,6 +19,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.bench.common import graph_replay_ms
 
 
 def main() -> None:
@@ -37,15 +38,7 @@ def main() -> None:
         engine.step()
     graph = engine.runner.graphs[engine.runner._graph_for(batch)][0]
     torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    replay_ms = statistics.median(times)
+    replay_ms = graph_replay_ms(graph, 20)
     for _ in range(5):
         engine.step()
     engine.step_timings = []

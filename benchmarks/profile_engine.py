@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.bench.common import graph_replay_ms
 from pagedkv.hf import random_model
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
@@ -39,16 +40,8 @@ for eager in (False, True):
         if not eager:
             size = engine.runner._graph_for(batch)
             graph = engine.runner.graphs[size][0]
-            times = []
-            for _ in range(20):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
             lines.append(f"- batch {batch}, {label}: decode graph replay (the forward alone, GPU) "
-                         f"{statistics.median(times):.3f} ms")
+                         f"{graph_replay_ms(graph, 20):.3f} ms")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
                 engine.step()

@@ -8,7 +8,6 @@ Usage: python benchmarks/profile_tp_shard.py OUT_DIR  (writes tp_shard_profile.m
 """
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.bench.common import graph_replay_ms
 from pagedkv.bench.parallel import shard_model
 from pagedkv.hf.models import RANDOM_CONFIGS
 
@@ -29,15 +29,7 @@ def graph_us(fn, calls: int) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return graph_replay_ms(graph, 10) * 1e3 / calls
 
 
 def projections(cfg: dict) -> dict[str, tuple[int, int]]:
@@ -80,15 +72,7 @@ def main() -> None:
         engine = llm.engine
         llm.generate([[5] * 128], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         graph = engine.runner.graphs[1][0]
-        times = []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        replay_ms = statistics.median(times)
+        replay_ms = graph_replay_ms(graph, 30)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 graph.replay()

@@ -45,3 +45,20 @@ def write_json(out_dir: str | os.PathLike, name: str, payload: dict) -> Path:
     target = path / f"{name}.json"
     target.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return target
+
+
+def graph_replay_ms(graph, repeats: int = 20) -> float:
+    """Median GPU time (ms) of one replay of a captured `torch.cuda.CUDAGraph`, timed with CUDA events."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

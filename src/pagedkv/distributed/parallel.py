@@ -172,6 +172,9 @@ class TensorParallel:
         if self.size > 1:
             mode = self.broadcast_object(mode)  # rank 0's environment decides for every rank
         self._symm_buffers: dict[torch.dtype, torch.Tensor] = {}
+        # Looked up once: one kernel that stages and sums (torch >= 2.8), or None (stage with a copy first).
+        self._one_shot_copy_out = getattr(getattr(torch.ops, "symm_mem", None), "one_shot_all_reduce_copy_out", None) \
+            if mode == "symm_mem" else None
         if mode == "symm_mem" and backend == "nccl":
             self._symm_buffers = _symmetric_buffers(self.device, self.data_group, self.size)
             if self.min_int(int(bool(self._symm_buffers))) == 0:  # every rank takes the same path, or none
@@ -202,7 +205,7 @@ class TensorParallel:
                 and (x.numel() * x.element_size()) % 16 == 0:
             staged = buffer[:x.numel()]
             group = self.data_group.group_name
-            copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+            copy_out = self._one_shot_copy_out
             if copy_out is not None:  # one kernel stages x into the symmetric buffer and sums (torch >= 2.8)
                 out = torch.empty_like(x)  # not x: the kernel may still read x while it writes the sum
                 copy_out(staged, x.view(-1), "sum", group, out.view(-1))
