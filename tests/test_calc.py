@@ -276,7 +276,6 @@ BAD_INPUTS = [
     (["--budget-gb", "80", "--mean-len", "100"], "--budget-gb"),
     (["--model", "gpt2", "--budget-gb", "0", "--mean-len", "100"], "--budget-gb"),
     (["--model", "gpt2", "--budget-gb", "nan", "--mean-len", "100"], "--budget-gb"),
-    (["--model", "gpt2", "--budget-gb", "80"], "--mean-len"),
     (["--model", "gpt2", "--budget-gb", "80", "--mean-len", "0"], "--mean-len"),
     (["--model", "gpt2", "--budget-gb", "80", "--mean-len", "2000"], "--mean-len"),  # over n_positions 1024
     (["--model", "gpt2", "--mean-len", "100"], "--mean-len"),

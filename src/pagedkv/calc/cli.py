@@ -45,6 +45,8 @@ DEFAULT_SEED = 42
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_POOL_BLOCKS = 4096
+#: --budget-gb's mean sequence length when --mean-len is not given: PageFault's example workload.
+DEFAULT_MEAN_LEN = 2000
 #: The toy workload illustrates; it is simulated sequence by sequence, so it stays small enough to print at once.
 MAX_NUM_SEQS = 100_000
 
@@ -75,7 +77,8 @@ def build_parser(prog: str = "pagedkv calc") -> argparse.ArgumentParser:
                             "another dtype than the model's is shown beside it (default auto)")
     budget = parser.add_argument_group("budget")
     budget.add_argument("--budget-gb", type=float, help="KV memory budget in GB (1e9 bytes)")
-    budget.add_argument("--mean-len", type=int, help="mean sequence length for the paged estimate")
+    budget.add_argument("--mean-len", type=int, help=f"mean sequence length for the paged estimate (default "
+                        f"{DEFAULT_MEAN_LEN:,}, PageFault's example, or --max-len if that is shorter)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
 
@@ -117,8 +120,6 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.budget_gb is not None:
         if not has_model:
             raise InvalidArgumentError("--budget-gb needs a model: pass --model or --config")
-        if args.mean_len is None:
-            raise InvalidArgumentError("--budget-gb needs --mean-len (the mean sequence length)")
     elif args.mean_len is not None:
         raise InvalidArgumentError("--mean-len applies only with --budget-gb")
 
@@ -129,11 +130,11 @@ KV_DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 def sizing_from_args(args: argparse.Namespace, *, model_dtype: bool = False) -> KVSizing | None:
     """The model the arguments name (with --kv-dtype's bytes unless `model_dtype`), or None for the toy workload."""
-    dtype_bytes = args.dtype_bytes
+    dtype_bytes, origin = args.dtype_bytes, f"--dtype-bytes {args.dtype_bytes}"
     if args.kv_dtype != "auto" and not model_dtype:
-        dtype_bytes = DTYPE_BYTES[args.kv_dtype]
+        dtype_bytes, origin = DTYPE_BYTES[args.kv_dtype], f"--kv-dtype {args.kv_dtype}"
     if args.config is not None:
-        return spec_from_config_file(args.config, dtype_bytes=dtype_bytes)
+        return spec_from_config_file(args.config, dtype_bytes=dtype_bytes, dtype_origin=origin)
     if args.model is None:
         return None
     if args.model == "custom":
@@ -143,7 +144,7 @@ def sizing_from_args(args: argparse.Namespace, *, model_dtype: bool = False) -> 
             raise InvalidArgumentError(f"--model custom needs --layers, --kv-heads and --head-dim "
                                        f"(missing {', '.join(missing)})")
         return custom_sizing(args.layers, args.kv_heads, args.head_dim, dtype_bytes or 2)
-    return preset_sizing(args.model, dtype_bytes=dtype_bytes)
+    return preset_sizing(args.model, dtype_bytes=dtype_bytes, dtype_origin=origin)
 
 
 def dtype_label(dtype_bytes: int) -> str:
@@ -224,14 +225,19 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         if args.budget_gb is not None:
             if max_len is None:
                 raise InvalidArgumentError("--budget-gb needs --max-len (the model gives no max_position_embeddings)")
-            if args.mean_len > max_len:
+            mean_len = args.mean_len
+            if mean_len is None:
+                mean_len = min(DEFAULT_MEAN_LEN, max_len)
+                notes.append(f"--mean-len not given: the paged count assumes sequences average {mean_len:,} tokens "
+                             f"(PageFault's example, capped at the max length); pass --mean-len for your workload")
+            elif mean_len > max_len:
                 limit = f"--max-len {max_len:,}" if args.max_len else \
                     f"the model's max_position_embeddings {max_len:,} (pass --max-len)"
-                raise InvalidArgumentError(f"--mean-len {args.mean_len:,} is over {limit}")
-            capacity = budget_capacity(sizing, round(args.budget_gb * GB), max_len, args.mean_len, args.block_size)
+                raise InvalidArgumentError(f"--mean-len {mean_len:,} is over {limit}")
+            capacity = budget_capacity(sizing, round(args.budget_gb * GB), max_len, mean_len, args.block_size)
             result["budget"] = _capacity_dict(capacity)
             if baseline is not None:
-                base = budget_capacity(baseline, round(args.budget_gb * GB), max_len, args.mean_len, args.block_size)
+                base = budget_capacity(baseline, round(args.budget_gb * GB), max_len, mean_len, args.block_size)
                 result["model_dtype_budget"] = _capacity_dict(base)
                 notes.append(f"KV dtype {args.kv_dtype}: {sizing.dtype_bytes} B per value against the model's "
                              f"{baseline.dtype_bytes}; {capacity.num_paged_seqs} paged sequences against "

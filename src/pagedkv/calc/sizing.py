@@ -239,11 +239,12 @@ def _sliding_layers(text: Mapping[str, Any], num_layers: int, prefix: str, sourc
 
 
 def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, dtype_bytes: int | None = None,
-                        source: str = "config") -> KVSizing:
+                        dtype_origin: str = "dtype_bytes", source: str = "config") -> KVSizing:
     """Read a Hugging Face `config.json` (as a dict) into a `KVSizing`, with notes on how.
 
-    `dtype_bytes` overrides the config's dtype (an fp8 KV cache is 1). `source` prefixes
-    every error message. Raises `ConfigError` naming the field that is missing or bad.
+    `dtype_bytes` overrides the config's dtype (an fp8 KV cache is 1); `dtype_origin` names
+    where that override came from, for the note. `source` prefixes every error message.
+    Raises `ConfigError` naming the field that is missing or bad.
     """
     if not isinstance(config, Mapping):
         raise ConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
@@ -259,7 +260,8 @@ def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, d
         dtype_bytes = _dtype_bytes(text, config, source, notes)
     else:
         require_positive_int("dtype_bytes", dtype_bytes)
-        notes.append(f"dtype bytes {dtype_bytes} given explicitly (the config's dtype is ignored)")
+        notes.append(f"{dtype_origin} gives {dtype_bytes} B per KV value (the config's dtype is not used for "
+                     "the cache)")
     max_positions = _optional_int(text, MAX_POSITION_KEYS, prefix, source)
     name = name or str(config.get("_name_or_path") or text.get("model_type") or config.get("model_type") or source)
 
@@ -335,12 +337,14 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def spec_from_config_file(path: str | Path, *, dtype_bytes: int | None = None) -> KVSizing:
+def spec_from_config_file(path: str | Path, *, dtype_bytes: int | None = None,
+                          dtype_origin: str = "dtype_bytes") -> KVSizing:
     """`load_hf_config` then `spec_from_hf_config`, with errors naming the file."""
     config = load_hf_config(path)
     model_type = config.get("model_type")
     name = config.get("_name_or_path") or (f"{path} ({model_type})" if model_type else str(path))
-    return spec_from_hf_config(config, name=name, dtype_bytes=dtype_bytes, source=f"config file {path}")
+    return spec_from_hf_config(config, name=name, dtype_bytes=dtype_bytes, dtype_origin=dtype_origin,
+                               source=f"config file {path}")
 
 
 # ---------------------------------------------------------------------- presets
@@ -375,10 +379,10 @@ PRESETS: Mapping[str, Preset] = {
 }
 
 
-def preset_sizing(name: str, *, dtype_bytes: int | None = None) -> KVSizing:
+def preset_sizing(name: str, *, dtype_bytes: int | None = None, dtype_origin: str = "dtype_bytes") -> KVSizing:
     """Sizing of a named preset (`PRESETS`), read through the same path as any config.json."""
     preset = PRESETS.get(name)
     if preset is None:
         raise ConfigError(f"unknown model preset {name!r} (choose from {', '.join(PRESETS)}, custom)")
     return spec_from_hf_config(preset.config, name=f"{preset.display_name} ({preset.hf_id})",
-                               dtype_bytes=dtype_bytes, source=f"preset {name}")
+                               dtype_bytes=dtype_bytes, dtype_origin=dtype_origin, source=f"preset {name}")
