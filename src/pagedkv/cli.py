@@ -91,6 +91,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "parallel": ("pagedkv.bench.parallel", "tensor parallel, data-parallel replicas and routing (2+ GPUs)"),
     "latency": ("pagedkv.bench.latency", "decode step time at batch 1..256 against the roofline (GPU)"),
     "fp8": ("pagedkv.bench.fp8", "FP8 KV accuracy: perplexity and greedy agreement on SmolLM2 (CPU)"),
+    "serve": ("pagedkv.bench.serve", "TTFT, TPOT, ITL and goodput of an OpenAI-compatible server under load"),
 }
 
 
