@@ -109,16 +109,25 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         ignore_eos=args.ignore_eos, stream=args.stream, progress=not args.disable_tqdm)
 
 
-def main(argv: list[str] | None = None, prog: str = "pagedkv bench serve") -> int:
-    """Run the benchmark, print a table per rate, and write `<out>/serve.json` and `<out>/serve.png`."""
-    from pagedkv.bench.common import provenance, write_json
-    from pagedkv.bench.serve.report import format_run, write_png
-
+def parse_args(argv: list[str] | None, prog: str = "pagedkv bench serve") -> argparse.Namespace:
+    """The flags in `argv`, with `SMOKE_DEFAULTS` under the explicit ones when --smoke is given."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.smoke:
         parser.set_defaults(**SMOKE_DEFAULTS)
         args = parser.parse_args(argv)
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str = "pagedkv bench serve") -> int:
+    """Run the benchmark, print a table per rate, and write `<out>/serve.json` and `<out>/serve.png`.
+
+    Exit status 0, or 1 when any request failed (the table and files are written either way).
+    """
+    from pagedkv.bench.common import provenance, write_json
+    from pagedkv.bench.serve.report import format_run, write_png
+
+    args = parse_args(argv, prog)
     config = config_from_args(args)
     result = asyncio.run(run_benchmark(config))
     for run in result["runs"]:
