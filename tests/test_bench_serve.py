@@ -220,7 +220,7 @@ def test_smoke_function_call(server):
     config = config_from_args(parse_args(["--smoke", "--base-url", server.url, "--disable-tqdm"]))
     assert config.ignore_eos and config.max_concurrency == 4 and len(config.request_rates) == 2
     result = asyncio.run(run_benchmark(config))
-    assert result["model"] == "tiny-bench" and result["prompt_format"] == "ids"
+    assert result["model"] == "tiny-bench" and result["prompt_format"] == "ids" and result["return_token_ids"]
     assert [run["request_rate"] for run in result["runs"]] == [50.0, "inf"]
     for run in result["runs"]:
         _check_run(run, config.requests(), config.max_concurrency)
@@ -252,5 +252,12 @@ def test_text_prompts_and_unreachable_server(server, tmp_path, capsys):
     run, = asyncio.run(run_benchmark(config))["runs"]
     assert run["summary"]["num_failed"] == 0
     assert statistics.mean(r["num_prompt_tokens"] for r in run["requests"]) > 4  # from usage, not estimated
+    whole = config_from_args(parse_args(["--smoke", "--base-url", server.url, "--disable-tqdm", "--no-stream",
+                                         "--request-rate", "inf"]))
+    result = asyncio.run(run_benchmark(whole))
+    assert not result["return_token_ids"]
+    summary = result["runs"][0]["summary"]
+    assert summary["num_failed"] == 0 and summary["e2e_ms"]["p50"] > 0 and summary["ttft_ms"]["p50"] is None
+    assert summary["num_output_tokens"] == sum(r.max_tokens for r in whole.requests())
     assert cli_main(["bench", "serve", "--smoke", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
     assert "is the server up" in capsys.readouterr().err

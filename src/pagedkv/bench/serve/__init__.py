@@ -53,7 +53,7 @@ def build_parser(prog: str = "pagedkv bench serve") -> argparse.ArgumentParser:
                         help="completions prompts as token ids or text (default auto: ids where the server "
                              "takes them)")
     server.add_argument("--no-stream", dest="stream", action="store_false",
-                        help="ask for whole responses (then TTFT = E2E and there is no ITL)")
+                        help="ask for whole responses (E2E only: no TTFT, TPOT or ITL)")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASETS, default="random", help="(default %(default)s)")
     data.add_argument("--num-prompts", type=int, default=1000, help="requests per run (default %(default)s; "
@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench serve") -> in
     result = asyncio.run(run_benchmark(config))
     for run in result["runs"]:
         print(format_run(run))
-    payload = {"benchmark": "serve", "provenance": provenance(), "base_url": config.base_url,
-               "config": {**vars(args), "api_key": bool(args.api_key), "request_rate": [run["request_rate"] for run in result["runs"]]}, **result}
+    flags = {**vars(args), "api_key": bool(args.api_key),  # never the key itself
+             "request_rate": [run["request_rate"] for run in result["runs"]]}
+    payload = {"benchmark": "serve", "provenance": provenance(), "base_url": config.base_url, "config": flags,
+               **result}
     print(f"wrote {write_json(args.out, 'serve', payload)}")
     png = write_png(result, Path(args.out) / "serve.png")
     print(f"wrote {png}" if png else "matplotlib not installed: no serve.png")

@@ -65,7 +65,22 @@ class OpenAIClient:
         response = await self.http.post(ENDPOINTS["completions"], json=body)
         return response.status_code == 200
 
-    def payload(self, request: BenchRequest, model: str, prompt_format: str) -> dict:
+    async def returns_token_ids(self, model: str, prompt_format: str) -> bool:
+        """Whether the endpoint honours `return_token_ids` (pagedkv's and vLLM's extra; one 1-token request).
+
+        With it every streamed token shows up as an id, even when it decodes to no text yet (a
+        partial character, a held-back stop string, or a model served without a tokenizer).
+        """
+        probe = BenchRequest((("user", (200, 201, 202, 203)),), 4, 1)
+        body = {"model": model, **probe.body(prompt_format), "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True}
+        response = await self.http.post(ENDPOINTS[self.endpoint], json=body)
+        if response.status_code != 200:
+            return False
+        choices = response.json().get("choices") or [{}]
+        return isinstance(choices[0].get("token_ids"), list)
+
+    def payload(self, request: BenchRequest, model: str, prompt_format: str, return_token_ids: bool = False) -> dict:
         """The JSON body for `request`, rendered in `prompt_format` (ids, text or chat)."""
         body = {"model": model, **request.body(prompt_format), "max_tokens": request.max_tokens,
                 "temperature": self.temperature, "stream": self.stream}
@@ -73,12 +88,14 @@ class OpenAIClient:
             body["stream_options"] = {"include_usage": True}
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if return_token_ids:
+            body["return_token_ids"] = True
         return body
 
     async def send(self, request: BenchRequest, index: int, model: str, prompt_format: str, run_start: float,
-                   dispatch_lag_s: float = 0.0) -> RequestRecord:
+                   dispatch_lag_s: float = 0.0, return_token_ids: bool = False) -> RequestRecord:
         """Send one request and time it; a failure is a record with `ok=False` and the error, never a raise."""
-        body = self.payload(request, model, prompt_format)
+        body = self.payload(request, model, prompt_format, return_token_ids)
         start = time.perf_counter()
         timing = {"index": index, "start_s": start - run_start, "dispatch_lag_s": dispatch_lag_s}
         try:
@@ -95,13 +112,15 @@ class OpenAIClient:
                                  **timing)
         e2e_s = time.perf_counter() - start
         usage = payload.get("usage") or {}
-        return RequestRecord(ok=True, e2e_s=e2e_s, num_prompt_tokens=usage.get("prompt_tokens", request.num_prompt_tokens),
+        return RequestRecord(ok=True, e2e_s=e2e_s,
+                             num_prompt_tokens=usage.get("prompt_tokens", request.num_prompt_tokens),
                              num_output_tokens=usage.get("completion_tokens", request.max_tokens),
                              usage_reported=bool(usage), **timing)
 
     async def _read_stream(self, response: httpx.Response, request: BenchRequest, start: float,
                            timing: dict) -> RequestRecord:
         chunk_times: list[float] = []
+        num_streamed_tokens = 0  # token ids where the server returns them, else one per chunk
         usage: dict = {}
         parse_s = 0.0
         error = ""
@@ -117,27 +136,31 @@ class OpenAIClient:
                 error = str(chunk["error"].get("message", chunk["error"]))[:200]
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if any(_carries_tokens(choice) for choice in chunk.get("choices") or ()):
+            num_tokens = sum(map(_num_tokens, chunk.get("choices") or ()))
+            if num_tokens:
                 chunk_times.append(arrived)
+                num_streamed_tokens += num_tokens
             parse_s += time.perf_counter() - arrived
         end = time.perf_counter()
         if error or not chunk_times:
             return RequestRecord(ok=False, e2e_s=end - start, client_parse_s=parse_s,
-                                 error=error or "stream ended without a token", **timing)
+                                 error=error or "the stream carried no text and no token ids", **timing)
         # NOTE: E2E ends at the last token, not at [DONE]: the usage chunk after it is not latency a user sees.
         return RequestRecord(ok=True, e2e_s=chunk_times[-1] - start, ttft_s=chunk_times[0] - start,
                              itl_s=tuple(b - a for a, b in zip(chunk_times, chunk_times[1:])),
                              num_prompt_tokens=usage.get("prompt_tokens", request.num_prompt_tokens),
-                             num_output_tokens=usage.get("completion_tokens", len(chunk_times)),
+                             num_output_tokens=usage.get("completion_tokens", num_streamed_tokens),
                              usage_reported="completion_tokens" in usage, client_parse_s=parse_s, **timing)
 
 
-def _carries_tokens(choice: dict) -> bool:
-    """Whether a streamed choice holds output (text, chat content or token ids), not only a role or finish."""
+def _num_tokens(choice: dict) -> int:
+    """Tokens a streamed choice carries: its token ids, else 1 for any text or chat content, else 0
+    (a chunk with only a role or a finish reason)."""
+    if choice.get("token_ids"):
+        return len(choice["token_ids"])
     delta = choice.get("delta")
-    if delta is not None:
-        return bool(delta.get("content") or delta.get("reasoning_content") or choice.get("token_ids"))
-    return bool(choice.get("text") or choice.get("token_ids"))
+    text = (delta.get("content") or delta.get("reasoning_content")) if delta is not None else choice.get("text")
+    return 1 if text else 0
 
 
 async def measure_loop_lag(lags_s: list[float], interval_s: float = 0.005) -> None:

@@ -60,7 +60,8 @@ def write_png(result: dict, path: Path) -> Path | None:
                              label=f"{name} {pct}")
     by_rate.set(xlabel="achieved request rate (req/s)", ylabel="latency (ms)", yscale="log",
                 title=f"{result['model']}: latency against load")
-    by_rate.legend(fontsize=8)
+    if by_rate.get_legend_handles_labels()[0]:
+        by_rate.legend(fontsize=8)
     for run in runs:
         for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT")):
             values = sorted(row[key] for row in run["requests"] if row[key] is not None)
@@ -68,7 +69,8 @@ def write_png(result: dict, path: Path) -> Path | None:
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
                 cdf.step(values, fractions, where="post", label=f"{name} @ rate {run['request_rate']}")
     cdf.set(xlabel="ms", ylabel="fraction of requests", xscale="log", title="per-request CDF")
-    cdf.legend(fontsize=8)
+    if cdf.get_legend_handles_labels()[0]:
+        cdf.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

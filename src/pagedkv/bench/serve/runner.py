@@ -165,19 +165,23 @@ async def run_benchmark(config: ServeBenchConfig) -> dict:
                             stream=config.stream, ignore_eos=config.ignore_eos) as client:
         model = config.model or await client.served_model()
         prompt_format = await _prompt_format(config, client, model)
+        return_token_ids = config.stream and await client.returns_token_ids(model, prompt_format)
         runs = []
         for rate in config.request_rates:
             offsets = arrival_offsets(len(requests), rate, config.burstiness, config.seed)
             lags_s: list[float] = []
             in_flight = InFlight()
             label = f"rate {rate:g} req/s" if math.isfinite(rate) else "rate inf"
+
+            def send(index: int, run_start: float, dispatch_lag_s: float):
+                return client.send(requests[index], index, model, prompt_format, run_start, dispatch_lag_s,
+                                   return_token_ids)
+
             with tqdm(total=len(requests), desc=label, unit="req", disable=not config.progress) as bar:
                 monitor = asyncio.ensure_future(measure_loop_lag(lags_s))
                 try:
-                    records, duration_s = await run_requests(
-                        offsets, config.max_concurrency,
-                        lambda i, run_start, lag_s: client.send(requests[i], i, model, prompt_format, run_start, lag_s),
-                        on_done=lambda _: bar.update(1), in_flight=in_flight)
+                    records, duration_s = await run_requests(offsets, config.max_concurrency, send,
+                                                             on_done=lambda _: bar.update(1), in_flight=in_flight)
                 finally:
                     monitor.cancel()
             runs.append({"request_rate": rate if math.isfinite(rate) else "inf",
@@ -185,7 +189,7 @@ async def run_benchmark(config: ServeBenchConfig) -> dict:
                          "client": client_overhead(records, lags_s),
                          "max_in_flight": in_flight.num_max,
                          "requests": [_request_row(r) for r in records]})
-    return {"model": model, "prompt_format": prompt_format, "runs": runs}
+    return {"model": model, "prompt_format": prompt_format, "return_token_ids": return_token_ids, "runs": runs}
 
 
 def _request_row(record: RequestRecord) -> dict:
@@ -194,5 +198,6 @@ def _request_row(record: RequestRecord) -> dict:
 
     return {"index": record.index, "ok": record.ok, "start_ms": ms(record.start_s), "ttft_ms": ms(record.ttft_s),
             "tpot_ms": ms(record.tpot_s), "e2e_ms": ms(record.e2e_s), "num_prompt_tokens": record.num_prompt_tokens,
-            "num_output_tokens": record.num_output_tokens, "num_chunks": len(record.itl_s) + (record.ttft_s is not None),
+            "num_output_tokens": record.num_output_tokens,
+            "num_chunks": len(record.itl_s) + (record.ttft_s is not None),
             "error": record.error}
