@@ -37,6 +37,9 @@ def format_run(run: dict) -> str:
     lines.append(f"client: parse {_ms(client['parse_ms_per_request']['mean'])} ms/request, dispatch lag P99 "
                  f"{_ms(client['dispatch_lag_ms']['p99'])} ms, event-loop lag P99 "
                  f"{_ms(client['event_loop_lag_ms']['p99'])} ms, max in flight {run['max_in_flight']}")
+    errors = [row["error"] for row in run["requests"] if not row["ok"]]
+    if errors:
+        lines.append(f"first of {len(errors)} errors: {errors[0]}")
     return "\n".join(lines)
 
 
