@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
 from tqdm import tqdm
 
 from pagedkv.bench.serve import datasets
@@ -163,9 +164,13 @@ async def run_benchmark(config: ServeBenchConfig) -> dict:
     max_connections = config.max_concurrency or len(requests)
     async with OpenAIClient(config.base_url, config.endpoint, config.api_key, max_connections,
                             stream=config.stream, ignore_eos=config.ignore_eos) as client:
-        model = config.model or await client.served_model()
-        prompt_format = await _prompt_format(config, client, model)
-        return_token_ids = config.stream and await client.returns_token_ids(model, prompt_format)
+        try:
+            model = config.model or await client.served_model()
+            prompt_format = await _prompt_format(config, client, model)
+            return_token_ids = config.stream and await client.returns_token_ids(model, prompt_format)
+        except httpx.HTTPError as error:
+            raise InvalidArgumentError(f"cannot reach {config.base_url} ({type(error).__name__}: {error}); "
+                                       f"is the server up?") from None
         runs = []
         for rate in config.request_rates:
             offsets = arrival_offsets(len(requests), rate, config.burstiness, config.seed)
