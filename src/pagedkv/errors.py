@@ -52,6 +52,15 @@ class SchedulerStallError(PagedKVError):
     """The scheduler could schedule nothing while work remained: an internal invariant broke."""
 
 
+class StepFailedError(PagedKVError):
+    """One engine step failed as a whole (its forward pass, or reading its tokens back). The requests
+    in it (`request_ids`) were failed and their blocks freed; every other request goes on."""
+
+    def __init__(self, request_ids: list[str], cause: str):
+        self.request_ids = list(request_ids)
+        super().__init__(f"the engine step serving {len(self.request_ids)} requests failed: {cause}")
+
+
 class EngineDeadError(PagedKVError):
     """The engine cannot go on (a tensor-parallel worker died, or a collective timed out): in-flight
     requests are failed and every later call raises this too."""

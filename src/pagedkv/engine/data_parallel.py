@@ -36,7 +36,7 @@ from pagedkv.engine.engine import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.router import Router, RouterConfig
 from pagedkv.engine.sampling import SamplingParams
-from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, PagedKVError
+from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, PagedKVError, StepFailedError
 
 logger = logging.getLogger("pagedkv")
 
@@ -105,7 +105,11 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
             publish()
             continue
         if busy:
-            outputs = engine.step()
+            try:
+                outputs = engine.step()
+            except StepFailedError as error:  # the engine failed that step's requests; the replica goes on
+                send(("failed", (error.request_ids, str(error))))
+                outputs = []
             if outputs:
                 send(("outputs", outputs))
             if time.perf_counter() - last_push >= _STATS_PUSH_S or not engine.has_unfinished_requests():
@@ -381,6 +385,9 @@ class DataParallelEngine:
                     elif kind == "rejected":
                         request_id, message = payload
                         outputs.append(self._failed(request_id, message, "rejected"))
+                    elif kind == "failed":
+                        request_ids, message = payload
+                        outputs += [self._failed(request_id, message, "error") for request_id in request_ids]
                 replica.inbox.clear()
                 if not replica.process.is_alive() and replica.requests:
                     for request_id in list(replica.requests):

@@ -32,7 +32,7 @@ from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import FinishReason, Sequence
 from pagedkv.engine.step_input import StepInputBuilder
-from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, RequestRejectedError
+from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, RequestRejectedError, StepFailedError
 from pagedkv.hf.cache import kv_shape_of
 from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
 from pagedkv.kernels import KVPool
@@ -120,6 +120,7 @@ class EngineStats:
     num_swap_outs: int
     num_swap_ins: int
     num_rejected: int
+    num_request_failures: int  # requests that failed alone inside the engine; their step-mates went on
     prefix_cache_queries: int  # blocks looked up
     prefix_cache_hits: int  # blocks found
     prefix_cache_hit_tokens: int
@@ -278,6 +279,7 @@ class LLMEngine:
         self._seq_to_request: dict[int, Request] = {}
         self._num_prompt_tokens = 0
         self._num_generated = 0
+        self._num_request_failures = 0  # requests failed alone (isolated from their step)
         self._busy = 0.0
         # True: an output for every request that moved, every step, with its text so far (streaming).
         # False: outputs only for finished requests (offline generation: no per-step detokenization or
@@ -584,7 +586,13 @@ class LLMEngine:
             self._check_workers()
             self._step_sent = True  # from here on a failure leaves the workers' step behind (see step)
             self.tp.broadcast_object(step_input.for_workers())
-        result = self.runner.execute(step_input, previous_tokens)  # block moves run even in an empty step
+        try:
+            result = self.runner.execute(step_input, previous_tokens)  # block moves run even in an empty step
+        except Exception as error:
+            if self.tp is not None:
+                raise  # the ranks are out of step: `step` stops the engine
+            # The step still in flight fed this one its tokens on the device: its requests go down with it.
+            raise self._step_failed(error, out, previous.out if previous is not None else None) from error
         length_finished = self.scheduler.advance(out)
         current = _InFlight(out, step_input, result, length_finished)
         launched = time.perf_counter()
@@ -626,10 +634,27 @@ class LLMEngine:
                                f"{self.config.distributed_timeout_s:g} s (a peer stopped answering)")
                     raise EngineDeadError(self._dead)
                 time.sleep(0.0001)
-        sampled = self._sampled(flight.step_input, flight.out, flight.result)
+        try:  # the one device read of the step: an error here is the step's, not one request's
+            token_ids = flight.result.token_ids() if flight.result is not None else []
+            logprobs = flight.result.logprobs() if flight.result is not None and any(
+                row.params.logprobs is not None for row in flight.step_input.sampling) else None
+        except Exception as error:
+            raise self._step_failed(error, flight.out) from error
+        sampled = self._sampled(flight.step_input, flight.out, token_ids, logprobs)
         flight.wait_s = time.perf_counter() - waiting
         finished = flight.length_finished + self.scheduler.resolve(flight.out, sampled)
         return self._outputs(flight.out, sampled, finished)
+
+    def _step_failed(self, error: Exception, *outs) -> StepFailedError:
+        """The step itself failed (the forward pass, or reading its tokens back): fail its requests alone."""
+        request_ids = sorted({item.seq.request_id for out in outs if out is not None for item in out.scheduled
+                              if item.seq.request_id in self.requests})
+        logger.error("an engine step failed; failing its %d requests: %s: %s", len(request_ids),
+                     type(error).__name__, error, exc_info=error)
+        for request_id in request_ids:
+            self.abort(request_id)
+        self._in_flight = None
+        return StepFailedError(request_ids, f"{type(error).__name__}: {error}")
 
     def _num_samples(self, out) -> dict[int, int]:
         """Sequences whose step samples all n first tokens of an n > 1 request from one row."""
@@ -641,33 +666,44 @@ class LLMEngine:
                 wanted[seq.seq_id] = seq.sampling_params.n
         return wanted
 
-    def _sampled(self, step_input, out, result) -> dict[int, int | list[int]]:
-        """seq id -> sampled token (a list of n for a forking first sample), from the runner's result."""
-        if result is None:
-            return {}
+    def _sampled(self, step_input, out, token_ids: list[list[int]], logprobs) -> dict[int, int | list[int]]:
+        """seq id -> sampled token (a list of n for a forking first sample), from the step's read-back rows.
+
+        A row that cannot be taken apart fails its request alone (`_isolate`), like a failure in resolve.
+        """
         sampled = {}
         scheduled = out.scheduled
-        for index, tokens in zip(step_input.sample_seqs, result.token_ids()):
-            sampled[scheduled[index].seq.seq_id] = tokens if len(tokens) > 1 else tokens[0]
-        if any(row.params.logprobs is not None for row in step_input.sampling):
-            for index, row, entries in zip(step_input.sample_seqs, step_input.sampling, result.logprobs()):
-                if row.params.logprobs is None:
-                    continue
-                request = self._seq_to_request[scheduled[index].seq.seq_id]
-                for sample_index, entry in zip(row.sample_indices, entries):
-                    request.logprobs.setdefault(sample_index, []).append(entry)
+        rows = zip(step_input.sample_seqs, step_input.sampling, token_ids, logprobs or itertools.repeat(None))
+        for index, row, tokens, entries in rows:
+            seq = scheduled[index].seq
+            try:
+                sampled[seq.seq_id] = tokens if len(tokens) > 1 else tokens[0]
+                if row.params.logprobs is not None:
+                    request = self._seq_to_request[seq.seq_id]
+                    for sample_index, entry in zip(row.sample_indices, entries):
+                        request.logprobs.setdefault(sample_index, []).append(entry)
+            except Exception as error:  # noqa: BLE001 - contained to this request
+                sampled.pop(seq.seq_id, None)
+                self.scheduler.fail_request(seq.request_id, error, out)
         return sampled
 
     def _outputs(self, out, sampled, finished) -> list[RequestOutput]:
-        """Register forked children, count tokens, and report every request that moved."""
+        """Register forked children, count tokens, and report every request that moved.
+
+        Requests the scheduler failed while resolving (`out.failed`), and any whose output cannot be
+        built (detokenization, stop strings), end alone with an ERROR output; the rest are reported.
+        """
         for item in out.scheduled:
             self._num_prompt_tokens += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
         for child in out.forked:
-            request = self.requests[child.request_id]
-            request.seqs.append(child)
-            self._seq_to_request[child.seq_id] = request
+            request = self.requests.get(child.request_id)
+            if request is not None:
+                request.seqs.append(child)
+                self._seq_to_request[child.seq_id] = request
         for seq in finished:
             self.input_builder.release(seq.seq_id)
+        outputs = [self._isolate(self.requests[request_id], error)
+                   for request_id, error in out.failed.items() if request_id in self.requests]
         touched: dict[str, Request] = {}
         now = time.perf_counter()
         for seq_id, tokens in sampled.items():
@@ -678,24 +714,50 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             touched[request.request_id] = request
-        outputs = []
         ended = {seq.request_id for seq in finished}
         for request in touched.values():
-            if not self.stream_outputs and request.request_id not in ended:
-                if not request.params.stop:
-                    continue  # offline: nothing to report until a sequence of it finishes
-                for seq in request.seqs:
-                    self._text(request, seq)  # may finish the sequence on a stop string
-            if not self.stream_outputs and not self._is_finished(request):
-                continue
-            output = self._output(request)
-            if output.finished:
-                request.finish_time = time.perf_counter()
-                output.metrics["finish_time"] = request.finish_time
-                self.requests.pop(request.request_id, None)
-                self._forget(request)
-            outputs.append(output)
+            try:
+                output = self._report(request, request.request_id in ended)
+            except Exception as error:  # noqa: BLE001 - contained to this request
+                output = self._isolate(request, error)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _report(self, request: Request, has_ended_seq: bool) -> RequestOutput | None:
+        """`request`'s output after a step that moved it (None offline, until it finishes)."""
+        if not self.stream_outputs and not has_ended_seq:
+            if not request.params.stop:
+                return None  # offline: nothing to report until a sequence of it finishes
+            for seq in request.seqs:
+                self._text(request, seq)  # may finish the sequence on a stop string
+        if not self.stream_outputs and not self._is_finished(request):
+            return None
+        output = self._output(request)
+        if output.finished:
+            request.finish_time = time.perf_counter()
+            output.metrics["finish_time"] = request.finish_time
+            self.requests.pop(request.request_id, None)
+            self._forget(request)
+        return output
+
+    def _isolate(self, request: Request, error: BaseException) -> RequestOutput:
+        """End `request` alone after `error` (its blocks freed, its step-mates untouched): its ERROR output."""
+        logger.error("request %s failed in the engine and ends alone: %s: %s", request.request_id,
+                     type(error).__name__, error, exc_info=error)
+        self._num_request_failures += 1
+        self.scheduler.fail_request(request.request_id, error)
+        self.requests.pop(request.request_id, None)
+        self._forget(request)
+        completions = [CompletionOutput(seq.sample_index, "", seq.known_output_token_ids,
+                                        seq.finish_reason.value if seq.is_done else FinishReason.ERROR.value)
+                       for seq in request.seqs]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True,
+                             num_cached_tokens=request.seqs[0].num_cached_tokens,
+                             error=f"this request failed in the engine: {type(error).__name__}: {error}",
+                             metrics={"arrival_time": request.arrival_time,
+                                      "first_token_time": request.first_token_time,
+                                      "finish_time": time.perf_counter()})
 
     def _text(self, request: Request, seq: Sequence) -> str:
         """Detokenized output so far, cut at the first stop string (which finishes the sequence)."""
@@ -777,7 +839,8 @@ class LLMEngine:
             num_blocks=bm.num_blocks, block_size=bm.block_size, num_used_blocks=bm.num_used_blocks,
             num_free_blocks=bm.num_free_blocks, peak_used_blocks=bm.allocator.peak_used,
             num_preemptions=st.num_preemptions, num_swap_outs=st.num_swap_outs, num_swap_ins=st.num_swap_ins,
-            num_rejected=st.num_rejected, prefix_cache_queries=cache.num_queries if cache else 0,
+            num_rejected=st.num_rejected, num_request_failures=self._num_request_failures,
+            prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_hits=cache.num_hits if cache else 0, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
             num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated,
             num_steps=st.num_steps, busy_seconds=self._busy,

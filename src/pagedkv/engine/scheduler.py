@@ -140,6 +140,7 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, GPU -> GPU
     preempted: list[Sequence] = field(default_factory=list)
     forked: list[Sequence] = field(default_factory=list)  # children created by update() (n > 1)
+    failed: dict[str, BaseException] = field(default_factory=dict)  # request id -> why resolve failed it
 
     @property
     def shape(self) -> StepShape:
@@ -419,54 +420,95 @@ class Scheduler:
         A sequence may have moved on since `advance` (scheduled again, preempted, or finished by
         length); its oldest pending token is this step's either way. Returns the sequences that
         finished here (not those `advance` finished by length).
+
+        NOTE: one request's failure is its own. An exception while resolving a sequence fails
+        its whole request (recorded in `out.failed`, every sequence of it finished with ERROR and
+        its blocks freed); the step's other sequences are resolved as if nothing happened.
         """
-        finished = []
-        bm = self.block_manager
+        finished: list[Sequence] = []
         for item in list(out.scheduled):
             seq = item.seq
+            if seq.request_id in out.failed:
+                continue
             token = sampled.get(seq.seq_id)
             if token is None or seq.num_pending == 0:
                 continue  # sampled nothing, or aborted/stopped since (its pending tokens were dropped)
-            index = seq.first_pending_index
-            if isinstance(token, list):
-                for extra in token[1:]:
-                    child = self._fork(seq, index, extra)
-                    out.forked.append(child)
-                    if (reason := self._stop_reason(child, extra)) is not None:
-                        self.finish(child, reason)
-                        finished.append(child)
-                token = token[0]
-            seq.token_ids[index] = token
-            seq.num_pending -= 1
-            if seq.status is SequenceStatus.RUNNING:
-                bm.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index))
-            stop = self._token_stop(seq, token, index)
-            if stop is None:
-                continue
-            if seq.is_finished:
-                seq.finish_reason = stop  # finished by length at advance; the last token also stops it
-            else:
-                del seq.token_ids[index + 1:]  # later pending tokens belong to steps past the stop
-                seq.num_pending = 0
-                self.finish(seq, stop)
-                finished.append(seq)
+            try:
+                finished.extend(self._resolve_one(seq, token, out))
+            except Exception as error:  # noqa: BLE001 - contained to this request (see NOTE)
+                self.fail_request(seq.request_id, error, out)
+        return [seq for seq in finished if seq.request_id not in out.failed]
+
+    def _resolve_one(self, seq: Sequence, token: int | list[int], out: SchedulerOutput) -> list[Sequence]:
+        """Fill `seq`'s oldest pending token (forking first when `token` is a list); the sequences it finished."""
+        finished = []
+        index = seq.first_pending_index
+        if isinstance(token, list):
+            for sample_index, extra in enumerate(token[1:], start=1):
+                child = self._fork(seq, index, extra, sample_index, out)
+                if child.is_finished:
+                    finished.append(child)
+            token = token[0]
+        seq.token_ids[index] = token
+        seq.num_pending -= 1
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index))
+        stop = self._token_stop(seq, token, index)
+        if stop is None:
+            return finished
+        if seq.is_finished:
+            seq.finish_reason = stop  # finished by length at advance; the last token also stops it
+        else:
+            del seq.token_ids[index + 1:]  # later pending tokens belong to steps past the stop
+            seq.num_pending = 0
+            self.finish(seq, stop)
+            finished.append(seq)
         return finished
 
-    def _fork(self, parent: Sequence, index: int, token: int) -> Sequence:
-        """A child of `parent` for the next of its n samples: the parent's tokens before `index`, then `token`.
+    def _fork(self, parent: Sequence, index: int, token: int, sample_index: int, out: SchedulerOutput) -> Sequence:
+        """Sample `sample_index` of `parent`'s request: the parent's tokens before `index`, then `token`.
 
-        It shares all the parent's blocks (parallel sampling); a write into the shared partial
-        block copies it first.
+        A running parent's child shares all its blocks (parallel sampling; a write into the
+        shared partial block copies it first). A parent that already finished (max_tokens or
+        max_model_len reached by this very token) has no blocks left: its child finishes at
+        once, holding none. A child that stops on its first token (EOS, a stop id) finishes too.
         """
-        sample_index = 1 + sum(1 for s in self.running if s.group_id == parent.group_id and s is not parent)
         child = Sequence(next(self.seq_ids), parent.request_id, parent.prompt_token_ids, parent.sampling_params,
                          parent.arrival_index, priority=parent.priority, sample_index=sample_index,
                          token_ids=parent.token_ids[:index] + [token], group_id=parent.group_id, seed=parent.seed)
-        self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
+        out.forked.append(child)  # listed first: a failure below still finds it (fail_request frees it)
+        reason = self._stop_reason(child, token)
+        if parent.is_finished:
+            child.status = SequenceStatus.FINISHED
+            child.finish_reason = reason or parent.finish_reason
+            return child
+        if parent.status is not SequenceStatus.RUNNING:
+            raise AssertionError(f"{parent} forks while {parent.status.value}: n > 1 requests resolve in their step")
+        self.block_manager.fork(parent.seq_id, child.seq_id)
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+        if reason is not None:
+            self.finish(child, reason)
         return child
+
+    def fail_request(self, request_id: str, error: BaseException, out: SchedulerOutput | None = None) -> None:
+        """End every sequence of `request_id` with ERROR and free its blocks (its step-mates go on).
+
+        Records `error` in `out.failed`. Sequences forked in this step (`out.forked`) are freed
+        too, even one that failed halfway into the running queue.
+        """
+        doomed = [seq for queue in (self.waiting, self.running, self.swapped) for seq in queue
+                  if seq.request_id == request_id]
+        if out is not None:
+            out.failed[request_id] = error
+            doomed += [seq for seq in out.forked if seq.request_id == request_id and seq not in doomed]
+        for seq in doomed:
+            for queue in (self.running, self.waiting, self.swapped):
+                if seq in queue:
+                    queue.remove(seq)
+            self.drop_pending(seq)
+            self._finish(seq, FinishReason.ERROR)
 
     # ------------------------------------------------------------------ internals
     def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSequence | None:

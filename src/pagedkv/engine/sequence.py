@@ -30,12 +30,13 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a sequence finished (the OpenAI `finish_reason` vocabulary, plus rejection)."""
+    """Why a sequence finished (the OpenAI `finish_reason` vocabulary, plus rejection and error)."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     REJECTED = "rejected"  # could never fit; refused at admission
+    ERROR = "error"  # failed inside the engine (its step-mates went on)
 
 
 @dataclass(eq=False)

@@ -19,8 +19,11 @@ Failures are contained to the requests they touch:
 
 - an exception while adding one request, or while delivering its output, fails that request
   alone (`RequestFailedError`; a 400 if the engine refused it, else a 500);
+- the engine fails a request alone when resolving, sampling or detokenizing it raises: its
+  output carries `error`, and it answers 500 while its step-mates go on;
 - an exception from `step()` that names its request (an attribute `request_id`) fails that
-  request alone; one that does not fails the requests in flight, since they shared the step
+  request alone; a `StepFailedError` (the forward pass failed) fails the requests of that step,
+  which the engine names; any other fails the requests in flight, since they shared the step
   and the engine cannot say which one broke it. Their blocks are freed, the engine's
   integrity is checked, and the loop goes on with new requests;
 - `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row (a broken device fails every step), a
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling import SamplingParams
-from pagedkv.errors import PagedKVError
+from pagedkv.errors import PagedKVError, StepFailedError
 from pagedkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedkv.server")
@@ -327,6 +330,11 @@ class AsyncEngine:
 
     def _step_failed(self, error: Exception) -> None:
         """Fail the request the error names, else every request in flight; re-raise if the engine looks broken."""
+        if isinstance(error, StepFailedError):
+            # The engine failed the step's requests itself and freed their blocks; the rest go on.
+            failed_ids = [request_id for request_id in error.request_ids if request_id in self._tracked]
+        else:
+            failed_ids = list(self._tracked)  # the step's requests cannot be told apart: fail all in flight
         request_id = getattr(error, "request_id", None)
         if request_id in self._tracked:
             logger.error("request %s failed in a step: %s: %s", request_id, type(error).__name__, error,
@@ -337,9 +345,9 @@ class AsyncEngine:
         if self._num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise error  # every step fails: the engine is broken, not one request
         logger.error("an engine step failed (%d in a row); failing the %d requests in it: %s: %s",
-                     self._num_failed_steps, len(self._tracked), type(error).__name__, error, exc_info=error)
+                     self._num_failed_steps, len(failed_ids), type(error).__name__, error, exc_info=error)
         failure = f"the engine step serving this request failed: {type(error).__name__}: {error}"
-        for request_id in list(self._tracked):
+        for request_id in failed_ids:
             self._fail(request_id, RequestFailedError(failure))
         # A failed step must leave no block behind; if it did, the engine is not safe to keep using.
         self.engine.check_integrity()
@@ -377,6 +385,10 @@ class AsyncEngine:
     def _deliver(self, output: RequestOutput, now: float) -> None:
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
+            return
+        if output.error is not None and not any(c.finish_reason == "rejected" for c in output.outputs):
+            # The engine failed this request alone (its step-mates go on): a 500 for it, not an output.
+            self._fail(output.request_id, RequestFailedError(output.error))
             return
         num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
         if tracked.first_token_s is None and num_tokens:

@@ -18,6 +18,7 @@ event; prometheus_client's counters are thread-safe.
     pagedkv_prefix_cache_hit_tokens_total               counter
     pagedkv_prompt_tokens_total                         counter (prompt tokens computed)
     pagedkv_generation_tokens_total                     counter
+    pagedkv_request_failures_total                      counter: requests the engine failed alone
     pagedkv_request_success_total{finished_reason}      counter
     pagedkv_time_to_first_token_seconds                 histogram
     pagedkv_time_per_output_token_seconds               histogram
@@ -47,6 +48,8 @@ _MIRRORED = {
     "pagedkv_prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
     "pagedkv_prompt_tokens": ("num_prompt_tokens", "Prompt tokens computed (prefill)."),
     "pagedkv_generation_tokens": ("num_generated_tokens", "Tokens generated."),
+    "pagedkv_request_failures": ("num_request_failures", "Requests that failed alone inside the engine "
+                                                         "(resolve, sampling, detokenization); their step-mates went on."),
 }
 
 
