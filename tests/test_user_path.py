@@ -37,3 +37,70 @@ def test_calc_kv_dtype_note_names_the_flag_given(capsys):
     assert main(["calc", "--model", "llama3-70b", "--dtype-bytes", "4", "--json"]) == 0
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert any(note.startswith("--dtype-bytes 4 gives 4 B") for note in notes)
+
+
+# ---------------------------------------------------------------------- 2. answers do not depend on the directory
+SIM_SMALL = ["--jobs", "48", "--clients", "16"]
+
+
+@pytest.mark.parametrize("args", [
+    ["sim", *SIM_SMALL],
+    ["sim", "--sweep", "--quick", "--workers", "1"],
+    ["calc", "--model", "llama3-70b", "--budget-gb", "80", "--kv-dtype", "fp8"],
+], ids=["sim", "sim-sweep-quick", "calc"])
+def test_output_is_the_same_from_any_directory(args, tmp_path):
+    out = tmp_path / "out"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    runs = [run_cli(*args, "--out", str(out), cwd=cwd) if args[0] == "sim" else run_cli(*args, cwd=cwd)
+            for cwd in (REPO, elsewhere)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+    assert runs[0].stdout == runs[1].stdout
+    if args[0] == "sim":
+        assert runs[0].stdout.startswith("cost model: packaged cost_model_h200.json")
+
+
+def test_the_packaged_cost_model_is_package_data():
+    import tomllib
+    from fnmatch import fnmatch
+
+    from pagedkv.sim.cost_model import PACKAGED_COST_MODEL, packaged_cost_model
+
+    assert packaged_cost_model().source.startswith("packaged ")
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert any(fnmatch(f"data/{PACKAGED_COST_MODEL}", glob) for glob in package_data["pagedkv.sim"])
+
+
+# ---------------------------------------------------------------------- 3. commands write where the user points
+def test_default_output_goes_outside_the_working_directory(tmp_path):
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    env = {"HOME": str(home), "PAGEDKV_OUT": ""}
+    result = run_cli("bench", "allocator", "--pairs", "2000", cwd=cwd, env=env)
+    assert result.returncode == 0, result.stderr
+    written = home / ".cache" / "pagedkv" / "results" / "allocator.json"
+    assert written.is_file() and str(written) in result.stdout
+    assert list(cwd.iterdir()) == []
+    result = run_cli("sim", "--sweep", "--quick", "--workers", "1", cwd=cwd, env={**env, "PAGEDKV_OUT": str(tmp_path / "o")})
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "o" / "sim_sweep.json").is_file() and str(tmp_path / "o") in result.stdout
+    assert list(cwd.iterdir()) == []
+
+
+def test_no_command_defaults_to_a_path_in_the_source_tree():
+    offenders = [f"{path.relative_to(REPO)}:{number}"
+                 for path in sorted((REPO / "src" / "pagedkv").rglob("*.py"))
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if "add_argument" in line and 'default="benchmarks' in line]
+    assert offenders == []
+
+
+# ---------------------------------------------------------------------- 11. the same condition, the same exit
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.parametrize("name", ["kernel", "engine", "latency", "hf"])
+def test_gpu_benchmarks_without_a_gpu_exit_2_with_one_line(name, capsys, tmp_path):
+    assert main(["bench", name, "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith(f"pagedkv: error: pagedkv bench {name} needs a CUDA GPU, and ")

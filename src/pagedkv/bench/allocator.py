@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from pagedkv.bench.common import add_out_argument
 from pagedkv.cli import ArgumentParser
 from pagedkv.core.allocator import BlockAllocator
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench allocator") -
 
     parser = ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--pairs", type=int, default=1_000_000, help="alloc+free pairs per measurement")
-    parser.add_argument("--out", default="benchmarks/results", help="directory for allocator.json")
+    add_out_argument(parser, "allocator.json")
     args = parser.parse_args(argv)
 
     result = run(num_pairs=args.pairs)

@@ -9,6 +9,21 @@ import platform
 import subprocess
 from pathlib import Path
 
+from pagedkv.errors import PagedKVError
+
+
+class GPURequiredError(PagedKVError):
+    """A benchmark that measures a CUDA GPU was run where torch sees none (one line, exit 2 via `pagedkv.cli`)."""
+
+
+def require_cuda(command: str, hint: str = "") -> None:
+    """Raise `GPURequiredError` naming `command` (and `hint`, what runs on CPU instead) unless CUDA is available."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GPURequiredError(f"{command} needs a CUDA GPU, and torch.cuda.is_available() is False"
+                               + (f"; {hint}" if hint else ""))
+
 
 def git_commit() -> str:
     """The checkout's HEAD commit (with '-dirty' when it has changes), or 'unknown'."""
@@ -36,6 +51,21 @@ def provenance(device: str | None = None) -> dict:
         "processor": platform.processor() or platform.machine(),
         "device": device or "cpu",
     }
+
+
+def default_out_dir() -> Path:
+    """Where results go when no --out is given: `$PAGEDKV_OUT`, else ~/.cache/pagedkv/results.
+
+    NOTE: never a path relative to the working directory: run from a checkout, that would
+    overwrite the committed results the README describes.
+    """
+    return Path(os.environ.get("PAGEDKV_OUT") or Path.home() / ".cache" / "pagedkv" / "results")
+
+
+def add_out_argument(parser, files: str) -> None:
+    """The `--out DIR` flag of a command that writes `files`, defaulting to `default_out_dir()`."""
+    parser.add_argument("--out", metavar="DIR", default=str(default_out_dir()),
+                        help=f"directory for {files} (default: $PAGEDKV_OUT, else ~/.cache/pagedkv/results)")
 
 
 def write_json(out_dir: str | os.PathLike, name: str, payload: dict) -> Path:

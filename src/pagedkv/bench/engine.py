@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from pagedkv.bench.common import provenance, write_json
+from pagedkv.bench.common import add_out_argument, provenance, require_cuda, write_json
 from pagedkv.cli import ArgumentParser
 
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--skip-hf", action="store_true", help="skip transformers' continuous batching")
     parser.add_argument("--skip", default="", help="comma-separated variants to skip: pagedkv_eager,pagedkv_hf_modules")
     parser.add_argument("--calibration-requests", type=int, default=96)
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser, "engine.json, engine.md, engine_run.json and cost_model.json")
     args = parser.parse_args(argv)
     from pagedkv.core.memory import check_kv_cache_dtype
 
@@ -169,9 +169,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
         return engine_kv.run(args)
     args.kv_cache_dtype = check_kv_cache_dtype(args.kv_cache_dtype or "auto")
     args.requests = args.requests or 256
-    if not torch.cuda.is_available():
-        print("pagedkv bench engine needs a CUDA GPU")
-        return 2
+    require_cuda("pagedkv bench engine")
 
     console = Console()
     device = torch.device("cuda")
@@ -286,4 +284,5 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     from pathlib import Path
 
     Path(args.out, "engine.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote engine.json, engine.md, engine_run.json and cost_model.json in {args.out}")
     return 0

@@ -62,12 +62,10 @@ def run_one(model, kv_cache_dtype: str, budget_bytes: int, prompts, output_lens,
 
 def run(args) -> int:
     """The kv-bound preset of `pagedkv bench engine` (arguments parsed there); writes engine_kv_bound.json / .md."""
-    from pagedkv.bench.common import provenance, write_json
+    from pagedkv.bench.common import provenance, require_cuda, write_json
     from pagedkv.hf.models import random_model
 
-    if not torch.cuda.is_available():
-        print("pagedkv bench engine needs a CUDA GPU")
-        return 2
+    require_cuda("pagedkv bench engine")
     dtypes = [name for name in args.kv_cache_dtype.split(",") if name]
     if len(dtypes) == 1 and dtypes[0] != "auto":
         dtypes = ["auto", *dtypes]  # always against the model dtype, in the same run
@@ -104,4 +102,5 @@ def run(args) -> int:
     write_json(args.out, "engine_kv_bound", result)
     Path(args.out, "engine_kv_bound.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote engine_kv_bound.json and .md in {args.out}")
     return 0

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.bench.common import add_out_argument
 from pagedkv.cli import ArgumentParser
 
 #: The issue's target: FP8 perplexity at most 1% over model-dtype KV.
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
                         help="skip the e4m3 row simulated inside HF's attention (no pagedkv code)")
     parser.add_argument("--max-tokens", type=int, default=48,
                         help="greedy tokens per demo question (default %(default)s)")
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser, "fp8_accuracy.json and .md")
     args = parser.parse_args(argv)
 
     from pagedkv.bench.common import provenance, write_json

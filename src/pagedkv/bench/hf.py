@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench import hf_latency
-from pagedkv.bench.common import provenance, write_json
+from pagedkv.bench.common import GPURequiredError, add_out_argument, provenance, write_json
 from pagedkv.bench.hf_latency import generate_tokens, prompts
 from pagedkv.cli import ArgumentParser
 
@@ -169,6 +169,7 @@ def _sharing_report(model, label: str, args) -> dict:
     print("\n".join(lines))
     write_json(args.out, "hf_sharing", result)
     Path(args.out, "hf_sharing.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote hf_sharing.json, .md and .png in {args.out}")
     return result
 
 
@@ -235,14 +236,14 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     parser.add_argument("--sharing-batches", default="1,8")
     parser.add_argument("--sharing-prompt-len", type=int, default=512)
     parser.add_argument("--sharing-new-tokens", type=int, default=128)
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser, "the hf*.json, .md and .png results")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.only != "sharing" and not device.startswith("cuda"):
-        print("pagedkv bench hf needs a CUDA GPU (on CPU: --only sharing)")
-        return 2
+        why = "torch.cuda.is_available() is False" if args.device is None else f"--device is {device}"
+        raise GPURequiredError(f"pagedkv bench hf needs a CUDA GPU, and {why}; on CPU: --only sharing")
     if args.only == "latency":
         latency, lines = _latency_report(args)
         write_json(args.out, "hf_latency", {"benchmark": "hf_latency",
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
         prov = provenance(torch.cuda.get_device_name())
         Path(args.out, "hf_latency.md").write_text("\n".join(
             [f"# HF decode latency ({prov['device']}, {prov['date']}, commit {prov['commit']})", "", *lines]) + "\n")
+        print(f"wrote hf_latency.json and .md in {args.out}")
         return 0
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
     if args.quick:
@@ -310,4 +312,5 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
                   f"{row['paged_peak_delta_bytes'] / 1e6:.2f} | {row['naive_bytes'] / row['paged_bytes']:.1f}x |")
     md += ["", *latency_lines, "", f"Targets: {targets}"]
     Path(args.out, "hf.md").write_text("\n".join(md) + "\n")
+    print(f"wrote hf.json, hf.md and the plots in {args.out}")
     return 0

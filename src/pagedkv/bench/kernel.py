@@ -29,6 +29,7 @@ import functools
 import time
 from pathlib import Path
 
+from pagedkv.bench.common import add_out_argument
 from pagedkv.cli import ArgumentParser
 
 #: (batch, context length) grid, Llama-3-8B attention: 32 q heads, 8 kv heads, head_dim 128, bf16.
@@ -732,7 +733,7 @@ def _print_table(console, title: str, header: list[str], body: list[list[str]]) 
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> int:
     """Validate, time and report the paged kernels; writes `<out>/kernel.json` and `<out>/kernel.md`."""
     parser = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results", help="directory for kernel.json and kernel.md")
+    add_out_argument(parser, "kernel.json and kernel.md")
     parser.add_argument("--validate", action="store_true",
                         help="check every contender vs the reference first (always on for a GPU run)")
     parser.add_argument("--variants", action="store_true", help="also time alternative launch configurations")
@@ -754,7 +755,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
     from rich.console import Console
 
     from pagedkv.bench import kernel_steps
-    from pagedkv.bench.common import provenance, write_json
+    from pagedkv.bench.common import GPURequiredError, provenance, write_json
 
     console = Console(width=240)  # logs of a remote run are not a terminal: keep rows on one line
     if torch.cuda.is_available():
@@ -765,8 +766,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
         device, dtype, backend = torch.device("cpu"), torch.float32, "triton" if interpret else "torch"
         device_name = f"cpu (smoke: {'Triton interpreter' if interpret else 'torch path'})"
     else:
-        console.print("pagedkv bench kernel needs a CUDA GPU (use --smoke to exercise the script on CPU)")
-        return 1
+        raise GPURequiredError("pagedkv bench kernel needs a CUDA GPU, and torch.cuda.is_available() is False; "
+                               "--smoke exercises the script on CPU")
     started = time.perf_counter()
 
     def progress(message: str) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.bench.common import provenance, write_json
+from pagedkv.bench.common import add_out_argument, provenance, require_cuda, write_json
 
 PROMPT_TOKENS = 128
 NEW_TOKENS = 256
@@ -192,11 +192,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench latency") -> 
     parser.add_argument("--impls", default="pagedkv,pagedkv-eager,hf",
                         help="engine paths for the first model (the others run pagedkv only)")
     parser.add_argument("--no-hf-compiled", action="store_true", help="skip HF generate with StaticCache+compile")
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser, "latency.json, .md and .png")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("pagedkv bench latency needs a CUDA GPU")
-        return 2
+    require_cuda("pagedkv bench latency")
     console = Console()
     bandwidth = copy_bandwidth()
     console.print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
@@ -229,4 +227,5 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench latency") -> 
                          " | | | |")
     Path(args.out, "latency.md").write_text("\n".join(lines) + "\n")
     console.print("\n".join(lines))
+    print(f"wrote latency.json, .md and .png in {args.out}")
     return 0

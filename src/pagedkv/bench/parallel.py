@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.bench.common import provenance
+from pagedkv.bench.common import add_out_argument, provenance, require_cuda
 from pagedkv.bench.engine import nano_vllm_workload
 from pagedkv.cli import ArgumentParser
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="+",
                         choices=("tp1", "tp2", "tp2-symm", "tp2-bound", "tp-greedy", "dp1", "dp2", "routing"))
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser, "parallel.json")
     parser.add_argument("--routing-requests", type=int, default=2048)
     parser.add_argument("--system-prompts", type=int, default=32)
     parser.add_argument("--routing-kv-gib", type=float, default=None,
@@ -290,9 +290,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
     parser.add_argument("--routing-key", default="routing", help="routing: the result's key in parallel.json")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (checks the script, not the speed)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() and not args.smoke:
-        print("pagedkv bench parallel needs CUDA GPUs")
-        return 2
+    if not args.smoke:
+        require_cuda("pagedkv bench parallel", "--smoke exercises the script on CPU")
     global DTYPE, MAX_MODEL_LEN, SYSTEM_PROMPT_TOKENS, nano_vllm_workload
     if args.smoke:
         DTYPE, MAX_MODEL_LEN, SYSTEM_PROMPT_TOKENS = "float32", 512, 100
@@ -325,4 +324,5 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench parallel") ->
             routing(out, args.routing_requests, args.system_prompts,
                     "random:tiny-qwen3" if args.smoke else "random:qwen3-0.6b", args.routing_kv_gib,
                     key=args.routing_key)
+    print(f"wrote parallel.json in {out}")
     return 0

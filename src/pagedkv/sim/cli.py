@@ -3,6 +3,7 @@
     pagedkv sim                         naive vs paged at --watermark (PageFault's stage 4)
     pagedkv sim --sweep                 watermarks 0-50% x victim policies x preemption modes;
                                         writes <out>/sim_sweep.json and <out>/sim_sweep.png
+                                        (--quick: a small sweep that checks the command in seconds)
     pagedkv sim --fidelity RUN.json     predict a measured engine run's throughput
     pagedkv sim --cluster               replicas behind the data-parallel router (see sim.cluster_cli)
     pagedkv sim --kv-cache-dtype fp8_e4m3
@@ -21,6 +22,7 @@ import argparse
 import json
 import time
 
+from pagedkv.bench.common import add_out_argument
 from pagedkv.cli import ArgumentParser
 from pagedkv.core.memory import KV_CACHE_DTYPES, kv_cache_dtype_bytes
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -52,6 +54,10 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_SWAP_BLOCKS = 1024
 #: Bytes per K/V value of the model the cost model describes (bf16), which --blocks counts in.
 MODEL_DTYPE_BYTES = 2
+#: `--sweep --quick`: a few seconds' sweep that checks the command, not the figures.
+QUICK_NUM_JOBS = 32
+QUICK_NUM_CLIENTS = 16
+QUICK_WATERMARKS = (0.0, 0.05, 0.20)
 
 
 def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
@@ -88,12 +94,16 @@ def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
                       help="CPU swap space in blocks, used by swap preemption (default %(default)s)")
     run = parser.add_argument_group("run")
     run.add_argument("--sweep", action="store_true", help=f"sweep watermarks {', '.join(f'{w:g}' for w in DEFAULT_WATERMARKS)}")
+    run.add_argument("--quick", action="store_true",
+                     help=f"with --sweep: {QUICK_NUM_JOBS} jobs, {QUICK_NUM_CLIENTS} clients and watermarks "
+                          f"{', '.join(f'{w:g}' for w in QUICK_WATERMARKS)} only (seconds; checks the command)")
     run.add_argument("--fidelity", metavar="RUN_JSON", help="predict a measured engine run (schema: pagedkv.sim.fidelity)")
     run.add_argument("--cost-model", metavar="PATH",
-                     help="cost-model JSON (default benchmarks/results/cost_model.json if present, else built-in constants)")
+                     help="cost-model JSON, as `pagedkv bench engine` writes it (default: the calibrated H200 "
+                          "model shipped in the package)")
     run.add_argument("--workers", type=int, default=None, help="processes for a sweep (default: the CPUs available)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    run.add_argument("--out", default="benchmarks/results", help="where --sweep and --fidelity write (default %(default)s)")
+    add_out_argument(run, "what --sweep, --fidelity and --cluster write")
     run.add_argument("--tag", default="", help="suffix of the written file names: sim_sweep_TAG.json (default none)")
     add_cluster_arguments(parser)
     return parser
@@ -107,6 +117,8 @@ def _check_args(args: argparse.Namespace) -> None:
         require_positive_int("--workers", args.workers)
     if not 0.0 <= args.watermark < 1.0:
         raise InvalidArgumentError(f"--watermark must be in [0, 1), got {args.watermark}")
+    if args.quick and not args.sweep:
+        raise InvalidArgumentError("--quick applies only with --sweep")
     if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
         raise InvalidArgumentError(f"--tag may hold letters, digits, '-', '_' and '.' only; got {args.tag!r}")
     if not 0.0 < args.prompt_fraction < 1.0:
@@ -236,7 +248,9 @@ def _run_fidelity(args: argparse.Namespace, cost_model: CostModel) -> int:
               f"{result.sim.num_preemptions} preemptions)")
         verdict = "within" if result.is_within_target else "OUTSIDE"
         print(f"relative error {result.relative_error:+.1%} ({verdict} the {TARGET_RELATIVE_ERROR:.0%} target)")
-    write_json(args.out, _file_name("sim_fidelity", args.tag), {**payload, "provenance": _provenance()})
+    path = write_json(args.out, _file_name("sim_fidelity", args.tag), {**payload, "provenance": _provenance()})
+    if not args.json:
+        print(f"wrote {path}")
     return 0
 
 
@@ -250,11 +264,14 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
     if args.fidelity:
         return _run_fidelity(args, cost_model)
 
+    if args.quick:
+        args.jobs, args.clients = QUICK_NUM_JOBS, QUICK_NUM_CLIENTS
     base = _base_config(args)
     if args.sweep:
         preemptions = [args.preemption] if args.preemption else list(ALL_PREEMPTIONS)
         victims = [args.victim] if args.victim else list(ALL_VICTIMS)
-        runs = sweep_runs(base, DEFAULT_WATERMARKS, preemptions, victims, args.swap_blocks)
+        watermarks = QUICK_WATERMARKS if args.quick else DEFAULT_WATERMARKS
+        runs = sweep_runs(base, watermarks, preemptions, victims, args.swap_blocks)
     else:
         runs = [Run("naive", naive_config(base)),
                 Run("paged", paged_config(base, args.watermark, args.preemption or "recompute",

@@ -10,8 +10,10 @@
 - `swapped_tokens`: block_size * (blocks swapped out + blocks swapped in) this step, each
   copied over PCIe.
 
-Default constants (used until `benchmarks/results/cost_model.json` exists), of a plausible
-order for a ~0.6B model (Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, so
+The CLI's default is the calibrated model that ships inside the package
+(`pagedkv/sim/data/cost_model_h200.json`: the constants fitted to the H200 engine's measured
+steps), so an answer never depends on the working directory. `CostModel()` holds the
+uncalibrated constants below, of a plausible order for a ~0.6B model (Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, so
 2 * 28 * 8 * 128 * 2 = 114,688 B of KV per token) on an H200:
 
     c0        4 ms          kernel launches and Python per step (HF model, no CUDA graphs)
@@ -23,7 +25,7 @@ order for a ~0.6B model (Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128, bf16, 
 `c_swap` is not fitted (engine step measurements carry no swaps); a cost-model file may
 set it.
 
-Cost-model file (`benchmarks/results/cost_model.json`), written by the engine benchmark:
+Cost-model file (`cost_model.json`, written by `pagedkv bench engine` into its --out):
 
     {
       "model": "Qwen/Qwen3-0.6B",              # what was measured
@@ -48,11 +50,13 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
 
-DEFAULT_COST_MODEL_PATH = Path("benchmarks") / "results" / "cost_model.json"
+#: The calibrated cost model inside the package (see the module docstring).
+PACKAGED_COST_MODEL = "cost_model_h200.json"
 
 _FITTED = ("c0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_s_per_token")
 
@@ -154,8 +158,12 @@ def fit(measurements: Sequence[StepMeasurement], swap_s_per_token: float = CostM
                      source=f"{source} from {len(measurements)} steps")
 
 
-def load_cost_model(path: str | Path) -> CostModel:
-    """The cost model of a file in the schema above: its constants, or a fit of its measurements."""
+def load_cost_model(path: str | Path, *, name: str | None = None) -> CostModel:
+    """The cost model of a file in the schema above: its constants, or a fit of its measurements.
+
+    `name` stands for the path in the model's `source` (the packaged file's install path
+    differs between machines; its name does not).
+    """
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -164,12 +172,13 @@ def load_cost_model(path: str | Path) -> CostModel:
     if not isinstance(data, dict):
         raise ConfigError(f"cost model {path}: expected a JSON object, got {type(data).__name__}")
     what = " ".join(str(data[k]) for k in ("model", "gpu") if data.get(k)) or "unnamed"
+    label = name or str(path)
     constants = data.get("constants")
     swap = CostModel.swap_s_per_token
     if isinstance(constants, dict) and constants.get("swap_s_per_token") is not None:
         swap = constants["swap_s_per_token"]
     if isinstance(constants, dict) and all(constants.get(k) is not None for k in _FITTED):
-        return CostModel(*(constants[k] for k in _FITTED), swap_s_per_token=swap, source=f"{path} ({what})")
+        return CostModel(*(constants[k] for k in _FITTED), swap_s_per_token=swap, source=f"{label} ({what})")
     rows = data.get("measurements")
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"cost model {path}: needs 'constants' ({', '.join(_FITTED)}) or a 'measurements' list")
@@ -179,13 +188,17 @@ def load_cost_model(path: str | Path) -> CostModel:
     except (KeyError, TypeError) as error:
         raise ConfigError(f"cost model {path}: each measurement needs prefill_tokens, decode_seqs, kv_tokens, "
                           f"seconds ({error!r})") from None
-    return fit(measurements, swap_s_per_token=swap, source=f"{path} ({what}), fitted")
+    return fit(measurements, swap_s_per_token=swap, source=f"{label} ({what}), fitted")
+
+
+def packaged_cost_model() -> CostModel:
+    """The calibrated cost model shipped inside the package (`PACKAGED_COST_MODEL`)."""
+    with resources.as_file(resources.files("pagedkv.sim") / "data" / PACKAGED_COST_MODEL) as path:
+        return load_cost_model(path, name=f"packaged {PACKAGED_COST_MODEL}")
 
 
 def resolve_cost_model(path: str | Path | None = None) -> CostModel:
-    """The file at `path`; else `benchmarks/results/cost_model.json` if it exists; else the defaults."""
+    """The file at `path`, else the packaged calibrated model: never a file found through the working directory."""
     if path is not None:
         return load_cost_model(path)
-    if DEFAULT_COST_MODEL_PATH.is_file():
-        return load_cost_model(DEFAULT_COST_MODEL_PATH)
-    return CostModel()
+    return packaged_cost_model()
