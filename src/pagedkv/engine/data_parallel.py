@@ -380,8 +380,8 @@ class DataParallelEngine:
             for index, replica in enumerate(self.replicas):
                 self._drain(replica)
                 for kind, payload in replica.inbox:
-                    if kind == "outputs":
-                        outputs += payload
+                    if kind == "outputs":  # not those of requests aborted since the replica sent them
+                        outputs += [output for output in payload if output.request_id in replica.requests]
                     elif kind == "rejected":
                         request_id, message = payload
                         outputs.append(self._failed(request_id, message, "rejected"))
