@@ -148,7 +148,8 @@ def test_sizing_finds_the_smallest_cluster_that_meets_the_target():
 
 CLI_SMALL = ["--cluster", "--rate", "40", "--requests", "160", "--replicas", "3", "--system-prompts", "5",
              "--system-prompt-len", "64", "--user-tokens", "4,24", "--output-tokens", "4,24", "--replica-blocks",
-             "256", "--max-model-len", "256", "--max-replicas", "4", "--p99-ttft", "0.5", "--p99-e2e", "5"]
+             "256", "--max-model-len", "256", "--max-replicas", "4", "--p99-ttft", "0.5", "--p99-e2e", "5",
+             "--arrival", "both"]
 
 
 def test_cli_cluster_is_deterministic_and_writes_results(tmp_path, capsys):

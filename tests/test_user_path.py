@@ -104,3 +104,27 @@ def test_gpu_benchmarks_without_a_gpu_exit_2_with_one_line(name, capsys, tmp_pat
     assert captured.out == ""
     assert captured.err.count("\n") == 1
     assert captured.err.startswith(f"pagedkv: error: pagedkv bench {name} needs a CUDA GPU, and ")
+
+
+# ---------------------------------------------------------------------- 4. sim --cluster: a small default, progress
+def test_cluster_defaults_simulate_a_small_workload():
+    from pagedkv.sim.chat_workload import ARRIVAL_PROCESSES
+    from pagedkv.sim.cli import build_parser
+    from pagedkv.sim.cluster_cli import _choices, _workload
+
+    args = build_parser().parse_args(["--cluster"])
+    arrivals = _choices(args.arrival, ARRIVAL_PROCESSES, "--arrival", "both")
+    # The sizing searches simulate each workload a few times over: keep the default to ~1,000 requests.
+    assert sum(_workload(args, arrival).num_requests for arrival in arrivals) <= 1000
+
+
+def test_cluster_shows_progress_and_what_the_search_does(tmp_path):
+    small = ["--rate", "40", "--requests", "120", "--replicas", "2", "--system-prompts", "4", "--system-prompt-len",
+             "64", "--user-tokens", "4,24", "--output-tokens", "4,24", "--replica-blocks", "256", "--max-model-len",
+             "256", "--max-replicas", "4", "--policy", "prefix", "--workers", "1"]
+    result = run_cli("sim", "--cluster", *small, "--out", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "replica-count searches (double from 1 replica until a run meets P99 TTFT" in result.stderr
+    assert "sizing poisson/prefix: " in result.stderr and "(tried 1" in result.stderr
+    assert "simulations: 100%" in result.stderr
+    assert "simulations" not in result.stdout

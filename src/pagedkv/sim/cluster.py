@@ -39,8 +39,9 @@ import dataclasses
 import functools
 import heapq
 import math
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 
 from pagedkv.core.prefix_cache import BlockHash
@@ -391,9 +392,26 @@ def run_task(task: ClusterTask, cost_model: CostModel) -> ClusterResult | Sizing
     return replicas_needed(task.config, requests, cost_model, task.target, task.max_replicas)
 
 
-def run_tasks(tasks: SequenceT[ClusterTask], cost_model: CostModel, workers: int = 1) -> list:
-    """Every task's result, in task order, computed in `workers` processes (the same numbers for any count)."""
+def run_tasks(tasks: SequenceT[ClusterTask], cost_model: CostModel, workers: int = 1,
+              on_done: Callable[[int, ClusterResult | SizingResult], None] | None = None) -> list:
+    """Every task's result, in task order, computed in `workers` processes (the same numbers for any count).
+
+    `on_done(index, result)` is called in this process as each task finishes, in finishing order
+    (a progress bar's hook).
+    """
+    results: list = [None] * len(tasks)
+
+    def done(index: int, result) -> None:
+        results[index] = result
+        if on_done is not None:
+            on_done(index, result)
+
     if workers <= 1 or len(tasks) <= 1:
-        return [run_task(task, cost_model) for task in tasks]
+        for index, task in enumerate(tasks):
+            done(index, run_task(task, cost_model))
+        return results
     with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
-        return list(pool.map(run_task, tasks, [cost_model] * len(tasks), chunksize=1))
+        futures = {pool.submit(run_task, task, cost_model): index for index, task in enumerate(tasks)}
+        for future in as_completed(futures):
+            done(futures[future], future.result())
+    return results

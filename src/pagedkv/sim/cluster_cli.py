@@ -1,7 +1,8 @@
 """`pagedkv sim --cluster`: R replicas behind the router, routing policies compared, replicas sized.
 
-    pagedkv sim --cluster                        policies x arrival processes at --replicas, then the
-                                                 fewest replicas meeting the P99 targets at --rate;
+    pagedkv sim --cluster                        the policies at --replicas on 1,000 Poisson requests, then
+                                                 the fewest replicas meeting the P99 targets at --rate
+                                                 (about 20 s on 2 cores; a progress bar on stderr);
                                                  writes <out>/cluster.json, .md and .png
     pagedkv sim --cluster --replicas 256 --no-sizing    one comparison at 256 replicas
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +45,9 @@ ALL_POLICIES: tuple[str, ...] = (RoutingPolicy.ROUND_ROBIN.value, RoutingPolicy.
 # The measured engine's pool and step budget (Qwen3-0.6B shape, bf16, one H200).
 DEFAULT_REPLICA_BLOCKS = 24184
 DEFAULT_REPLICA_BATCHED_TOKENS = 8192
-DEFAULT_DURATION_S = 10.0
+#: The default workload lasts one second of arrivals (1,000 requests at the default rate): the
+#: default run (3 policies and 3 replica-count searches) then takes about 20 s on 2 cores.
+DEFAULT_DURATION_S = 1.0
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -66,7 +70,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     add("--replicas", type=int, default=6, help="replicas for the policy comparison (default %(default)s)")
     add("--rate", type=float, default=1000.0, help="mean arrival rate, requests/s (default %(default)s)")
     add("--requests", type=int, default=None, help=f"requests in all (default: rate x {DEFAULT_DURATION_S:g} s)")
-    add("--arrival", default="both", help="poisson, bursty or both (default %(default)s)")
+    add("--arrival", default="poisson", help="poisson, bursty or both (default %(default)s)")
     add("--policy", default="all", help=f"{', '.join(ALL_POLICIES)} or all (default %(default)s)")
     add("--system-prompts", type=int, default=32, help="shared system prompts (default %(default)s)")
     add("--system-prompt-len", type=int, default=1000, help="tokens each (default %(default)s)")
@@ -212,6 +216,30 @@ def plot_cluster(rows: list[dict], sizing: list[dict], path: Path, title: str) -
     return path
 
 
+def _run_with_progress(tasks: list[ClusterTask], pairs: list[tuple[str, str]], args: argparse.Namespace,
+                       target: LatencyTarget, cost_model: CostModel) -> list:
+    """`run_tasks` with a progress bar and a line per finished search on stderr (stdout stays deterministic)."""
+    from tqdm.auto import tqdm
+
+    workers = args.workers or default_workers()
+    num_searches = sum(task.target is not None for task in tasks)
+    plan = f"{len(tasks) - num_searches} runs at {args.replicas} replicas"
+    if num_searches:
+        plan += (f" and {num_searches} replica-count searches (double from 1 replica until a run meets "
+                 f"{target.describe()}, then bisect; at most {args.max_replicas})")
+    print(f"sim --cluster: {plan}, in {min(workers, len(tasks))} processes", file=sys.stderr, flush=True)
+    with tqdm(total=len(tasks), desc="simulations", unit="sim", file=sys.stderr) as bar:
+        def on_done(index: int, result: ClusterResult | SizingResult) -> None:
+            arrival, policy = pairs[index % len(pairs)]
+            if isinstance(result, SizingResult):
+                tried = ", ".join(f"{n}{'' if met else 'x'}" for n, met in result.probes)
+                found = f"{result.num_replicas} replicas" if result.num_replicas else f"> {result.max_replicas}"
+                bar.write(f"sizing {arrival}/{policy}: {found} (tried {tried}; x = missed)", file=sys.stderr)
+            bar.update(1)
+
+        return run_tasks(tasks, cost_model, workers=workers, on_done=on_done)
+
+
 def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
     """`pagedkv sim --cluster` (see the module docstring)."""
     from pagedkv.bench.common import provenance, write_json
@@ -233,7 +261,7 @@ def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
                                        for a, p in pairs]
     tasks += [ClusterTask(config(p, args.replicas), workloads[a]) for a, p in pairs]
     started = time.perf_counter()
-    results = run_tasks(tasks, cost_model, workers=args.workers or default_workers())
+    results = _run_with_progress(tasks, pairs, args, target, cost_model)
     wall_s = time.perf_counter() - started
     searches = [r for r in results if isinstance(r, SizingResult)]
     runs = [r for r in results if isinstance(r, ClusterResult)]
