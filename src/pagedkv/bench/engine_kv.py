@@ -12,7 +12,7 @@ engine on the same budget, so an FP8 pool holds twice the blocks. Reported per d
     output tok/s        generated tokens / wall time of the run (prefill included)
     preemptions         what the pool's limit cost
 
-plus FP8 over bf16 for throughput (issue 13's target: >= 1.5x). A benchmark: it never asserts.
+plus FP8 over bf16 for throughput (target: >= 1.5x). A benchmark: it never asserts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-#: FP8 output tok/s over the model dtype's, at least (issue 13).
+#: FP8 output tok/s over the model dtype's, at least (docs/benchmarks.md).
 TARGET_SPEEDUP = 1.5
 
 

@@ -1,6 +1,6 @@
 """`pagedkv bench hf` latency: PagedCache against DynamicCache per decode step of `model.generate`, and its tail.
 
-The target (issue 15): PagedCache's decode latency is at most 1.0x DynamicCache's, at P50
+The target: PagedCache's decode latency is at most 1.0x DynamicCache's, at P50
 and at P99, at batch 1 and at batch 32, for GPT-2 124M in fp16 and for a Llama-3.2-1B shape
 in bf16 (GQA 32:8), random weights of the real shapes. Each cache runs `repeats` timed
 generate calls of `steps` new tokens after one untimed call (kernels, launch bindings and

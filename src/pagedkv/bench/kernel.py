@@ -38,8 +38,8 @@ SMOKE_GRID = [(1, 256), (4, 64)]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 LLAMA3 = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
 PAGE_SIZES = (16, 128)
-SDPA_REFERENCE_TBPS = {(64, 4096): 4.09, (1, 32768): 2.11, (256, 512): 3.6}  # measured on the H200 (issue 3)
-#: Small-work decode cases that carry the >= 80% of copy target (issue 12).
+SDPA_REFERENCE_TBPS = {(64, 4096): 4.09, (1, 32768): 2.11, (256, 512): 3.6}  # measured on the H200
+#: Small-work decode cases that carry the >= 80% of copy target.
 SMALL_WORK = ((1, 32768), (8, 4096), (64, 512))
 
 
@@ -493,10 +493,10 @@ def prefill_throughput(device, dtype, backend: str, batch: int, seq_len: int, tu
 
 # --------------------------------------------------------------------------- variants
 def decode_variant_tunings() -> dict:
-    """Decode launch configurations `--variants` times side by side: the default, then round 2's schedules."""
+    """Decode launch configurations `--variants` times side by side: the default, then the small-work schedules."""
     from pagedkv.kernels import DecodeTuning
 
-    # Round 1's block_n / warps / stages variants are gone: measured slower (block_n 32, 128) or
+    # Other block_n / warps / stages variants are left out: measured slower (block_n 32, 128) or
     # compiled to the same kernel (stages 4: see KERNELS.md). Small-work schedules first: the
     # deadline cuts the tail of this list's last shapes.
     return {

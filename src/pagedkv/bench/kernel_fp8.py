@@ -6,7 +6,7 @@ from their absolute maxima (as calibration makes them). Every decode schedule is
 checked on the FP8 cache against the float64 reference (which dequantizes explicitly), then
 timed on both caches with CUDA-graph replays, back to back. Reported per schedule:
 
-    time ratio      FP8 time / model-dtype time              target <= 0.55 (issue 13)
+    time ratio      FP8 time / model-dtype time              target <= 0.55
     FP8 bandwidth   K/V bytes at 1 byte per value / time     target >= 90% of copy at B=64 x 4096
 
 Like the rest of `bench kernel`, it never asserts: each target is printed met or MISSED.
@@ -31,7 +31,7 @@ from pagedkv.bench.kernel import (
 
 FP8_CASES = [(64, 4096), (1, 32768)]
 SMOKE_CASES = [(2, 256)]
-#: FP8 decode time over model-dtype decode time, at most (issue 13).
+#: FP8 decode time over model-dtype decode time, at most (docs/benchmarks.md).
 TARGET_TIME_RATIO = 0.55
 #: FP8 bandwidth (counted in FP8 bytes) over copy bandwidth, at least, at B=64 x 4096.
 TARGET_COPY_FRACTION = 0.9

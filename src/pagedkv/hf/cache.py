@@ -144,9 +144,8 @@ class PagePool:
         self._decode_write_kernel = None  # made on first use (it imports Triton)
         # Decode steps of this pool's caches through the fused K/V write + attention kernel (one
         # launch per layer, bound launches): on by default, PAGEDKV_FUSED_DECODE=0 or setting it to
-        # False takes the write + decode pair. (Off during session 3: the first fused kernel folded
-        # the new token as a [G, 1] tile inside a branch, which was right under the interpreter and
-        # wrong on the H200; fixed and checked against float64 on the GPU in session 4.)
+        # False takes the write + decode pair. Its GPU tests check it against float64 on the device,
+        # because the interpreter alone once passed a form that was wrong on the H200.
         self.fused_decode = env_choice("PAGEDKV_FUSED_DECODE", ("1", "0"), "1") == "1"
 
     def decode_write_kernel(self):

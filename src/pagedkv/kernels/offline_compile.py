@@ -1,7 +1,7 @@
 """Compile the Triton kernels for a GPU on a machine without one: compile errors and resource use, before the GPU run.
 
 The interpreter (TRITON_INTERPRET=1) checks what a kernel computes but never compiles it,
-so a kernel can pass every CPU test and still fail on the GPU: round 2's stream-K loop did,
+so a kernel can pass every CPU test and still fail on the GPU: an early stream-K loop did,
 crashing Triton 3.6's software pipeliner. Triton compiles through ptxas without a device,
 so this module swaps in a stand-in driver that names an sm_90 target, runs each launcher
 with CPU tensors (launches become compile-only `warmup`s), and reads every cubin's resource

@@ -196,7 +196,7 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
                                           counters=_counters(workspace, num_seqs * num_kv_heads),
                                           k_scale=k_scale, v_scale=v_scale)
     if tuning.schedule == "tiles" and not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device)):
-        tuning = _SPLIT_DECODE  # a big batch: round 1's split kernel is at copy speed there
+        tuning = _SPLIT_DECODE  # a big batch: the split kernel is at copy speed there
     if tuning.schedule == "tiles":
         from pagedkv.kernels.triton_decode_tiles import triton_tiles_decode
 
@@ -393,7 +393,7 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 
 #: The decode launch when the caller passes no `tuning`: the split schedule over model-dtype caches, the tiles
-#: schedule over FP8 caches (H200, session 5: 0.70x bf16's time at B=64 x 4096 against split's 0.77x, and
+#: schedule over FP8 caches (H200: 0.70x bf16's time at B=64 x 4096 against split's 0.77x, and
 #: 26,805 against 24,030 tok/s on nano-vllm's engine workload). PAGEDKV_DECODE_SCHEDULE=split|stream_k|tiles
 #: sets one schedule for both (the engine and the HF attention function take these defaults; read on import); an
 #: unknown name raises ConfigError on import, naming the variable, the value and the choices.

@@ -1,6 +1,6 @@
 """Tiled paged decode for small work: block-table slices preloaded, kv heads packed, a split plan by SM count.
 
-Round 2 left batch 1 x 32K, 8 x 4K and 64 x 512 at 58-67% of copy. The split kernel
+The split kernel reaches only 58-67% of copy at batch 1 x 32K, 8 x 4K and 64 x 512. It
 (`triton_decode`) loads each tile's block-table entries inside the loop and K/V through
 them, a load feeding a load: Triton's pipeliner then keeps K/V one tile deep whatever
 `num_stages` says (sm_90 cubins of stages 3 and 4 are identical), so each program has one
@@ -12,7 +12,7 @@ This kernel changes four things, each a launch parameter so a sweep can weigh th
    seq_len. Inside the loop a tile's block ids come from that register vector
    (`tl.gather`, or a one-hot select where gather lowers badly), so the K/V addresses no
    longer depend on a load in the loop and the pipeliner may keep `num_stages - 1` tiles in
-   flight. `table="inline"` keeps round 1's per-tile table load, for comparison.
+   flight. `table="inline"` keeps the split kernel's per-tile table load, for comparison.
 
        outer step c:  table_vec = table[first_page .. first_page + TABLE_CHUNK)   (one load)
        tile t:        block_ids = table_vec[token // PAGE - first_page]           (registers)
@@ -241,7 +241,7 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Launch the tiled decode kernel (and the merge kernel for `merge="launch"` splits) into `out`.
 
     FP8 caches take `k_scale`/`v_scale` (`[num_kv_heads]` float32) and run on `fp8_num_warps` warps
-    with the model-dtype tile (H200, session 5: 64 tokens on 2 warps took 179 / 37 / 35 us at
+    with the model-dtype tile (measured on the H200: 64 tokens on 2 warps took 179 / 37 / 35 us at
     B=64 x 4096 / 1 x 32768 / 8 x 4096, against 231 / 45 / 43 on 4 warps and 331 / 57 / 56 at 128 tokens).
 
     `max_seq_len`: a host bound of seq_lens (sizes the split plan). `counters` (`merge="in_kernel"`):
@@ -281,7 +281,7 @@ def triton_tiles_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *block_tables.stride(), seq_lens.stride(0)))
     if is_split and not merge_in_kernel:
         # Up to 8192 partial floats per load (64 fp32 registers a thread): 64 splits at head_dim 128 merge
-        # in one L2 round trip, where round 1's 16-split chunks make four dependent ones.
+        # in one L2 round trip, where 16-split chunks would make four dependent ones.
         splits_pad = triton.next_power_of_2(num_splits)
         bound(_merge_kernel).config(HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=splits_pad,
                                     SPLIT_CHUNK=min(splits_pad, max(1, 8192 // dim_pad)), num_warps=4,

@@ -51,7 +51,7 @@ def _fold_new_token(q, k_new, v_new, m_i, l_i, acc, qk_scale, soft_cap, fold, US
 
     Row vectors and no branch: the first version folded a `[GROUP_PAD, 1]` score tile inside
     `if covers_new:` and was right under the interpreter but wrong on the H200 (errors of 1-14
-    against the float64 reference, session 4); this form has neither the size-1 axis nor the
+    against the float64 reference); this form has neither the size-1 axis nor the
     data-dependent branch. A program that does not cover the new token keeps its state.
     """
     s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)  # [GROUP_PAD]

@@ -27,7 +27,7 @@ Exact for every finite code; e4m3's two NaN codes come out as +-480, which no po
 Byte loads: Triton stages an FP8 tile in shared memory and reads it into the `mma` operand layout
 one byte per value (8-bit operands have no `ldmatrix` path). Loading int32 words and converting
 four codes per word in registers removes those reads but ran 3-12% slower on the H200; that route
-was removed again (benchmarks/KERNELS.md, round 5; code at commit 526bc55).
+was removed again (docs/kernels.md, FP8 decode).
 
 `fp8_query` picks the compute dtype of an FP8 cache's tiles. A bf16 model's query is taken
 to fp16 (clamped to fp16's range; fp16 holds every bf16 value of its normal range exactly, with

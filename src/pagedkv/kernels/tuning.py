@@ -14,10 +14,10 @@ merges by log-sum-exp:
 The count comes from host-side ints only (batch, kv heads, the caller's `max_seq_len`, the
 SM count), never from a device read, so a decode step can be captured in a CUDA graph.
 
-Round 2 added two schedules for small work (few sequences, or short ones), where per-program
+Two schedules serve small work (few sequences, or short ones), where per-program
 start-up and the merge launch, not bandwidth, set the time (`DecodeTuning.schedule`/`merge`):
 
-    split + merge="launch"      the grid above, then a merge kernel (the round-1 default)
+    split + merge="launch"      the grid above, then a merge kernel (the default)
     split + merge="in_kernel"   the same grid; the last split program of each (sequence, kv
                                 head) to finish merges, counted by an atomic counter
     stream_k                    programs_per_sm * num_sms persistent programs share one flat
@@ -25,7 +25,7 @@ start-up and the merge launch, not bandwidth, set the time (`DecodeTuning.schedu
                                 lengths; an item cut between programs is merged by the last
                                 of them to finish (see `triton_stream_k`)
 
-Round 3 (issue 12) added `schedule="tiles"` (`triton_decode_tiles`): the block table read
+A third, `schedule="tiles"` (`triton_decode_tiles`), reads the block table
 ahead of the K/V loop, `heads_per_program` kv heads per program, and a split plan that
 rounds down to one wave of `programs_per_sm * num_sms` programs (`tiles_plan`).
 """
@@ -42,11 +42,11 @@ from pagedkv.errors import InvalidArgumentError, require_positive_int
 
 DECODE_SCHEDULES = ("split", "stream_k", "tiles")
 DECODE_MERGES = ("launch", "in_kernel")
-#: How the tiles schedule finds a tile's block ids: a table load per tile ("inline", round 1's way),
+#: How the tiles schedule finds a tile's block ids: a table load per tile ("inline", the split kernel's way),
 #: or from a chunk of the table read ahead of the loop via `tl.gather` ("gather") or a one-hot select ("select").
 DECODE_TABLES = ("inline", "gather", "select")
-#: Programs per SM the tiles schedule plans for when `programs_per_sm` is None (round 1's split kernel
-#: fits 4 per SM at head_dim 128; H200 sweep pending, see benchmarks/KERNELS.md).
+#: Programs per SM the tiles schedule plans for when `programs_per_sm` is None (the split kernel
+#: fits 4 per SM at head_dim 128; the H200 sweep is in docs/kernels.md).
 TILES_PROGRAMS_PER_SM = 4
 
 
@@ -71,9 +71,9 @@ class DecodeTuning:
     table: str = "gather"  # tiles: how a tile finds its block ids (DECODE_TABLES)
     table_chunk: int = 64  # tiles: block-table entries read ahead per outer step (a power of 2)
     tiles_max_waves: float | None = None  # tiles: a batch of >= this many waves of (seq x kv head) items
-    # runs the default split schedule instead (round 1 is at copy speed there); None: tiles always
+    # runs the default split schedule instead (split is at copy speed there); None: tiles always
     # FP8 caches, split schedule: 1-byte tiles of 128 tokens hold bf16's 64-token bytes, and 2 warps
-    # beat 4 and 8 by 1.3-1.6x (H200, session 4: B=64 x 4096 193 us at 128/2 against 317 at 64/4).
+    # beat 4 and 8 by 1.3-1.6x (H200: B=64 x 4096 193 us at 128/2 against 317 at 64/4).
     # They apply while block_n is None: an explicit block_n means the caller tunes the launch (and
     # then num_warps is theirs too). None: the model-dtype settings. The tiles schedule takes
     # fp8_num_warps (also only while block_n is None) but keeps the model-dtype tile (64 tokens,
