@@ -1,10 +1,10 @@
-# Sourced by the GPU call scripts: run from source, unbuffered, NVLink multicast off (PERF-NOTES),
-# the commit the results name (`.commit`, carried to the device), and $OUT.
+# Sourced by benchmarks/gpu_run.sh: run from source, unbuffered, NVLink multicast off (it is off on the
+# H200 machines), the commit the results name (`.commit`, carried to the device), and $OUT.
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PAGEDKV_COMMIT=${PAGEDKV_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# The GPU tests as the call scripts run them (no repo addopts such as the CPU timeout; failures summarised).
+# The GPU tests as the runner runs them (no repo addopts such as the CPU timeout; failures summarised).
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -q -rf --tb=short"
 # `start_log DIR`: results go to $R=DIR; `say ...` prints a line with the seconds since start_log, also
 # into $R/summary.log. `finish_log` packs $R into $OUT/results.tgz and prints the summary's tail.

@@ -241,7 +241,8 @@ def _load_sweep():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_sweep.py"
+    root = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks").is_dir())
+    path = root / "benchmarks" / "tools" / "decode_sweep.py"
     spec = importlib.util.spec_from_file_location("decode_sweep", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -249,7 +250,7 @@ def _load_sweep():
 
 
 def test_decode_sweep_smoke_runs_end_to_end(tmp_path):
-    """benchmarks/decode_sweep.py --smoke: every contender checked and timed, JSON and markdown written."""
+    """benchmarks/tools/decode_sweep.py --smoke: every contender checked and timed, JSON and markdown written."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the smoke run uses the Triton interpreter")
     sweep = _load_sweep()

@@ -264,7 +264,7 @@ class ModelRunner:
 
         A graph that captured NCCL collectives keeps their communicator in use: destroying the
         process group while such a graph is alive blocks forever in the NCCL teardown (seen on
-        two H200s with torch 2.11, even for one bare captured all-reduce: benchmarks/tp_probe.py).
+        two H200s with torch 2.11, even for one bare captured all-reduce: benchmarks/tools/tp_probe.py).
         """
         if self.graphs:
             torch.cuda.synchronize(self.device)

@@ -4,7 +4,7 @@ An eager engine step makes four projection calls per layer; with bound Triton la
 time (~25 us each under the profiler) is most of what is left of a mixed step's host time. For the
 Qwen3-0.6B projections at 1, 64 and 576 rows: host microseconds per call (median of 20 runs of 100 calls,
 fewer than the launch queue holds) and device microseconds per call (CUDA events over 200 calls), per BLAS library.
-Usage: python benchmarks/blas_host_cost.py OUT.json
+Usage: python benchmarks/tools/blas_host_cost.py OUT.json
 """
 
 import json

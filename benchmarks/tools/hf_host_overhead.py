@@ -12,14 +12,14 @@ On CUDA everything runs as is (host time measured, the GPU synchronized once per
 generate does). Without CUDA nothing can be launched, so host time is approximated:
 
 - the launches are stubbed where they leave Python: the unfused path's at Triton's
-  `kernel[grid](...)` (off CUDA its launch is never bound; on the H200 host it is, since session 6),
+  `kernel[grid](...)` (off CUDA its launch is never bound; on the H200 host it is),
   the fused path's at the C launcher call (which costs a few us there);
 - DynamicCache's tensors are dispatch-sized (1 KV head of 8 dims, same layers and steps):
   on CPU `torch.cat` and SDPA run synchronously, so full-size tensors would time the copy
   and the math, which on a GPU run behind the host; what is left is each op's dispatch;
 - torch runs one CPU thread, so no op pays for an intra-op parallel region a GPU run lacks.
 
-    PYTHONPATH=src python benchmarks/hf_host_overhead.py [--batch 1 32] [--device cuda|cpu]
+    PYTHONPATH=src python benchmarks/tools/hf_host_overhead.py [--batch 1 32] [--device cuda|cpu]
 """
 
 import argparse

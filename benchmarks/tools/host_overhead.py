@@ -2,7 +2,7 @@
 
 The runner's `execute` is replaced by a stub that returns a token per sampling row at once, so the
 step's phases (`LLMEngine.step_timings`) measure only schedule, StepInput building, staging-free
-launch bookkeeping, resolve and outputs. Usage: python benchmarks/host_overhead.py [BATCH] [STEPS]
+launch bookkeeping, resolve and outputs. Usage: python benchmarks/tools/host_overhead.py [BATCH] [STEPS]
 """
 
 import statistics

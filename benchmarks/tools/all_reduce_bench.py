@@ -5,7 +5,7 @@ capture 16 back-to-back all-reduces of a bf16 [rows, 4096] activation in one gra
 and time 50 replays, less the same chain's elementwise kernels alone. Sizes are the decode steps
 of Llama-3-8B at batch 1, 64, 256 and 512, and a prefill chunk of 8,192 tokens (past the one-shot
 limit: both modes run NCCL there).
-Usage: python benchmarks/all_reduce_bench.py OUT.jsonl   (needs two GPUs)
+Usage: python benchmarks/tools/all_reduce_bench.py OUT.jsonl   (needs two GPUs)
 """
 import json
 import os
@@ -77,7 +77,7 @@ def main() -> None:
     if torch.cuda.device_count() < 2:
         print("needs two GPUs")
         sys.exit(2)
-    from pagedkv.distributed.worker import free_tcp_address
+    from pagedkv.distributed.executor import free_tcp_address
 
     out = sys.argv[1] if len(sys.argv) > 1 else "all_reduce.jsonl"
     for mode in ("nccl", "symm_mem"):

@@ -5,7 +5,7 @@ and reports: the step's host phases, the decode graph's replay time alone (CUDA 
 GPU's busy share of the profiled window (union of kernel and copy intervals), every GPU idle gap
 over 20 us with what ran before and after it, and the GPU time of everything outside the graph.
 Writes OUT/b256_profile.md, OUT/b256_profile.json and a Chrome trace. Usage: python
-benchmarks/profile_b256.py OUT_DIR
+benchmarks/tools/profile_b256.py OUT_DIR
 """
 
 import json

@@ -2,7 +2,7 @@
 
 For each batch: the step's host phases from `LLMEngine.step_timings`, the GPU time of one decode
 graph replay (CUDA events, the forward alone), and a torch.profiler table of the eager forward's
-kernels (GPU time by kernel). Usage: python benchmarks/profile_engine.py OUT_DIR
+kernels (GPU time by kernel). Usage: python benchmarks/tools/profile_engine.py OUT_DIR
 """
 
 import statistics

@@ -1,6 +1,6 @@
 """FP8 decode: which conversion route and launch shape reads FP8 pages fastest? (H200; one JSON line per config)
 
-Issue 13 asks FP8 decode time <= 0.55x bf16. At commit 353542d the split kernel took 1.29x at
+The target is FP8 decode time <= 0.55x bf16. Before this sweep the split kernel took 1.29x at
 B=64 x 4096: FP8 tiles went e4m3 -> f16 -> f32 -> bf16 per value before the bf16 dots. This
 sweep times, per conversion route (chosen at import by PAGEDKV_FP8_CONVERT / PAGEDKV_FP8_COMPUTE,
 so run one process per route), the split decode kernel over block_n x warps x stages, each

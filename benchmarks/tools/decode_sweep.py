@@ -1,4 +1,4 @@
-"""Decode sweep (issue 12): the tiles schedule's launch configurations against production, SDPA and copy.
+"""Decode sweep: the tiles schedule's launch configurations against production, SDPA and copy.
 
 One GPU call (~4 min on an H200) that answers which `DecodeTuning(schedule="tiles", ...)` is
 fastest per case, and by how much, before anything is switched on:
@@ -7,7 +7,7 @@ fastest per case, and by how much, before anything is switched on:
               B x L = 1 x 32768, 8 x 4096, 64 x 512, 256 x 512, 64 x 4096, then the engine
               shapes (Qwen3-0.6B 16/8 d128, SmolLM2 9/3 d64, GPT-2 12/12 d64) at 1 x 2048,
               32 x 1024 and 1 x 8192
-    rivals    production (`paged_decode_attention` with the default tuning), round 2's in-kernel
+    rivals    production (`paged_decode_attention` with the default tuning), the in-kernel
               merge and stream-K schedules, contiguous SDPA on the same K/V, and a device copy
               whose bytes read + written equal the K/V bytes
     configs   tiles tunings x programs-per-SM targets (`LLAMA_CONFIGS`, `ENGINE_CONFIGS`)
@@ -32,7 +32,7 @@ launches on tiny pools with the real shapes and host ints, filling Triton's on-d
 so the timed process only loads them. Results are written to `$OUT/decode_sweep.json` (and
 a `.md` summary) after every measurement, so a timeout still leaves data. Never asserts.
 
-    PYTHONPATH=src python3 benchmarks/decode_sweep.py [--quick] [--budget-s 200] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/tools/decode_sweep.py [--quick] [--budget-s 200] [--out DIR]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ FLUSH_BYTES = 256 * 10**6  # what triton.testing.do_bench zeroes between calls
 #: device's version; registers and shared memory via pagedkv.kernels.offline_compile); the
 #: sweep plans for 1, residency (one full wave) and 2 x residency programs per SM. "gather" /
 #: "select" read the block table ahead of the K/V loop (2-3 K/V tiles in flight per program),
-#: "inline" is round 1's per-tile table load (one tile in flight).
+#: "inline" is the split kernel's per-tile table load (one tile in flight).
 LLAMA_CONFIGS = [
     ("gather n64 w4 s3", {}, 3),
     ("gather n64 w4 s3, in-kernel merge", {"merge": "in_kernel"}, 3),
@@ -105,8 +105,8 @@ ENGINE_CONFIGS = [
     ("gather h4 n32 w4 s3", {"heads_per_program": 4, "block_n": 32}),
 ]
 ENGINE_PER_SM = (2, 4, 8)
-#: Round 2's other schedules, timed beside production (rotated only) for context.
-ROUND2 = {"round 2: split, in-kernel merge": {"merge": "in_kernel"}, "round 2: stream-K": {"schedule": "stream_k"}}
+#: The other small-work schedules, timed beside production (rotated only) for context.
+OTHER_SCHEDULES = {"split, in-kernel merge": {"merge": "in_kernel"}, "stream-K": {"schedule": "stream_k"}}
 
 
 def programs_per_sm_for(batch: int, seq_len: int, residency: int, quick: bool) -> list[int]:
@@ -424,7 +424,7 @@ class Sweep:
             {"label": "production (default DecodeTuning)",
              "num_splits": choose_num_splits(data.batch, data.heads[1], data.seq_len, self.sm_count)},
             production, expected, data, extra=True)}
-        for label, options in ROUND2.items():
+        for label, options in OTHER_SCHEDULES.items():
             tuning = DecodeTuning(**options)
             calls = [lambda t=t: paged_decode_attention(
                 data.query, data.k_cache, data.v_cache, t, data.seq_lens, scale=data.scale, max_seq_len=data.seq_len,
@@ -616,7 +616,7 @@ def build_plan(args) -> tuple[list[tuple], list[dict]]:
         for label, options, programs_per_sm in configs:
             launches.append({"heads": heads, "batch": batch, "seq_len": seq_len, "base_kwargs": options,
                              "tuning_kwargs": {"schedule": "tiles", "programs_per_sm": programs_per_sm, **options}})
-        for options in [{}, *ROUND2.values()]:  # production and round 2's schedules
+        for options in [{}, *OTHER_SCHEDULES.values()]:  # production and the other small-work schedules
             launches.append({"heads": heads, "batch": batch, "seq_len": seq_len,
                              "base_kwargs": {"production": True, **options}, "tuning_kwargs": options})
     return cases, launches

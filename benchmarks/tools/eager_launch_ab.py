@@ -4,7 +4,7 @@ Runs the Qwen3-0.6B shape (bf16) with CUDA graphs off, so every step launches ea
 Python: decode steps at batch 1 and 64, and mixed steps (64 decodes plus a 512-token prefill
 chunk). Each mode runs in its own process; "triton" turns bound launches off (every launch
 through `kernel[grid](...)`, as before they were bound). Prints one JSON line per mode and
-writes OUT.json. Usage: python benchmarks/eager_launch_ab.py OUT.json
+writes OUT.json. Usage: python benchmarks/tools/eager_launch_ab.py OUT.json
 """
 
 import json

@@ -1,7 +1,7 @@
 """Can two processes all-reduce over NCCL through torch.distributed, eagerly and inside a CUDA graph?
 
 The smallest check under tensor parallelism: if this hangs or fails, the engine's TP cannot work.
-Usage: python benchmarks/tp_probe.py  (needs two GPUs; prints one line per rank and step).
+Usage: python benchmarks/tools/tp_probe.py  (needs two GPUs; prints one line per rank and step).
 """
 import datetime
 import os

@@ -4,7 +4,7 @@
    L2 holds none of them), 40 calls captured in a CUDA graph: microseconds and GB/s of weights.
 2. The engine's decode graph at batch 1: replay time (CUDA events), and a torch.profiler table
    of its kernels over 10 replays (GPU time by kernel name).
-Usage: python benchmarks/profile_tp_shard.py OUT_DIR  (writes tp_shard_profile.md and .json)
+Usage: python benchmarks/tools/profile_tp_shard.py OUT_DIR  (writes tp_shard_profile.md and .json)
 """
 
 import json
