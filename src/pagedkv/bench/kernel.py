@@ -497,7 +497,7 @@ def decode_variant_tunings() -> dict:
     from pagedkv.kernels import DecodeTuning
 
     # Other block_n / warps / stages variants are left out: measured slower (block_n 32, 128) or
-    # compiled to the same kernel (stages 4: see KERNELS.md). Small-work schedules first: the
+    # compiled to the same kernel (stages 4: see docs/kernels.md). Small-work schedules first: the
     # deadline cuts the tail of this list's last shapes.
     return {
         "default": DecodeTuning(),
