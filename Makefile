@@ -8,6 +8,7 @@ STAMP  := $(VENV)/.pagedkv-installed
 .PHONY: demo test install bench-cpu clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "make: installing torch (CPU), transformers, fastapi and pagedkv into $(VENV): 2-3 minutes, once"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[hf,server,bench,dev]'

@@ -128,3 +128,68 @@ def test_cluster_shows_progress_and_what_the_search_does(tmp_path):
     assert "sizing poisson/prefix: " in result.stderr and "(tried 1" in result.stderr
     assert "simulations: 100%" in result.stderr
     assert "simulations" not in result.stdout
+
+
+# ---------------------------------------------------------------------- 5. generate with a random: model
+def test_random_model_text_prompt_is_refused_before_the_model_loads(monkeypatch, capsys):
+    import pagedkv.engine.llm
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the prompts were checked")
+
+    monkeypatch.setattr(pagedkv.engine.llm, "LLM", must_not_load)
+    assert main(["generate", "--model", "random:tiny-llama", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "random:tiny-llama" in err and "--token-ids" in err
+    assert main(["generate", "--model", "random:no-such-shape", "--token-ids", "1 2"]) == 2
+    assert "no-such-shape" in capsys.readouterr().err
+
+
+def test_random_model_generates_from_token_ids_and_labels_each_completion(capsys):
+    args = ["generate", "--model", "random:tiny-llama", "--device", "cpu", "--token-ids", "1,2,3", "--max-tokens",
+            "4", "--n", "2", "--temperature", "1", "--seed", "3", "--ignore-eos"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "### 1,2,3"
+    assert lines[1] == "--- completion 1 of 2" and lines[4] == "--- completion 2 of 2"
+    for body in (lines[2], lines[5]):
+        assert len(body.split()) == 4 and all(token.isdigit() for token in body.split())
+
+
+# ---------------------------------------------------------------------- 6. an unreachable hub fails fast
+@pytest.mark.parametrize("env", [{"HF_ENDPOINT": "http://127.0.0.1:9"}, {"HF_HUB_OFFLINE": "1"}],
+                         ids=["unreachable", "offline"])
+def test_unknown_hub_id_without_network_is_one_line(env, tmp_path):
+    env = {**env, "HF_HOME": str(tmp_path / "hf"), "HTTPS_PROXY": "", "https_proxy": "", "ALL_PROXY": "",
+           "all_proxy": ""}
+    result = run_cli("generate", "--model", "no-such-org/no-such-model", "hi", cwd=tmp_path, env=env, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "'no-such-org/no-such-model'" in result.stderr
+    assert ("HF_HUB_OFFLINE" in result.stderr) == ("HF_HUB_OFFLINE" in env)
+
+
+# ---------------------------------------------------------------------- 7 and 9. the tokenizer loader
+def test_the_embedded_tokenizer_pads_a_batch():
+    from pagedkv.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    assert tokenizer.pad_token is not None
+    batch = tokenizer(["Hi", "The capital of France is"], padding=True, return_tensors="pt")
+    assert batch["input_ids"].shape[0] == 2 and batch["attention_mask"][0].sum() < batch["attention_mask"][1].sum()
+
+
+def test_the_tokenizer_loads_and_decodes_without_warnings(tmp_path):
+    code = ("from pagedkv.hf import load_tokenizer\n"
+            "tokenizer = load_tokenizer(None)\n"
+            "print(tokenizer.decode(tokenizer('Hello , world !')['input_ids']))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "Hello , world !\n"
+    assert "clean_up_tokenization_spaces" not in result.stderr
+
+
+def test_make_demo_says_what_the_install_does():
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    assert "@echo" in recipe.split("$(PIP)", 1)[0]

@@ -4,9 +4,10 @@
     pagedkv generate --chat "What is the capital of France?"
     pagedkv generate --file prompts.txt --json > out.jsonl      # one prompt per line, with a progress bar
     cat prompts.txt | pagedkv generate -                         # prompts from stdin
+    pagedkv generate --model random:tiny-llama --token-ids "1 2 3"   # a model without a tokenizer
 
-Every flag is checked (and SamplingParams built) before the model loads. Startup is quiet
-(no weight-loading bar, no tokenizer warnings) unless -v.
+Every flag is checked (and SamplingParams built), and the model argument resolved, before the
+model loads. Startup is quiet (no weight-loading bar, no tokenizer warnings) unless -v.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def build_parser(prog: str = "pagedkv generate") -> argparse.ArgumentParser:
                              "from stdin")
     source.add_argument("--file", metavar="PATH", help="read one prompt per line from PATH (blank lines skipped)")
     source.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    source.add_argument("--token-ids", action="store_true",
+                        help="each prompt is token ids separated by spaces or commas ('1 2 3'), and completions "
+                             "print as token ids: for random:NAME models, which have no tokenizer")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
@@ -72,6 +76,23 @@ def read_prompts(args: argparse.Namespace, stdin=None) -> list[str]:
     return prompts
 
 
+def parse_token_ids(prompt: str) -> list[int]:
+    """'1 2 3' or '1,2,3' as [1, 2, 3]; an `InvalidArgumentError` naming the prompt otherwise."""
+    parts = prompt.replace(",", " ").split()
+    if not parts or not all(part.isdigit() for part in parts):
+        raise InvalidArgumentError(f"--token-ids: expected token ids separated by spaces or commas, got {prompt!r}")
+    return [int(part) for part in parts]
+
+
+def check_prompt_kind(args: argparse.Namespace) -> None:
+    """Refuse, before the model loads, text prompts for a model without a tokenizer, and --chat with --token-ids."""
+    if args.token_ids and args.chat:
+        raise InvalidArgumentError("--chat needs text prompts and a chat template; it cannot take --token-ids")
+    if args.model is not None and args.model.startswith("random:") and not args.token_ids:
+        raise InvalidArgumentError(f"{args.model} has random weights and no tokenizer: pass prompts as token ids "
+                                   f"with --token-ids (e.g. --token-ids \"1 2 3\")")
+
+
 def quiet_startup() -> None:
     """No weight-loading bars, tokenizer warnings or info logs (what -v turns back on)."""
     warnings.filterwarnings("ignore")
@@ -97,6 +118,12 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
     prompts = read_prompts(args)
+    check_prompt_kind(args)
+    inputs = [parse_token_ids(p) for p in prompts] if args.token_ids else prompts
+
+    from pagedkv.hf.models import check_model_argument
+
+    check_model_argument(args.model)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     else:
@@ -111,7 +138,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm)
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
     for prompt, output in zip(prompts, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "error": output.error,
@@ -121,6 +148,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
         print(f"### {prompt}")
         if output.error:
             print(f"(rejected: {output.error})")
-        for completion in output.outputs:
-            print(completion.text + f"\n[finish: {completion.finish_reason}, {len(completion.token_ids)} tokens]")
+        for number, completion in enumerate(output.outputs, 1):
+            if len(output.outputs) > 1:
+                print(f"--- completion {number} of {len(output.outputs)}")
+            body = " ".join(map(str, completion.token_ids)) if args.token_ids else completion.text
+            print(body + f"\n[finish: {completion.finish_reason}, {len(completion.token_ids)} tokens]")
     return 0

