@@ -193,3 +193,50 @@ def test_make_demo_says_what_the_install_does():
     makefile = (REPO / "Makefile").read_text()
     recipe = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
     assert "@echo" in recipe.split("$(PIP)", 1)[0]
+
+
+# ---------------------------------------------------------------------- 10. server answers as OpenAI does
+@pytest.fixture(scope="module")
+def tiny_server():
+    from helpers import tiny
+    from server_helpers import LiveServer
+
+    from pagedkv import LLM
+    from pagedkv.server import create_app
+
+    llm = LLM(hf_model=tiny("tiny-llama"), block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=128)
+    with LiveServer(create_app(llm.engine, "tiny")) as server:
+        yield server
+
+
+@pytest.mark.parametrize("method,path,body", [
+    ("GET", "/v1/models/gpt-5", None),
+    ("POST", "/v1/completions", {"model": "gpt-5", "prompt": [5, 6], "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}),
+], ids=["models-by-id", "completions", "chat"])
+def test_an_unknown_model_is_404_model_not_found_everywhere(tiny_server, method, path, body):
+    import httpx
+
+    response = httpx.request(method, f"{tiny_server.url}{path}", json=body, timeout=30)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found" and "'gpt-5'" in response.json()["error"]["message"]
+
+
+def test_too_many_max_tokens_names_max_tokens_and_a_too_long_prompt_names_prompt(tiny_server):
+    import httpx
+
+    max_model_len = tiny_server.on_engine(lambda engine: engine.max_model_len)
+    url = f"{tiny_server.url}/v1/completions"
+    response = httpx.post(url, json={"prompt": [5, 6, 7], "max_tokens": max_model_len}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens", response.text
+    response = httpx.post(url, json={"prompt": [5] * (max_model_len + 1), "max_tokens": 1}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+
+
+def test_a_form_encoded_body_is_told_the_content_type(tiny_server):
+    import httpx
+
+    response = httpx.post(f"{tiny_server.url}/v1/completions", data={"prompt": "hi"}, timeout=30)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and "application/x-www-form-urlencoded" in message

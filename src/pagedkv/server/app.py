@@ -175,8 +175,8 @@ class _BodyLimitMiddleware:
             more = message.get("more_body", False)
 
 
-def _validation_error(error: RequestValidationError) -> APIError:
-    """FastAPI's 422 as OpenAI's 400, naming the field (or the JSON problem)."""
+def _validation_error(error: RequestValidationError, content_type: str = "") -> APIError:
+    """FastAPI's 422 as OpenAI's 400, naming the field (or the JSON problem, or a body sent as another type)."""
     errors = error.errors()
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
@@ -186,6 +186,10 @@ def _validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, f"Malformed JSON in the request body: {detail}{at}.", code="json_invalid")
     loc = [str(part) for part in first["loc"] if part != "body"]
     if not loc:
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+            return APIError(400, f"The request body must be JSON sent with Content-Type: application/json "
+                                 f"(got Content-Type: {media_type}).")
         return APIError(400, f"The request body must be a JSON object ({first['msg']}).")
     field = loc[0]
     if first["type"] == "missing":
@@ -266,7 +270,7 @@ def create_app(engine: LLMEngine, served_model_name: str = DEFAULT_SERVED_MODEL_
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        converted = _validation_error(error)
+        converted = _validation_error(error, request.headers.get("content-type", ""))
         metrics.observe_rejection(converted.code or "invalid_request")
         return _error_response(converted.status_code, converted.body)
 

@@ -74,9 +74,9 @@ def prompt_chars_bound(engine: LLMEngine) -> int | None:
 # ---------------------------------------------------------------------- checks that need no tokenizer
 
 def check_model(requested: str | None, served: str) -> None:
-    """400 unless the request names the served model (or names none)."""
+    """404 `model_not_found` unless the request names the served model (or names none), as OpenAI answers."""
     if requested is not None and requested != served:
-        raise APIError(400, f"The model {requested!r} does not exist; this server serves {served!r}.",
+        raise APIError(404, f"The model {requested!r} does not exist; this server serves {served!r}.",
                        param="model", code="model_not_found")
 
 
@@ -267,12 +267,22 @@ def sampling_params(engine: LLMEngine, body: SamplingFields, max_tokens: int | N
         raise APIError(400, f"Invalid '{param}': {reason}", param=param) from None
 
 
-def check_fits(engine: LLMEngine, token_ids: list[int], params: SamplingParams, param: str) -> None:
-    """400 for a request that could never be served; the engine's message has the numbers."""
+def check_fits(engine: LLMEngine, token_ids: list[int], params: SamplingParams, prompt_param: str,
+               max_tokens_param: str) -> None:
+    """400 for a request that could never be served; the engine's message has the numbers.
+
+    `param` names the prompt field when the prompt alone cannot fit, else the max-tokens field
+    (`max_tokens_param`), the one the client should lower.
+    """
     # NOTE: check_fits only reads the scheduler's frozen config, so it is safe off the engine thread.
     try:
         engine.scheduler.check_fits(len(token_ids), params.max_tokens)
     except RequestRejectedError as error:
+        try:
+            engine.scheduler.check_fits(len(token_ids), 1)
+            param = max_tokens_param
+        except RequestRejectedError:
+            param = prompt_param
         raise APIError(400, f"This request can never be served: {error}.", param=param,
                        code="context_length_exceeded") from None
     try:
@@ -298,7 +308,7 @@ def prepare_completion(engine: LLMEngine, body: CompletionRequest,
     params = sampling_params(engine, body, max_tokens, "max_tokens")
     prompts = completion_prompts(engine, body.prompt, limits)
     for token_ids in prompts:
-        check_fits(engine, token_ids, params, "prompt")
+        check_fits(engine, token_ids, params, "prompt", "max_tokens")
     return prompts, params
 
 
@@ -315,7 +325,7 @@ def prepare_chat(engine: LLMEngine, body: ChatCompletionRequest, limits: Limits)
     if max_tokens is None:  # OpenAI's chat default: whatever room the context leaves
         max_tokens = max(1, engine.max_model_len - len(token_ids))
     params = sampling_params(engine, body, max_tokens, param)
-    check_fits(engine, token_ids, params, "messages")
+    check_fits(engine, token_ids, params, "messages", param)
     return token_ids, params
 
 
