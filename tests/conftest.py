@@ -38,3 +38,53 @@ def _fix_interpreter_loop_bounds() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_loop_bounds()
+
+
+# ---------------------------------------------------------------------- the checkout stays as it was
+import hashlib  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Where a command that writes into the tree would leave files: committed results, and any new
+#: non-source file (source files are left out: other work in progress adds them).
+RESULTS_DIR = "benchmarks/results/"
+SOURCE_SUFFIXES = (".py",)
+
+
+def _tree_snapshot() -> dict[str, tuple[str, str]] | None:
+    """`git status --porcelain` of the paths a command could write, with each such file's hash; None outside git."""
+    try:
+        status = subprocess.run(["git", "status", "--porcelain=v1", "-z", "--untracked-files=all"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if status.returncode != 0:
+        return None
+    snapshot = {}
+    for entry in status.stdout.split("\0"):
+        code, path = entry[:2], entry[3:]
+        if not path or not (path.startswith(RESULTS_DIR) or (code == "??" and not path.endswith(SOURCE_SUFFIXES))):
+            continue
+        file = REPO_ROOT / path
+        digest = hashlib.sha1(file.read_bytes()).hexdigest() if file.is_file() else "-"
+        snapshot[path] = (code, digest)
+    return snapshot
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_is_unchanged():
+    """Fail the session if it changed a committed result or left a new non-source file in the checkout.
+
+    Commands write to --out or $PAGEDKV_OUT, never into the source tree (issue 23). Set
+    PAGEDKV_SKIP_TREE_CHECK=1 while other work edits the same checkout during the run.
+    """
+    before = None if os.environ.get("PAGEDKV_SKIP_TREE_CHECK") else _tree_snapshot()
+    yield
+    if before is None:
+        return
+    after = _tree_snapshot() or {}
+    changed = sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+    assert not changed, f"the test session changed the checkout (git status / content): {', '.join(changed[:20])}"

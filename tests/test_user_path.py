@@ -240,3 +240,29 @@ def test_a_form_encoded_body_is_told_the_content_type(tiny_server):
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "Content-Type: application/json" in message and "application/x-www-form-urlencoded" in message
+
+
+# ---------------------------------------------------------------------- the checkout guard (conftest)
+def test_the_checkout_guard_sees_rewritten_results_and_new_files(tmp_path, monkeypatch):
+    import conftest
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "sim_sweep.json").write_text("{}")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "results")
+    monkeypatch.setattr(conftest, "REPO_ROOT", tmp_path)
+    clean = conftest._tree_snapshot()
+    assert clean == {}
+    (tmp_path / "new_module.py").write_text("")  # work in progress elsewhere: not a command's output
+    assert conftest._tree_snapshot() == clean
+    (tmp_path / "benchmarks" / "results" / "sim_sweep.json").write_text('{"rewritten": 1}')
+    rewritten = conftest._tree_snapshot()
+    assert list(rewritten) == ["benchmarks/results/sim_sweep.json"]
+    (tmp_path / "benchmarks" / "results" / "sim_sweep.json").write_text('{"rewritten": 2}')
+    assert conftest._tree_snapshot() != rewritten  # the same status line, other content
+    (tmp_path / "allocator.json").write_text("{}")
+    assert "allocator.json" in conftest._tree_snapshot()
