@@ -176,14 +176,14 @@ def test_a_request_failing_in_detokenization_ends_alone(monkeypatch):
     engine = llm.engine
     engine.add_request("fine", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     engine.add_request("doomed", [8, 9, 10], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    original = engine._text
+    original = engine.output_processor.text
 
     def text(request, seq):
         if request.request_id == "doomed":
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return original(request, seq)
 
-    monkeypatch.setattr(engine, "_text", text)
+    monkeypatch.setattr(engine.output_processor, "text", text)
     final = {}
     while engine.has_unfinished_requests():
         final.update({o.request_id: o for o in engine.step() if o.finished})

@@ -134,14 +134,14 @@ def test_n_samples_of_one_token_through_the_server_fail_nobody(stream):
 
 def test_a_request_the_engine_fails_alone_is_a_500_and_counted(monkeypatch):
     llm = LLM(hf_model=tiny("tiny-llama"), tokenizer=letters_tokenizer(), block_size=4, num_blocks=64)
-    original = llm.engine._text
+    original = llm.engine.output_processor.text
 
     def text(request, seq):
         if request.prompt_token_ids[0] == 30:
             raise RuntimeError("injected detokenization failure")
         return original(request, seq)
 
-    monkeypatch.setattr(llm.engine, "_text", text)
+    monkeypatch.setattr(llm.engine.output_processor, "text", text)
     with LiveServer(create_app(llm.engine, "tiny")) as server:
         before = server.metrics()
         url = f"{server.url}/v1/completions"

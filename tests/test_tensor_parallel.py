@@ -64,8 +64,8 @@ def test_a_dead_worker_fails_requests_with_a_clear_error():
     llm = _llm("tiny-llama", 2)
     try:
         llm.generate(_prompts()[:1], PARAMS)
-        llm.engine._workers[0].kill()
-        llm.engine._workers[0].join(timeout=10)
+        llm.engine.executor.workers[0].kill()
+        llm.engine.executor.workers[0].join(timeout=10)
         with pytest.raises(EngineDeadError, match="worker"):
             llm.generate(_prompts(), PARAMS)
         assert llm.stats()["num_used_blocks"] == 0 and not llm.engine.has_unfinished_requests()
@@ -79,7 +79,7 @@ def test_a_dead_worker_fails_requests_with_a_clear_error():
 def test_a_stuck_worker_fails_the_engine_at_the_collective_timeout():
     """A worker that stops answering (SIGSTOP) makes a collective time out: requests fail, the engine stops."""
     llm = _llm("tiny-llama", 2, distributed_timeout_s=10)
-    worker = llm.engine._workers[0]
+    worker = llm.engine.executor.workers[0]
     try:
         llm.generate(_prompts()[:1], PARAMS)
         os.kill(worker.pid, signal.SIGSTOP)
@@ -155,7 +155,7 @@ def test_a_worker_that_dies_before_joining_fails_the_startup_at_once():
     import torch.multiprocessing as mp
 
     from pagedkv.distributed import ParallelConfig, TensorParallel
-    from pagedkv.distributed.worker import free_tcp_address
+    from pagedkv.distributed.executor import free_tcp_address
 
     worker = mp.get_context("spawn").Process(target=os._exit, args=(3,))
     worker.start()
@@ -175,6 +175,7 @@ def test_a_step_whose_collectives_never_finish_fails_at_the_deadline():
     aborts the group and fails the requests (NCCL's watchdog, which would end the process, waits longer)."""
     from dataclasses import replace
 
+    from pagedkv.distributed.executor import TensorParallelExecutor
     from pagedkv.engine.engine import _InFlight
 
     llm = LLM("random:tiny-llama", device="cpu", block_size=4, num_blocks=64)
@@ -190,7 +191,9 @@ def test_a_step_whose_collectives_never_finish_fails_at_the_deadline():
         def ready(self):
             return False
 
-    engine.tp, engine.config = StuckGroup(), replace(engine.config, distributed_timeout_s=0.2)
+    executor = TensorParallelExecutor.__new__(TensorParallelExecutor)  # rank 0's handle, on the stuck group
+    executor.tp, executor.workers, executor.worker_exit = StuckGroup(), [], None
+    engine.executor, engine.config = executor, replace(engine.config, distributed_timeout_s=0.2)
     with pytest.raises(EngineDeadError, match="did not finish within distributed_timeout_s = 0.2 s"):
         engine._complete(_InFlight(out=None, step_input=None, result=PendingResult(), length_finished=[]))
     assert aborted and not engine.has_unfinished_requests() and llm.stats()["num_used_blocks"] == 0

@@ -45,7 +45,8 @@ def build_parser(prog: str = "pagedkv generate") -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default=None, help="HF id, local path, .gguf file or random:NAME (default: "
+    engine.add_argument("--model", default=None, help="HF id, local path, .gguf file or random:NAME (random weights, no tokenizer: use "
+                                                      "--token-ids) (default: "
                                                       "the embedded SmolLM2-135M-Instruct)")
     add_engine_arguments(engine)
     output = parser.add_argument_group("output")

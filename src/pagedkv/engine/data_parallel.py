@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.reduction import ForkingPickler
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.engine import chat_token_ids, tokenize_prompt
+from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.router import Router, RouterConfig
 from pagedkv.engine.sampling import SamplingParams

@@ -98,6 +98,13 @@ class LLM:
         """
         config = EngineConfig(model=model, block_size=block_size, kv_cache_memory=kv_cache_memory, device=device,
                               dtype=dtype, kv_cache_dtype=kv_cache_dtype, **engine_options)
+        if config.tensor_parallel_size > 1 and data_parallel_size == 1:
+            from pagedkv.distributed.executor import serve_torchrun_rank
+
+            if serve_torchrun_rank(config):
+                # A torchrun rank > 0 has served rank 0's steps until it shut down: only rank 0 runs
+                # the rest of the script (it alone holds the requests and their outputs).
+                raise SystemExit(0)
         if data_parallel_size > 1:
             if hf_model is not None:
                 raise ConfigError("data_parallel_size > 1 loads the model by name in every replica: pass the model "

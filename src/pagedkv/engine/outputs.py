@@ -1,4 +1,5 @@
-"""What the engine hands back: one `RequestOutput` per request per step, with its n completions."""
+"""What the engine hands back: one `RequestOutput` per request per step (with its n completions), its stats
+and, when asked, where each step's time went."""
 
 from __future__ import annotations
 
@@ -45,3 +46,52 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request was rejected
     metrics: dict = field(default_factory=dict)  # arrival, first_token and finish times (perf_counter s)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one step's wall time went (seconds). Only `wait_s` overlaps the device's work."""
+
+    shape: object  # the step's StepShape
+    schedule_s: float
+    build_s: float  # SchedulerOutput -> StepInput
+    launch_s: float  # staging copy, block moves, graph replay or eager kernel launches, sampler launch
+    wait_s: float  # waiting for the sampled tokens (device time not yet covered by the host)
+    update_s: float  # scheduler update, detokenization, outputs
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.build_s + self.launch_s + self.wait_s + self.update_s
+
+
+@dataclass
+class EngineStats:
+    """What `stats()` reports."""
+
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    num_free_blocks: int
+    peak_used_blocks: int
+    num_preemptions: int
+    num_swap_outs: int
+    num_swap_ins: int
+    num_rejected: int
+    num_request_failures: int  # requests that failed alone inside the engine; their step-mates went on
+    prefix_cache_queries: int  # blocks looked up
+    prefix_cache_hits: int  # blocks found
+    prefix_cache_hit_tokens: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_steps: int
+    busy_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of time spent in `step()`."""
+        return self.num_generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        data = dict(self.__dict__)
+        data["tokens_per_second"] = self.tokens_per_second
+        return data
