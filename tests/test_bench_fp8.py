@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedkv.bench.engine_kv import kv_bound_workload
+from pagedkv.bench.engine_kv_bound import kv_bound_workload
 from pagedkv.bench.kernel import main as kernel_main
 from pagedkv.cli import main
 

@@ -341,7 +341,7 @@ class Sweep:
         self.deadline = self.started + args.budget_s
         import triton
 
-        from pagedkv.bench.common import provenance
+        from pagedkv.results import provenance
         from pagedkv.kernels.tuning import num_sms
 
         self.sm_count = num_sms(device)

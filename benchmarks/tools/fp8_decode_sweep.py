@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from pagedkv.bench.kernel import HEAD_DIM, kv_bytes, make_paged, max_abs_err, tbps, try_time_graphed
+from pagedkv.bench.kernel_common import HEAD_DIM, kv_bytes, make_paged, max_abs_err, tbps, try_time_graphed
 from pagedkv.bench.kernel_fp8 import quantized_caches
 from pagedkv.kernels import DecodeTuning, paged_decode_attention, reference_decode_attention
 

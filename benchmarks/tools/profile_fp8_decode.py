@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from pagedkv.bench.kernel import HEAD_DIM, make_paged
+from pagedkv.bench.kernel_common import HEAD_DIM, make_paged
 from pagedkv.bench.kernel_fp8 import quantized_caches
 from pagedkv.kernels import DecodeTuning, paged_decode_attention
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from pagedkv.bench.common import add_out_argument
 from pagedkv.cli import ArgumentParser
 from pagedkv.core.allocator import BlockAllocator
+from pagedkv.results import add_out_argument
 
 
 def _pairs_per_second(num_blocks: int, num_pairs: int) -> float:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench allocator") -
     from rich.console import Console
     from rich.table import Table
 
-    from pagedkv.bench.common import provenance, write_json
+    from pagedkv.results import provenance, write_json
 
     parser = ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--pairs", type=int, default=1_000_000, help="alloc+free pairs per measurement")

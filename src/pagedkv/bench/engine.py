@@ -19,7 +19,7 @@ It also:
 - writes the main run as a fidelity file (`engine_run.json`) for `pagedkv sim --fidelity`.
 
 `--kv-cache-dtype fp8_e4m3` runs every pagedkv variant on an FP8 KV pool. `--preset kv-bound`
-runs a different workload instead (`pagedkv.bench.engine_kv`): Llama-3-8B shape, 2,000-8,000
+runs a different workload instead (`pagedkv.bench.engine_kv_bound`): Llama-3-8B shape, 2,000-8,000
 token contexts, a pool that limits concurrency, once per KV dtype (bf16 against FP8).
 """
 
@@ -31,8 +31,10 @@ import time
 
 import torch
 
-from pagedkv.bench.common import add_out_argument, provenance, require_cuda, write_json
+from pagedkv.bench.common import require_cuda
+from pagedkv.bench.engine_timing import timed_generate
 from pagedkv.cli import ArgumentParser
+from pagedkv.results import add_out_argument, provenance, write_json
 
 
 def nano_vllm_workload(num_requests: int, min_len: int, max_len: int, seed: int, vocab: int):
@@ -42,28 +44,6 @@ def nano_vllm_workload(num_requests: int, min_len: int, max_len: int, seed: int,
                for _ in range(num_requests)]
     output_lens = [rng.randint(min_len, max_len) for _ in range(num_requests)]
     return prompts, output_lens
-
-
-def _engine_run(llm, prompts, output_lens, record: list | None = None) -> dict:
-    from pagedkv.engine.sampling import SamplingParams
-
-    engine = llm.engine
-    if record is not None:
-        def observe(out, seconds):
-            shape = out.shape
-            record.append({"prefill_tokens": shape.prefill_tokens, "decode_seqs": shape.decode_seqs,
-                           "kv_tokens": shape.kv_tokens, "seconds": seconds})
-        engine.on_step = observe
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    engine.on_step = None
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"elapsed_s": elapsed, "num_output_tokens": generated, "output_tokens_per_s": generated / elapsed,
-            "num_preemptions": llm.stats()["num_preemptions"]}
 
 
 def _greedy_check(model, llm, prompts, num_tokens: int) -> dict:
@@ -140,7 +120,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--model", default="qwen3-0.6b", help="random-weight architecture (pagedkv.hf.RANDOM_CONFIGS)")
     parser.add_argument("--preset", default="nano-vllm", choices=("nano-vllm", "kv-bound"),
                         help="nano-vllm: the offline workload above; kv-bound: FP8 vs bf16 KV where the pool limits "
-                             "concurrency (see pagedkv.bench.engine_kv)")
+                             "concurrency (see pagedkv.bench.engine_kv_bound)")
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="KV pool dtype: auto, fp8_e4m3 or fp8_e5m2 (nano-vllm preset, default auto); "
                              "comma-separated dtypes to compare (kv-bound preset, default auto,fp8_e4m3)")
@@ -161,12 +141,12 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     from pagedkv.core.memory import check_kv_cache_dtype
 
     if args.preset == "kv-bound":
-        from pagedkv.bench import engine_kv
+        from pagedkv.bench import engine_kv_bound
 
         args.kv_cache_dtype = args.kv_cache_dtype or "auto,fp8_e4m3"
         for name in args.kv_cache_dtype.split(","):
             check_kv_cache_dtype(name)
-        return engine_kv.run(args)
+        return engine_kv_bound.run(args)
     args.kv_cache_dtype = check_kv_cache_dtype(args.kv_cache_dtype or "auto")
     args.requests = args.requests or 256
     require_cuda("pagedkv bench engine")
@@ -201,15 +181,15 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
                   f"for 32 tokens")
 
     warm_prompts, warm_lens = nano_vllm_workload(8, 32, 64, seed=1, vocab=vocab)
-    _engine_run(llm, warm_prompts, warm_lens)
+    timed_generate(llm, warm_prompts, warm_lens)
 
     steps: list[dict] = []
     cal_prompts, cal_lens = nano_vllm_workload(args.calibration_requests, 16, 1024, seed=args.seed + 7, vocab=vocab)
-    result["calibration_run"] = _engine_run(llm, cal_prompts, cal_lens, record=steps)
+    result["calibration_run"] = timed_generate(llm, cal_prompts, cal_lens, record=steps)
 
     prompts, output_lens = nano_vllm_workload(args.requests, args.min_len, args.max_len, args.seed, vocab)
     main_steps: list[dict] = []
-    result["pagedkv"] = _engine_run(llm, prompts, output_lens, record=main_steps)
+    result["pagedkv"] = timed_generate(llm, prompts, output_lens, record=main_steps)
     console.print(f"pagedkv (own decoder, CUDA graphs): {result['pagedkv']['output_tokens_per_s']:,.0f} output tok/s "
                   f"({result['pagedkv']['elapsed_s']:.1f} s)")
     del llm, engine
@@ -218,8 +198,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
         if name in args.skip:
             continue
         variant = make_llm(**options)
-        _engine_run(variant, warm_prompts, warm_lens)
-        result[name] = _engine_run(variant, prompts, output_lens)
+        timed_generate(variant, warm_prompts, warm_lens)
+        result[name] = timed_generate(variant, prompts, output_lens)
         console.print(f"{name}: {result[name]['output_tokens_per_s']:,.0f} output tok/s "
                       f"({result[name]['elapsed_s']:.1f} s)")
         del variant

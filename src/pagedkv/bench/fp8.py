@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.bench.common import add_out_argument
 from pagedkv.cli import ArgumentParser
+from pagedkv.results import add_out_argument
 
 #: The issue's target: FP8 perplexity at most 1% over model-dtype KV.
 TARGET_PPL_INCREASE = 0.01
@@ -207,9 +207,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
     add_out_argument(parser, "fp8_accuracy.json and .md")
     args = parser.parse_args(argv)
 
-    from pagedkv.bench.common import provenance, write_json
     from pagedkv.hf import load_model, load_tokenizer
     from pagedkv.kernels.fp8 import KVScales, check_kv_cache_dtype
+    from pagedkv.results import provenance, write_json
 
     kv_dtypes = [check_kv_cache_dtype(name) for name in args.kv_dtypes.split(",") if name]
     started = time.perf_counter()

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench import hf_latency
-from pagedkv.bench.common import GPURequiredError, add_out_argument, provenance, write_json
+from pagedkv.bench.common import GPURequiredError
 from pagedkv.bench.hf_latency import generate_tokens, prompts
 from pagedkv.cli import ArgumentParser
+from pagedkv.results import add_out_argument, provenance, write_json
 
 STEPS = (5, 50, 200)
 

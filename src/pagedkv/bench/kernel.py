@@ -19,7 +19,7 @@ grid (old and new decode schedules side by side), write_kv, prefill, the step ca
 `--variants` (launch configurations side by side, skipped past `--budget-s`). Timings are
 medians of CUDA-graph replays under `triton.testing.do_bench`, which flushes L2 before every
 call. It never asserts: each target is printed as met or MISSED with its measured figure, and
-recorded in the JSON.
+recorded in the JSON. Shared shapes, data and timing live in `bench.kernel_common`.
 """
 
 from __future__ import annotations
@@ -29,158 +29,38 @@ import functools
 import time
 from pathlib import Path
 
-from pagedkv.bench.common import add_out_argument
+from pagedkv.bench.kernel_common import (
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    contiguous_sdpa,
+    copy_bandwidth_tbps,
+    decode_contenders,
+    describe,
+    fmt,
+    kv_bytes,
+    make_paged,
+    max_abs_err,
+    sdpa_flash_causal,
+    tbps,
+    tolerance_for,
+    try_time,
+    try_time_graphed,
+    unified_variant_tunings,
+)
 from pagedkv.cli import ArgumentParser
+from pagedkv.results import add_out_argument
 
 #: (batch, context length) grid, Llama-3-8B attention: 32 q heads, 8 kv heads, head_dim 128, bf16.
 GRID = [(1, 32768), (8, 4096), (64, 4096), (256, 512), (64, 512)]
 SMOKE_GRID = [(1, 256), (4, 64)]
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-LLAMA3 = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
 PAGE_SIZES = (16, 128)
 SDPA_REFERENCE_TBPS = {(64, 4096): 4.09, (1, 32768): 2.11, (256, 512): 3.6}  # measured on the H200
 #: Small-work decode cases that carry the >= 80% of copy target.
 SMALL_WORK = ((1, 32768), (8, 4096), (64, 512))
 
 
-def decode_contenders():
-    """Decode schedules timed side by side on every grid case: name -> DecodeTuning. The first is the default."""
-    from pagedkv.kernels import DecodeTuning
-
-    return {
-        "split": DecodeTuning(),
-        "split, in-kernel merge": DecodeTuning(merge="in_kernel"),
-        "stream-K": DecodeTuning(schedule="stream_k"),
-    }
-
-
-# --------------------------------------------------------------------------- timing helpers
-def _time_ms(fn, device) -> float:
-    """Median milliseconds of `fn()`: do_bench on CUDA (L2 flushed per call), a short loop on CPU."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        # 50 ms of replays is thousands of samples for a 50-us kernel; the run must fit one GPU call.
-        return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
-    fn()
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[1] * 1e3
-
-
-def _graphed(fn):
-    """`fn` captured in a CUDA graph; returns the replay. Host launch cost (tens of us per Triton
-    launch on the H200 host) then stays out of kernels that themselves take tens of us."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def try_time_graphed(fn, device) -> tuple[float | None, str]:
-    """Like `try_time`, timing CUDA-graph replays on CUDA (plain calls elsewhere)."""
-    if device.type != "cuda":
-        return try_time(fn, device)
-    try:
-        return _time_ms(_graphed(fn), device), ""
-    except Exception as error:  # noqa: BLE001 - a benchmark reports a failure, it never stops
-        return None, describe(error)
-
-
-def describe(error: BaseException) -> str:
-    """One short line naming an error, for a table cell."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:100]}" if text else type(error).__name__
-
-
-def try_time(fn, device) -> tuple[float | None, str]:
-    """(ms, "") or (None, reason) when `fn` cannot run."""
-    try:
-        return _time_ms(fn, device), ""
-    except Exception as error:  # noqa: BLE001 - a benchmark reports a failure, it never stops
-        return None, describe(error)
-
-
-def copy_bandwidth_tbps(device, num_bytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy bandwidth, (bytes read + bytes written) / time, in TB/s."""
-    import torch
-
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), device)
-    return 2 * num_bytes / (ms * 1e-3) / 1e12
-
-
-def tolerance_for(dtype) -> float:
-    """Max abs error allowed against the float64 reference (bf16 output rounding dominates)."""
-    import torch
-
-    return 2e-2 if dtype == torch.bfloat16 else 2e-3
-
-
-def max_abs_err(out, expected) -> float:
-    """Largest |out - expected| (NaN counts as infinitely wrong)."""
-    diff = (out.double() - expected.double()).abs()
-    return float("inf") if bool(diff.isnan().any()) else float(diff.max()) if diff.numel() else 0.0
-
-
-def tbps(num_bytes: int, ms: float | None) -> float | None:
-    """Bytes over milliseconds, in TB/s."""
-    return num_bytes / (ms * 1e-3) / 1e12 if ms else None
-
-
-# --------------------------------------------------------------------------- data
-def make_paged(batch: int, seq_len: int, page: int, shuffled: bool, device, dtype, seed: int = 0,
-               heads: tuple[int, int, int] = LLAMA3):
-    """A pool holding `batch` sequences of `seq_len` tokens; tables ordered (0, 1, 2, ...) or shuffled.
-
-    `heads` is (q heads, kv heads, head_dim).
-    """
-    import torch
-
-    num_heads, num_kv_heads, head_dim = heads
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    blocks_per_seq = -(-seq_len // page)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, page, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=dtype, device=device)
-    v_cache = torch.randn(shape, dtype=dtype, device=device)
-    order = torch.randperm(num_blocks, generator=generator) if shuffled else torch.arange(num_blocks)
-    block_tables = order.view(batch, blocks_per_seq).to(torch.int32).to(device)
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-    query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
-    return query, k_cache, v_cache, block_tables, seq_lens
-
-
-def kv_bytes(batch: int, seq_len: int, element_size: int, heads: tuple[int, int, int] = LLAMA3) -> int:
-    """K and V bytes one decode step reads."""
-    return 2 * batch * seq_len * heads[1] * heads[2] * element_size
-
-
 # --------------------------------------------------------------------------- baselines
-def contiguous_sdpa(query, k_cache, v_cache, block_tables, seq_len):
-    """A closure timing torch SDPA on contiguous [B, Hkv, L, D] copies of the same K/V."""
-    import torch.nn.functional as F
-
-    batch, (num_kv_heads, head_dim) = query.shape[0], k_cache.shape[2:]
-    table = block_tables.long()
-    k = k_cache[table].view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
-    v = v_cache[table].view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
-    q = query.unsqueeze(2)  # [B, H, 1, D]
-    return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-
 def gather_sdpa(query, k_cache, v_cache, block_tables, seq_len):
     """A closure timing the naive paged approach: gather pages into contiguous K/V, then SDPA."""
     import torch.nn.functional as F
@@ -379,8 +259,8 @@ def decode_grid(device, dtype, backend: str, grid, copy_tbps: float, with_flex: 
                     ordered_ms = ms
                 row["targets"] = _targets(row, copy_tbps)
                 rows.append(row)
-                progress(f"decode B={batch} L={seq_len} page={page} {row['order']}: split {_fmt(row['tbps'])} TB/s, "
-                         f"best {best} {_fmt(row['best_tbps'])} TB/s, SDPA {_fmt(row['sdpa_tbps'])}")
+                progress(f"decode B={batch} L={seq_len} page={page} {row['order']}: split {fmt(row['tbps'])} TB/s, "
+                         f"best {best} {fmt(row['best_tbps'])} TB/s, SDPA {fmt(row['sdpa_tbps'])}")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
@@ -396,13 +276,13 @@ def _targets(row: dict, copy_tbps: float) -> list[str]:
     key = (row["batch"], row["seq_len"])
     best = row["best_tbps"] or 0.0
     if key == (64, 4096):
-        check(">=90% copy BW", (row["tbps"] or 0) >= 0.9 * copy_tbps, f"{_fmt(row['tbps'])} TB/s")
-        check(">=0.95x SDPA", (row["vs_sdpa"] or 0) >= 0.95, f"{_fmt(row['vs_sdpa'])}x")
+        check(">=90% copy BW", (row["tbps"] or 0) >= 0.9 * copy_tbps, f"{fmt(row['tbps'])} TB/s")
+        check(">=0.95x SDPA", (row["vs_sdpa"] or 0) >= 0.95, f"{fmt(row['vs_sdpa'])}x")
     elif key in SMALL_WORK:
         check(">=80% copy BW", best >= 0.8 * copy_tbps, f"{best:.2f} TB/s = {100 * best / copy_tbps:.0f}%, "
                                                          f"{row['best_schedule']}")
     elif key == (256, 512):
-        check(">=1.0x SDPA", (row["best_vs_sdpa"] or 0) >= 1.0, f"{_fmt(row['best_vs_sdpa'])}x, {row['best_schedule']}")
+        check(">=1.0x SDPA", (row["best_vs_sdpa"] or 0) >= 1.0, f"{fmt(row['best_vs_sdpa'])}x, {row['best_schedule']}")
     if row["order"] == "shuffled" and row.get("shuffled_over_ordered") is not None:
         check("shuffled within 5%", row["shuffled_over_ordered"] <= 1.05, f"{row['shuffled_over_ordered']:.3f}")
     return results
@@ -426,37 +306,6 @@ def write_kv_bandwidth(device, dtype, backend: str, num_tokens: int) -> dict:
                          device)
     num_bytes = 2 * 2 * key.numel() * key.element_size()  # K and V, read and written
     return {"num_tokens": num_tokens, "ms": ms, "error": error, "tbps": tbps(num_bytes, ms)}
-
-
-def sdpa_flash_causal(q, k, v):
-    """A closure of causal SDPA on the flash backend, and how it ran.
-
-    q `[B, H, L, D]`, k/v `[B, Hkv, L, D]`. Flash with `enable_gqa` where this torch has it;
-    else flash on K/V expanded to H heads (the copy made here, outside the timing); else
-    whatever backend SDPA picks.
-    """
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    group = q.shape[1] // k.shape[1]
-    expanded = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
-    candidates = [
-        ("flash", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), True),
-        ("flash, K/V expanded", lambda: F.scaled_dot_product_attention(q, *expanded, is_causal=True), True),
-        ("default backend", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), False),
-    ]
-    for name, call, flash_only in candidates:
-        def run(call=call, flash_only=flash_only):
-            if not flash_only:
-                return call()
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return call()
-        try:
-            run()
-            return run, name
-        except RuntimeError:
-            continue
-    return candidates[-1][1], "default backend"
 
 
 def prefill_throughput(device, dtype, backend: str, batch: int, seq_len: int, tuning=None, kernel: str = "prefill",
@@ -532,21 +381,6 @@ def prefill_variant_tunings() -> dict:
     }
 
 
-def unified_variant_tunings() -> dict:
-    """Unified-kernel tile configurations: rows = tokens x GQA group (block_m 64 = 16 tokens x 4 heads)."""
-    from pagedkv.kernels import UnifiedTuning
-
-    return {
-        "unified m64": UnifiedTuning(),
-        "unified m16": UnifiedTuning(block_m=16),
-        "unified m32": UnifiedTuning(block_m=32),
-        "unified m64 s3": UnifiedTuning(num_stages=3),
-        "unified m128 w8": UnifiedTuning(block_m=128, num_warps=8),
-        "unified m128 w8 s3": UnifiedTuning(block_m=128, num_warps=8, num_stages=3),
-        "unified m128 n32 w4": UnifiedTuning(block_m=128, block_n=32, num_warps=4),
-    }
-
-
 def _decode_variants(device, dtype, backend: str, batch: int, seq_len: int, page: int, tunings: dict,
                      deadline: float, invalid: set) -> list[dict]:
     """One row per named DecodeTuning on one shuffled B x L x page case (skipped past `deadline`)."""
@@ -607,10 +441,6 @@ def variants(device, dtype, backend: str, smoke: bool, deadline: float, invalid:
 
 
 # --------------------------------------------------------------------------- report
-def _fmt(value, spec: str = ".2f", missing: str = "n/a") -> str:
-    return missing if value is None else format(value, spec)
-
-
 def _decode_table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     names = list(rows[0].get("schedules", {})) if rows else []
     header = ["B", "L", "page", "order", "splits", "time us", "TB/s", "% copy", "eager TB/s",
@@ -621,12 +451,12 @@ def _decode_table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         schedules = row.get("schedules", {})
         body.append([
             str(row["batch"]), str(row["seq_len"]), str(row["page"]), row["order"], str(row["num_splits"]),
-            _fmt(row["ms"] and row["ms"] * 1e3, ".1f", row["error"] or "n/a"), _fmt(row["tbps"]),
-            _fmt(row["copy_fraction"] and 100 * row["copy_fraction"], ".0f"), _fmt(row.get("eager_tbps")),
-            *[_fmt(schedules[name]["tbps"], ".2f", (schedules[name]["error"] or "n/a")[:24]) for name in names[1:]],
-            _fmt(row["sdpa_tbps"]), _fmt(row["vs_sdpa"]), _fmt(row.get("best_vs_sdpa")),
-            _fmt(row["gather_sdpa_tbps"]),
-            _fmt(row["flex_tbps"], ".2f", "n/a" + (f" ({row['flex_note']})" if row["flex_note"] != "skipped" else "")),
+            fmt(row["ms"] and row["ms"] * 1e3, ".1f", row["error"] or "n/a"), fmt(row["tbps"]),
+            fmt(row["copy_fraction"] and 100 * row["copy_fraction"], ".0f"), fmt(row.get("eager_tbps")),
+            *[fmt(schedules[name]["tbps"], ".2f", (schedules[name]["error"] or "n/a")[:24]) for name in names[1:]],
+            fmt(row["sdpa_tbps"]), fmt(row["vs_sdpa"]), fmt(row.get("best_vs_sdpa")),
+            fmt(row["gather_sdpa_tbps"]),
+            fmt(row["flex_tbps"], ".2f", "n/a" + (f" ({row['flex_note']})" if row["flex_note"] != "skipped" else "")),
             "; ".join(row["targets"]),
         ])
     return header, body
@@ -660,7 +490,7 @@ def target_summary(result: dict) -> list[dict]:
     summary.append({"target": f"prefill {prefill['batch']} x {prefill['seq_len']} causal: >=0.85x SDPA "
                               f"({prefill.get('sdpa_backend', '')})",
                     "met": bool(ratio and ratio >= 0.85),
-                    "measured": f"{_fmt(ratio)}x ({_fmt(best.get('tflops'), '.0f')} vs {_fmt(sdpa, '.0f')} TFLOP/s, "
+                    "measured": f"{fmt(ratio)}x ({fmt(best.get('tflops'), '.0f')} vs {fmt(sdpa, '.0f')} TFLOP/s, "
                                 f"{best.get('label', best.get('kernel', 'prefill'))})"})
     summary += result.get("step_targets", [])
     summary += result.get("fp8_targets", [])
@@ -694,9 +524,9 @@ def write_markdown(path: Path, result: dict) -> Path:
     header, body = _decode_table_rows(result["decode"])
     lines += ["## Decode", ""] + _markdown_table(header, body)
     w, p = result["write_kv"], result["prefill"]
-    lines += ["", f"write_kv, {w['num_tokens']} tokens to random slots: {_fmt(w['tbps'])} TB/s (read + write)",
-              (f"prefill, {p['batch']} x {p['seq_len']} causal: {_fmt(p['tflops'], '.1f')} TFLOP/s "
-               f"(contiguous causal SDPA, {p.get('sdpa_backend', '')}: {_fmt(p['sdpa_causal_tflops'], '.1f')} "
+    lines += ["", f"write_kv, {w['num_tokens']} tokens to random slots: {fmt(w['tbps'])} TB/s (read + write)",
+              (f"prefill, {p['batch']} x {p['seq_len']} causal: {fmt(p['tflops'], '.1f')} TFLOP/s "
+               f"(contiguous causal SDPA, {p.get('sdpa_backend', '')}: {fmt(p['sdpa_causal_tflops'], '.1f')} "
                f"TFLOP/s)"), ""]
     for title, key in (("Engine shapes", "engine_shapes"), ("Chunked prefill", "chunked_prefill"),
                        ("Mixed step", "mixed_step")):
@@ -706,11 +536,11 @@ def write_markdown(path: Path, result: dict) -> Path:
             lines.append("")
     if result.get("variants"):
         lines += ["## Variants", ""] + _markdown_table(
-            ["shape", "variant", "TB/s"], [[r["shape"], r["variant"], _fmt(r["tbps"], ".2f", r["error"] or "n/a")]
+            ["shape", "variant", "TB/s"], [[r["shape"], r["variant"], fmt(r["tbps"], ".2f", r["error"] or "n/a")]
                                            for r in result["variants"]["decode"]])
         lines += [""] + _markdown_table(
             ["prefill variant", "kernel", "TFLOP/s"],
-            [[r["variant"], r.get("kernel", "prefill"), _fmt(r["tflops"], ".1f", r["error"] or "n/a")]
+            [[r["variant"], r.get("kernel", "prefill"), fmt(r["tflops"], ".1f", r["error"] or "n/a")]
              for r in result["variants"]["prefill"]])
     path.mkdir(parents=True, exist_ok=True)
     target = path / "kernel.md"
@@ -755,7 +585,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
     from rich.console import Console
 
     from pagedkv.bench import kernel_steps
-    from pagedkv.bench.common import GPURequiredError, provenance, write_json
+    from pagedkv.bench.common import GPURequiredError
+    from pagedkv.results import provenance, write_json
 
     console = Console(width=240)  # logs of a remote run are not a terminal: keep rows on one line
     if torch.cuda.is_available():
@@ -818,10 +649,10 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
     result["prefill_contenders"] = [{**result["prefill"], "label": "prefill kernel"},
                                     {**unified_prefill, "label": "unified kernel"}]
     w, p = result["write_kv"], result["prefill"]
-    progress(f"write_kv {w['num_tokens']} tokens: {_fmt(w['tbps'])} TB/s (read + write) {w['error']}")
-    progress(f"prefill {p['batch']} x {p['seq_len']} causal: {_fmt(p['tflops'], '.1f')} TFLOP/s (unified kernel "
-             f"{_fmt(unified_prefill['tflops'], '.1f')}); contiguous causal SDPA ({p['sdpa_backend']}) "
-             f"{_fmt(p['sdpa_causal_tflops'], '.1f')} TFLOP/s {p['error']}")
+    progress(f"write_kv {w['num_tokens']} tokens: {fmt(w['tbps'])} TB/s (read + write) {w['error']}")
+    progress(f"prefill {p['batch']} x {p['seq_len']} causal: {fmt(p['tflops'], '.1f')} TFLOP/s (unified kernel "
+             f"{fmt(unified_prefill['tflops'], '.1f')}); contiguous causal SDPA ({p['sdpa_backend']}) "
+             f"{fmt(p['sdpa_causal_tflops'], '.1f')} TFLOP/s {p['error']}")
 
     result["steps"], result["step_targets"] = kernel_steps.run_steps(device, dtype, backend, smoke,
                                                                      result["copy_tbps"], invalid, progress)
@@ -838,12 +669,12 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
             by_variant.setdefault(r["variant"], {})[r["shape"]] = r
         _print_table(console, "Decode variants (TB/s, CUDA-graph replays; best per shape marked *)",
                      ["variant", *shapes],
-                     [[name, *[_fmt(cells[s]["tbps"], ".2f", (cells[s]["error"] or "n/a")[:30])
+                     [[name, *[fmt(cells[s]["tbps"], ".2f", (cells[s]["error"] or "n/a")[:30])
                                + ("*" if cells[s]["tbps"] and cells[s]["tbps"] == best[s] else "") for s in shapes]]
                       for name, cells in by_variant.items()])
         _print_table(console, f"Prefill variants, {prefill_shape[0]} x {prefill_shape[1]} causal",
                      ["variant", "kernel", "TFLOP/s"],
-                     [[r["variant"], r.get("kernel", "prefill"), _fmt(r["tflops"], ".1f", (r["error"] or "n/a")[:40])]
+                     [[r["variant"], r.get("kernel", "prefill"), fmt(r["tflops"], ".1f", (r["error"] or "n/a")[:40])]
                       for r in result["variants"]["prefill"]])
         result["prefill_contenders"] += [{**r, "label": r["variant"] if r["variant"].startswith(r["kernel"])
                                           else f"{r['kernel']} {r['variant']}"}

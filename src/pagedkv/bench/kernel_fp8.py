@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 
-from pagedkv.bench.kernel import (
+from pagedkv.bench.kernel_common import (
     HEAD_DIM,
     LLAMA3,
     decode_contenders,
     describe,
+    fmt,
     kv_bytes,
     make_paged,
     max_abs_err,
@@ -110,16 +111,12 @@ def fp8_decode(device, dtype, backend: str, kv_cache_dtype: str, copy_tbps: floa
             row["targets"] = _targets(row)
             rows.append(row)
             progress(f"fp8 decode B={batch} L={seq_len} {name}: err {err:.1e}, {kv_cache_dtype} "
-                     f"{_ms(fp8_ms)} vs the model dtype's default {_ms(baseline_ms)} ({_fmt(row['time_ratio'])}x), "
-                     f"{_fmt(row['fp8_tbps'])} TB/s in FP8 bytes {row.get('error') or ''}")
+                     f"{_ms(fp8_ms)} vs the model dtype's default {_ms(baseline_ms)} ({fmt(row['time_ratio'])}x), "
+                     f"{fmt(row['fp8_tbps'])} TB/s in FP8 bytes {row.get('error') or ''}")
         del k8, v8, k_cache, v_cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def _fmt(value, spec: str = ".2f") -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 def _ms(ms) -> str:
@@ -128,12 +125,12 @@ def _ms(ms) -> str:
 
 def _targets(row: dict) -> list[str]:
     results = [f"<={TARGET_TIME_RATIO}x model-dtype time: "
-               f"{'met' if (row['time_ratio'] or 1e9) <= TARGET_TIME_RATIO else 'MISSED'} ({_fmt(row['time_ratio'])}x)"]
+               f"{'met' if (row['time_ratio'] or 1e9) <= TARGET_TIME_RATIO else 'MISSED'} ({fmt(row['time_ratio'])}x)"]
     if (row["batch"], row["seq_len"]) == (64, 4096):
         fraction = row["fp8_copy_fraction"]
         results.append(f">={TARGET_COPY_FRACTION:.0%} copy BW in FP8 bytes: "
                        f"{'met' if (fraction or 0) >= TARGET_COPY_FRACTION else 'MISSED'} "
-                       f"({_fmt(row['fp8_tbps'])} TB/s = {_fmt(fraction and 100 * fraction, '.0f')}%)")
+                       f"({fmt(row['fp8_tbps'])} TB/s = {fmt(fraction and 100 * fraction, '.0f')}%)")
     return results
 
 
@@ -142,8 +139,8 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     header = ["B", "L", "schedule", "max abs err", "model-dtype us", "fp8 us", "fp8/model default",
               "fp8 TB/s (FP8 bytes)", "% copy", "targets"]
     body = [[str(r["batch"]), str(r["seq_len"]), r["schedule"], f"{r['max_abs_err']:.1e}",
-             _fmt(r.get("model_ms") and r["model_ms"] * 1e3, ".1f"), _fmt(r.get("fp8_ms") and r["fp8_ms"] * 1e3, ".1f"),
-             _fmt(r["time_ratio"]), _fmt(r["fp8_tbps"]), _fmt(r["fp8_copy_fraction"] and 100 * r["fp8_copy_fraction"],
+             fmt(r.get("model_ms") and r["model_ms"] * 1e3, ".1f"), fmt(r.get("fp8_ms") and r["fp8_ms"] * 1e3, ".1f"),
+             fmt(r["time_ratio"]), fmt(r["fp8_tbps"]), fmt(r["fp8_copy_fraction"] and 100 * r["fp8_copy_fraction"],
                                                               ".0f"),
              "; ".join(r["targets"]) + (f" [{r['error']}]" if r.get("error") else "")] for r in rows]
     return header, body

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import functools
 
-from pagedkv.bench.kernel import (
+from pagedkv.bench.kernel_common import (
     HEAD_DIM,
     LLAMA3,
-    _fmt,
+    contiguous_sdpa,
     decode_contenders,
     describe,
+    fmt,
     kv_bytes,
     make_paged,
     max_abs_err,
@@ -28,6 +29,7 @@ from pagedkv.bench.kernel import (
     tbps,
     tolerance_for,
     try_time_graphed,
+    unified_variant_tunings,
 )
 
 #: Model -> (q heads, kv heads, head_dim) of the engine's models.
@@ -79,7 +81,7 @@ def _contest(contenders: dict, expected, dtype, device, invalid: set) -> dict:
 
 
 def _cell(result: dict, value) -> str:
-    return _fmt(value, ".2f", (result["error"] or "n/a")[:28])
+    return fmt(value, ".2f", (result["error"] or "n/a")[:28])
 
 
 # --------------------------------------------------------------------------- engine shapes
@@ -88,7 +90,6 @@ def engine_shapes(device, dtype, backend: str, smoke: bool, copy_tbps: float, in
     import torch
     import torch.nn.functional as F
 
-    from pagedkv.bench.kernel import contiguous_sdpa
     from pagedkv.kernels import (
         KernelWorkspace,
         paged_attention,
@@ -123,9 +124,9 @@ def engine_shapes(device, dtype, backend: str, smoke: bool, copy_tbps: float, in
                          "errors": {n: r["error"] for n, r in results.items()}, "sdpa_tbps": tbps(num_bytes, sdpa_ms),
                          "best_copy_fraction": best / copy_tbps if best else None})
             body.append([model, f"decode B={batch} x {seq_len} (TB/s)", *[_cell(results[n], rates[n]) for n in names],
-                         _fmt(tbps(num_bytes, sdpa_ms)), _fmt(best and 100 * best / copy_tbps, ".0f")])
+                         fmt(tbps(num_bytes, sdpa_ms)), fmt(best and 100 * best / copy_tbps, ".0f")])
             progress(f"engine shape {model} decode B={batch} L={seq_len}: "
-                     + ", ".join(f"{n} {_fmt(rates[n])}" for n in names))
+                     + ", ".join(f"{n} {fmt(rates[n])}" for n in names))
         # A small prefill of fresh prompts: prefill kernel vs unified kernel vs SDPA (TFLOP/s).
         q_lens = [prefill_len] * prefill_batch
         query, k_cache, v_cache, table, lens, cu = make_step(q_lens, q_lens, 16, device, dtype, heads, seed=6)
@@ -152,7 +153,7 @@ def engine_shapes(device, dtype, backend: str, smoke: bool, copy_tbps: float, in
         body.append([model, f"prefill {prefill_batch} x {prefill_len} (TFLOP/s)",
                      _cell(results["prefill kernel"], tflops(results["prefill kernel"]["ms"])),
                      _cell(results["unified kernel"], tflops(results["unified kernel"]["ms"])),
-                     *["" for _ in names[2:]], _fmt(tflops(sdpa_ms), ".1f"), ""])
+                     *["" for _ in names[2:]], fmt(tflops(sdpa_ms), ".1f"), ""])
         if device.type == "cuda":
             torch.cuda.empty_cache()
     note = ("decode rows: TB/s of each decode schedule (page 16, shuffled); prefill rows: TFLOP/s of the prefill "
@@ -167,7 +168,6 @@ def chunked_prefill(device, dtype, backend: str, smoke: bool, invalid: set, prog
     import torch.nn.functional as F
 
     from pagedkv.kernels import paged_attention, paged_prefill_attention, reference_paged_attention
-    from pagedkv.bench.kernel import unified_variant_tunings
 
     chunk, prefix = (512, 4096) if not smoke else (32, 64)
     num_heads, num_kv_heads, head_dim = LLAMA3
@@ -197,10 +197,10 @@ def chunked_prefill(device, dtype, backend: str, smoke: bool, invalid: set, prog
     flops = 2 * 2 * num_heads * head_dim * (chunk * prefix + chunk * (chunk + 1) / 2)
     rows = [{"contender": name, "ms": r["ms"], "error": r["error"], "max_abs_err": r["max_abs_err"],
              "tflops": flops / (r["ms"] * 1e-3) / 1e12 if r["ms"] else None} for name, r in results.items()]
-    progress(f"chunked prefill {chunk} on {prefix}: " + ", ".join(f"{r['contender']} {_fmt(r['tflops'], '.0f')}"
+    progress(f"chunked prefill {chunk} on {prefix}: " + ", ".join(f"{r['contender']} {fmt(r['tflops'], '.0f')}"
                                                                    for r in rows))
-    body = [[r["contender"], _fmt(r["ms"] and r["ms"] * 1e3, ".1f", (r["error"] or "n/a")[:40]),
-             _fmt(r["tflops"], ".1f")] for r in rows]
+    body = [[r["contender"], fmt(r["ms"] and r["ms"] * 1e3, ".1f", (r["error"] or "n/a")[:40]),
+             fmt(r["tflops"], ".1f")] for r in rows]
     return {"header": ["contender", "time us", "TFLOP/s"], "body": body, "rows": rows,
             "note": f"one {chunk}-token chunk on a cached {prefix}-token prefix, Llama-3-8B attention, page 16"}
 
@@ -210,7 +210,6 @@ def mixed_step(device, dtype, backend: str, smoke: bool, invalid: set, progress)
     """200 decode rows + one 512-token chunk: the unified kernel (one launch) vs decode + prefill launches."""
     import torch
 
-    from pagedkv.bench.kernel import unified_variant_tunings
     from pagedkv.kernels import (
         KernelWorkspace,
         paged_attention,
@@ -255,9 +254,9 @@ def mixed_step(device, dtype, backend: str, smoke: bool, invalid: set, progress)
     rows = [{"contender": name, "ms": r["ms"], "error": r["error"], "max_abs_err": r["max_abs_err"],
              "tbps": tbps(num_bytes, r["ms"]), "launches": 1 if name.startswith("one") else 2}
             for name, r in results.items()]
-    progress("mixed step: " + ", ".join(f"{r['contender']} {_fmt(r['ms'] and r['ms'] * 1e3, '.1f')} us"
+    progress("mixed step: " + ", ".join(f"{r['contender']} {fmt(r['ms'] and r['ms'] * 1e3, '.1f')} us"
                                         for r in rows))
-    body = [[r["contender"], _fmt(r["ms"] and r["ms"] * 1e3, ".1f", (r["error"] or "n/a")[:40]), _fmt(r["tbps"])]
+    body = [[r["contender"], fmt(r["ms"] and r["ms"] * 1e3, ".1f", (r["error"] or "n/a")[:40]), fmt(r["tbps"])]
             for r in rows]
     note = (f"{num_decode} decode rows (context {low}-{high}) + one {chunk}-token chunk on a {prefix}-token prefix, "
             f"Llama-3-8B attention, page 16; TB/s = K/V bytes the step reads / time")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.bench.common import add_out_argument, provenance, require_cuda, write_json
+from pagedkv.bench.common import require_cuda
+from pagedkv.results import add_out_argument, provenance, write_json
 
 PROMPT_TOKENS = 128
 NEW_TOKENS = 256

@@ -22,11 +22,11 @@ import argparse
 import json
 import time
 
-from pagedkv.bench.common import add_out_argument
 from pagedkv.cli import ArgumentParser
 from pagedkv.core.memory import KV_CACHE_DTYPES, kv_cache_dtype_bytes
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError, require_positive_int
+from pagedkv.results import add_out_argument
 from pagedkv.sim.cluster_cli import add_cluster_arguments, run_cluster
 from pagedkv.sim.cost_model import CostModel, resolve_cost_model
 from pagedkv.sim.fidelity import TARGET_RELATIVE_ERROR, load_engine_run, predict
@@ -222,13 +222,13 @@ def _file_name(stem: str, tag: str) -> str:
 
 
 def _provenance() -> dict:
-    from pagedkv.bench.common import provenance
+    from pagedkv.results import provenance
 
     return provenance("simulated (cost model)")
 
 
 def _run_fidelity(args: argparse.Namespace, cost_model: CostModel) -> int:
-    from pagedkv.bench.common import write_json
+    from pagedkv.results import write_json
 
     run = load_engine_run(args.fidelity)
     result = predict(run, cost_model)
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
             print()
             print(format_pivot(rows))
     if args.sweep:
-        from pagedkv.bench.common import write_json
+        from pagedkv.results import write_json
 
         json_path = write_json(args.out, _file_name("sim_sweep", args.tag), {**payload, "wall_s": wall_s, "provenance": _provenance()})
         png_path = plot_sweep(rows, json_path.with_suffix(".png"),

@@ -39,7 +39,7 @@ Cost-model file (`cost_model.json`, written by `pagedkv bench engine` into its -
         "kv_s_per_token": 2.5e-8,
         "swap_s_per_token": 2.3e-6              # optional: the default above when absent
       },
-      "provenance": {...}                       # optional, as pagedkv.bench.common.provenance()
+      "provenance": {...}                       # optional, as pagedkv.results.provenance()
     }
 """
 

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench serve") -> in
 
     Exit status 0, or 1 when any request failed (the table and files are written either way).
     """
-    from pagedkv.bench.common import provenance, write_json
+    from pagedkv.results import provenance, write_json
     from pagedkv.bench.serve.report import format_run, write_png
 
     args = parse_args(argv, prog)

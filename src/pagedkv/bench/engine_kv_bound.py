@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.bench.engine_timing import timed_generate
+
 #: FP8 output tok/s over the model dtype's, at least (docs/benchmarks.md).
 TARGET_SPEEDUP = 1.5
 
@@ -40,15 +42,14 @@ def kv_bound_workload(num_requests: int, seed: int, vocab: int) -> tuple[list[li
 
 def run_one(model, kv_cache_dtype: str, budget_bytes: int, prompts, output_lens, max_num_batched_tokens: int) -> dict:
     """One engine on `budget_bytes` of KV in `kv_cache_dtype`: concurrency, throughput, preemptions."""
-    from pagedkv.bench.engine import _engine_run
     from pagedkv.engine.llm import LLM
 
     llm = LLM(hf_model=model, kv_cache_memory=budget_bytes, kv_cache_dtype=kv_cache_dtype, max_model_len=8192,
               max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens)
     engine = llm.engine
-    _engine_run(llm, [p[:64] for p in prompts[:4]], [8] * 4)  # warm-up: kernels compiled, graphs replayed once
+    timed_generate(llm, [p[:64] for p in prompts[:4]], [8] * 4)  # warm-up: kernels compiled, graphs replayed once
     steps: list[dict] = []
-    run = _engine_run(llm, prompts, output_lens, record=steps)  # num_preemptions: the warm-up had none
+    run = timed_generate(llm, prompts, output_lens, record=steps)  # num_preemptions: the warm-up had none
     decoding = [step["decode_seqs"] for step in steps if step["decode_seqs"]]
     result = {"kv_cache_dtype": kv_cache_dtype, "kv_dtype": str(engine.pool.dtype).removeprefix("torch."),
               "num_blocks": engine.scheduler.block_manager.num_blocks, "block_size": engine.pool.block_size,
@@ -62,8 +63,9 @@ def run_one(model, kv_cache_dtype: str, budget_bytes: int, prompts, output_lens,
 
 def run(args) -> int:
     """The kv-bound preset of `pagedkv bench engine` (arguments parsed there); writes engine_kv_bound.json / .md."""
-    from pagedkv.bench.common import provenance, require_cuda, write_json
+    from pagedkv.bench.common import require_cuda
     from pagedkv.hf.models import random_model
+    from pagedkv.results import provenance, write_json
 
     require_cuda("pagedkv bench engine")
     dtypes = [name for name in args.kv_cache_dtype.split(",") if name]
