@@ -46,8 +46,8 @@ def test_data_parallel_refuses_a_loaded_model():
 
 def test_unconsumed_adds_count_as_waiting_so_a_burst_spreads():
     """A burst routed between two replica steps must see its own earlier requests, not a stale zero load."""
-    from pagedkv.engine.data_parallel import _LOAD_FIELDS, _ProcessReplica
-    from pagedkv.engine.router import Router, RouterConfig
+    from pagedkv.distributed.data_parallel import _LOAD_FIELDS, _ProcessReplica
+    from pagedkv.distributed.router import Router, RouterConfig
 
     load = [0] * (2 * _LOAD_FIELDS)
     views = [_ProcessReplica(i, 4, load) for i in range(2)]
@@ -226,7 +226,7 @@ def test_replicas_of_tensor_parallel_groups_equal_one_engine():
 
 def test_replica_devices_give_each_tensor_parallel_group_its_own_gpus(monkeypatch):
     from pagedkv.engine.config import EngineConfig
-    from pagedkv.engine.data_parallel import DataParallelEngine
+    from pagedkv.distributed.data_parallel import DataParallelEngine
 
     class FakeCuda:
         @staticmethod

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from pagedkv.core.prefix_cache import hash_blocks
-from pagedkv.engine.router import (
+from pagedkv.distributed.router import (
     NoReplicaAvailableError,
     Router,
     RouterConfig,

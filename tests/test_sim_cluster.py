@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.engine.router import RouterConfig
+from pagedkv.distributed.router import RouterConfig
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.errors import ConfigError
 from pagedkv.sim import CostModel

@@ -154,7 +154,7 @@ def test_a_worker_that_dies_before_joining_fails_the_startup_at_once():
 
     import torch.multiprocessing as mp
 
-    from pagedkv.distributed import ParallelConfig, TensorParallel
+    from pagedkv.distributed.parallel import ParallelConfig, TensorParallel
     from pagedkv.distributed.executor import free_tcp_address
 
     worker = mp.get_context("spawn").Process(target=os._exit, args=(3,))
@@ -236,7 +236,7 @@ def test_ranks_started_by_torchrun_equal_tp1(tmp_path):
 
 def test_each_rank_finds_its_device(monkeypatch):
     """Spawned groups count from their first GPU (a DP replica's); torchrun's LOCAL_RANK wins under env://."""
-    from pagedkv.distributed import ParallelConfig
+    from pagedkv.distributed.parallel import ParallelConfig
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert ParallelConfig(2, 1, "tcp://127.0.0.1:1", "cuda", first_device=2).local_device == 3

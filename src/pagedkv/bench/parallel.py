@@ -214,9 +214,9 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
     evicts what one that sees half of them (prefix-aware) keeps.
     """
     from pagedkv.engine.config import EngineConfig
-    from pagedkv.engine.data_parallel import DataParallelEngine
+    from pagedkv.distributed.data_parallel import DataParallelEngine
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.router import RouterConfig
+    from pagedkv.distributed.router import RouterConfig
     from pagedkv.engine.sampling import SamplingParams
 
     rng = random.Random(0)

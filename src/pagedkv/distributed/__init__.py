@@ -1,13 +1,10 @@
-"""Beyond one GPU: tensor-parallel groups over torch.distributed and the worker loop of ranks > 0.
+"""Beyond one engine: tensor parallelism and data-parallel replicas.
 
-The data-parallel router lives in `pagedkv.engine.router`; replicas are whole engines.
+    parallel.py       a tensor-parallel group over torch.distributed (NCCL, gloo on CPU): collectives
+    executor.py       rank 0's handle on the group, and the loop of ranks > 0 (a model runner each)
+    data_parallel.py  N whole engines, one process each, behind the router
+    router.py         the routing policy (prefix-aware, least-loaded, round-robin): pure Python, shared
+                      by the data-parallel engine and `pagedkv sim --cluster`
+
+The package imports nothing heavy itself, so the pure-Python router can be used without torch.
 """
-
-from pagedkv.distributed.parallel import (
-    ParallelConfig,
-    TensorParallel,
-    all_reduce_mode_from_env,
-    launched_by_torchrun,
-)
-
-__all__ = ["ParallelConfig", "TensorParallel", "all_reduce_mode_from_env", "launched_by_torchrun"]

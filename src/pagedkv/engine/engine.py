@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine import startup
+from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import OutputProcessor, Request, chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import EngineStats, RequestOutput, StepTiming
@@ -172,8 +173,18 @@ class LLMEngine:
         self.scheduler.abort([s.seq_id for s in request.seqs])
         return True
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raise `RequestRejectedError` if such a request could never be served (reads only the frozen config)."""
+        self.scheduler.check_fits(num_prompt_tokens, max_tokens, n)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def queue_sizes(self) -> QueueSizes:
+        """Requests (not sequences) waiting, running and swapped out."""
+        scheduler = self.scheduler
+        return QueueSizes(*(len({seq.request_id for seq in queue})
+                            for queue in (scheduler.waiting, scheduler.running, scheduler.swapped)))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -329,6 +340,14 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.num_prefix_hit_tokens, num_prompt_tokens=processor.num_prompt_tokens,
             num_generated_tokens=processor.num_generated_tokens, num_steps=st.num_steps, busy_seconds=self._busy,
         )
+
+    def latest_stats(self) -> EngineStats:
+        """`stats()`: one engine's are always at hand."""
+        return self.stats()
+
+    def health(self) -> None:
+        """None: one engine has no replicas to report."""
+        return None
 
     def check_integrity(self) -> None:
         """Assert the scheduler's queues and blocks agree (tests call this)."""

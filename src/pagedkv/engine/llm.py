@@ -109,7 +109,7 @@ class LLM:
             if hf_model is not None:
                 raise ConfigError("data_parallel_size > 1 loads the model by name in every replica: pass the model "
                                   "name or path, not a loaded model object")
-            from pagedkv.engine.data_parallel import DataParallelEngine
+            from pagedkv.distributed.data_parallel import DataParallelEngine
 
             self.engine = DataParallelEngine(config, data_parallel_size, tokenizer=tokenizer)
         else:

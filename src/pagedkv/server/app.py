@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.client import EngineClient
 from pagedkv.hf.models import EMBEDDED_NAME
 from pagedkv.server import protocol, validate
 from pagedkv.server.async_engine import AsyncEngine
@@ -200,7 +200,7 @@ def _validation_error(error: RequestValidationError, content_type: str = "") -> 
     return APIError(400, f"Invalid value for '{'.'.join(loc)}': {first['msg']}.", param=field)
 
 
-def create_app(engine: LLMEngine, served_model_name: str = DEFAULT_SERVED_MODEL_NAME, api_key: str | None = None,
+def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MODEL_NAME, api_key: str | None = None,
                *, config: ServerConfig | None = None,
                on_engine_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine`. The engine thread runs for the app's lifespan.
@@ -286,7 +286,7 @@ def create_app(engine: LLMEngine, served_model_name: str = DEFAULT_SERVED_MODEL_
             return _error_response(503, error_body("the server is shutting down", "server_error",
                                                    code="shutting_down"))
         if async_engine.is_alive:
-            replicas = engine.health() if hasattr(engine, "health") else None  # data-parallel replicas
+            replicas = engine.health()  # data-parallel replicas (None for one engine)
             if replicas is None:
                 return JSONResponse({"status": "ok"})
             alive = sum(r["alive"] for r in replicas)

@@ -1,4 +1,4 @@
-"""The engine thread: one thread owns the `LLMEngine`; asyncio handlers reach it through queues.
+"""The engine thread: one thread owns the `EngineClient`; asyncio handlers reach it through queues.
 
     HTTP handlers (event loop thread)                  engine thread
     ─────────────────────────────────                  ─────────────
@@ -44,19 +44,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.client import EngineClient
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling import SamplingParams
-from pagedkv.errors import PagedKVError, StepFailedError
+from pagedkv.errors import EngineDeadError, PagedKVError, StepFailedError
 from pagedkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedkv.server")
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-class EngineDeadError(PagedKVError):
-    """The engine thread has stopped (its loop died, or the server is shutting down)."""
 
 
 class ShuttingDownError(EngineDeadError):
@@ -137,7 +133,7 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: Callable[[LLMEngine], object]
+    fn: Callable[[EngineClient], object]
     future: concurrent.futures.Future
 
 
@@ -145,12 +141,12 @@ _STOP = object()
 
 
 class AsyncEngine:
-    """Runs an `LLMEngine` on its own thread and streams its outputs to asyncio handlers.
+    """Runs an `EngineClient` on its own thread and streams its outputs to asyncio handlers.
 
     `on_dead(error)` is called on the engine thread once, if the loop dies (not on shutdown).
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None,
                  on_dead: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.metrics = metrics
@@ -226,7 +222,7 @@ class AsyncEngine:
         """Abort a request; the engine thread frees its blocks before its next step. Idempotent."""
         self._put(_Abort(request_id), raise_if_dead=False)
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[EngineClient], object]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread between steps (e.g. `stats`, `check_integrity`)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._put(_Call(fn, future))

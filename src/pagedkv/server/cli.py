@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
         from pagedkv.server.app import DEFAULT_SERVED_MODEL_NAME, create_app
 
         if args.data_parallel_size > 1:
-            from pagedkv.engine.data_parallel import DataParallelEngine
+            from pagedkv.distributed.data_parallel import DataParallelEngine
 
             engine = DataParallelEngine(config, args.data_parallel_size)
         else:

@@ -103,18 +103,17 @@ class ServerMetrics:
 
         The first call only records a baseline, so an engine that already ran offline starts at zero.
         """
-        # Data parallel: the replicas' pushed stats (asking each for fresh ones would wait on its step).
-        stats = engine.latest_stats() if hasattr(engine, "latest_stats") else engine.stats()
-        scheduler = engine.scheduler
-        for replica in engine.health() if hasattr(engine, "health") else ():  # data-parallel replicas, labelled
+        stats = engine.latest_stats()  # data parallel: the replicas' pushed stats (asking would wait on a step)
+        for replica in engine.health() or ():  # data-parallel replicas, labelled
             label = str(replica["replica"])
             self.replica_alive.labels(replica=label).set(1 if replica["alive"] else 0)
             self.replica_waiting.labels(replica=label).set(replica["waiting"])
             self.replica_running.labels(replica=label).set(replica["running"])
             self.replica_free_blocks.labels(replica=label).set(replica["free_blocks"])
-        self.num_requests_running.set(len({seq.request_id for seq in scheduler.running}))
-        self.num_requests_waiting.set(len({seq.request_id for seq in scheduler.waiting}))
-        self.num_requests_swapped.set(len({seq.request_id for seq in scheduler.swapped}))
+        queues = engine.queue_sizes()
+        self.num_requests_running.set(queues.num_running)
+        self.num_requests_waiting.set(queues.num_waiting)
+        self.num_requests_swapped.set(queues.num_swapped)
         self.kv_cache_used_blocks.set(stats.num_used_blocks)
         self.kv_cache_total_blocks.set(stats.num_blocks)
         self.kv_cache_usage.set(stats.num_used_blocks / stats.num_blocks)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.client import EngineClient
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError, SamplingParamsError
 from pagedkv.server.protocol import (
@@ -47,7 +47,7 @@ class Limits:
     ignore_unknown_fields: bool = False
 
 
-def prompt_chars_bound(engine: LLMEngine) -> int | None:
+def prompt_chars_bound(engine: EngineClient) -> int | None:
     """The most characters a prompt of max_model_len tokens can have, or None if it cannot be bounded.
 
     Each token covers at most as many characters as the longest vocabulary entry (byte-level
@@ -161,7 +161,7 @@ def _message_text(messages: list[ChatMessage]) -> list[str]:
 
 # ---------------------------------------------------------------------- tokenizing
 
-def _tokenize(engine: LLMEngine, prompt: str | list[int], param: str, limits: Limits) -> list[int]:
+def _tokenize(engine: EngineClient, prompt: str | list[int], param: str, limits: Limits) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, f"{param} is empty: at least one token is needed", param=param)
@@ -175,14 +175,14 @@ def _tokenize(engine: LLMEngine, prompt: str | list[int], param: str, limits: Li
     return token_ids
 
 
-def completion_prompts(engine: LLMEngine, prompt, limits: Limits) -> list[list[int]]:
+def completion_prompts(engine: EngineClient, prompt, limits: Limits) -> list[list[int]]:
     """Token ids of each prompt of a completion request (one prompt, or a batch)."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return [_tokenize(engine, prompt, "prompt", limits)]
     return [_tokenize(engine, item, f"prompt[{i}]", limits) for i, item in enumerate(prompt)]
 
 
-def _conversation(engine: LLMEngine, messages: list[ChatMessage], limits: Limits) -> list[dict]:
+def _conversation(engine: EngineClient, messages: list[ChatMessage], limits: Limits) -> list[dict]:
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it has no chat template: use /v1/completions "
                             "with token-id prompts", param="messages")
@@ -198,7 +198,7 @@ def _conversation(engine: LLMEngine, messages: list[ChatMessage], limits: Limits
     return conversation
 
 
-def chat_prompt(engine: LLMEngine, messages: list[ChatMessage], limits: Limits) -> list[int]:
+def chat_prompt(engine: EngineClient, messages: list[ChatMessage], limits: Limits) -> list[int]:
     """Token ids of a conversation with the generation prompt appended (the tokenizer's chat template)."""
     conversation = _conversation(engine, messages, limits)
     try:
@@ -213,7 +213,7 @@ def _sampling_fields() -> frozenset[str]:
     return frozenset(field.name for field in dataclasses.fields(SamplingParams))
 
 
-def _logit_bias(engine: LLMEngine, bias: dict[str, float]) -> dict[int, float]:
+def _logit_bias(engine: EngineClient, bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's `logit_bias` (token-id strings -> bias) with integer keys inside the vocabulary."""
     result = {}
     for key, value in bias.items():
@@ -227,7 +227,7 @@ def _logit_bias(engine: LLMEngine, bias: dict[str, float]) -> dict[int, float]:
     return result
 
 
-def sampling_params(engine: LLMEngine, body: SamplingFields, max_tokens: int | None,
+def sampling_params(engine: EngineClient, body: SamplingFields, max_tokens: int | None,
                     max_tokens_param: str) -> SamplingParams:
     """The request's `SamplingParams`; a 400 naming the wire field (`max_tokens_param` for max_tokens) if invalid."""
     options: dict = {"n": 1 if body.n is None else body.n, "ignore_eos": bool(body.ignore_eos),
@@ -267,26 +267,26 @@ def sampling_params(engine: LLMEngine, body: SamplingFields, max_tokens: int | N
         raise APIError(400, f"Invalid '{param}': {reason}", param=param) from None
 
 
-def check_fits(engine: LLMEngine, token_ids: list[int], params: SamplingParams, prompt_param: str,
+def check_fits(engine: EngineClient, token_ids: list[int], params: SamplingParams, prompt_param: str,
                max_tokens_param: str) -> None:
     """400 for a request that could never be served; the engine's message has the numbers.
 
     `param` names the prompt field when the prompt alone cannot fit, else the max-tokens field
     (`max_tokens_param`), the one the client should lower.
     """
-    # NOTE: check_fits only reads the scheduler's frozen config, so it is safe off the engine thread.
+    # NOTE: check_fits reads only the frozen config, so it is safe off the engine thread.
     try:
-        engine.scheduler.check_fits(len(token_ids), params.max_tokens)
+        engine.check_fits(len(token_ids), params.max_tokens)
     except RequestRejectedError as error:
         try:
-            engine.scheduler.check_fits(len(token_ids), 1)
+            engine.check_fits(len(token_ids), 1)
             param = max_tokens_param
         except RequestRejectedError:
             param = prompt_param
         raise APIError(400, f"This request can never be served: {error}.", param=param,
                        code="context_length_exceeded") from None
     try:
-        engine.scheduler.check_fits(len(token_ids), params.max_tokens, n=params.n)
+        engine.check_fits(len(token_ids), params.max_tokens, n=params.n)
     except RequestRejectedError as error:  # it fits alone, so n is what cannot
         raise APIError(400, f"Invalid 'n': {error}.", param="n") from None
 
@@ -299,7 +299,7 @@ def _common(body, limits: Limits) -> None:
     check_model(body.model, limits.served_model_name)
 
 
-def prepare_completion(engine: LLMEngine, body: CompletionRequest,
+def prepare_completion(engine: EngineClient, body: CompletionRequest,
                        limits: Limits) -> tuple[list[list[int]], SamplingParams]:
     """(token ids of each prompt, SamplingParams) of a completion request, or an `APIError`."""
     _common(body, limits)
@@ -312,7 +312,7 @@ def prepare_completion(engine: LLMEngine, body: CompletionRequest,
     return prompts, params
 
 
-def prepare_chat(engine: LLMEngine, body: ChatCompletionRequest, limits: Limits) -> tuple[list[int], SamplingParams]:
+def prepare_chat(engine: EngineClient, body: ChatCompletionRequest, limits: Limits) -> tuple[list[int], SamplingParams]:
     """(token ids of the templated conversation, SamplingParams) of a chat request, or an `APIError`."""
     _common(body, limits)
     check_supported(body)
@@ -329,7 +329,7 @@ def prepare_chat(engine: LLMEngine, body: ChatCompletionRequest, limits: Limits)
     return token_ids, params
 
 
-def prepare_tokenize(engine: LLMEngine, body: TokenizeRequest, limits: Limits) -> list[int]:
+def prepare_tokenize(engine: EngineClient, body: TokenizeRequest, limits: Limits) -> list[int]:
     """Token ids of /tokenize's prompt, or of its messages with the chat template applied."""
     _common(body, limits)
     if (body.prompt is None) == (body.messages is None):
@@ -350,7 +350,7 @@ def prepare_tokenize(engine: LLMEngine, body: TokenizeRequest, limits: Limits) -
     return list(engine.tokenizer(body.prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def prepare_detokenize(engine: LLMEngine, body: DetokenizeRequest, limits: Limits) -> str:
+def prepare_detokenize(engine: EngineClient, body: DetokenizeRequest, limits: Limits) -> str:
     """The text of /detokenize's token ids."""
     _common(body, limits)
     if engine.tokenizer is None:

@@ -2,13 +2,13 @@
 
 Each replica is the engine's own `Scheduler` (and through it the block manager and prefix
 cache), stepped as `pagedkv.sim.simulator` steps one: `fake_step` gives the step's shape and
-sampled tokens, the `CostModel` its duration. The router is `pagedkv.engine.router.Router`,
+sampled tokens, the `CostModel` its duration. The router is `pagedkv.distributed.router.Router`,
 reading the replicas through a `Replica` view (below).
 
 The router sees each replica one of two ways (`ClusterConfig.replica_view`):
 - `live`: `SchedulerReplica`, the scheduler's state as it is now, prefix cache included (an
   in-process server);
-- `published`: as `pagedkv.engine.data_parallel` shows a replica process to the router: its
+- `published`: as `pagedkv.distributed.data_parallel` shows a replica process to the router: its
   load as published at the end of its last step (requests routed since are not counted),
   and no cache queries (the router's memory of its decisions stands in);
 - `published+sent`: the same, plus the requests sent to the replica since its last step
@@ -45,7 +45,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 
 from pagedkv.core.prefix_cache import BlockHash
-from pagedkv.engine.router import Router, RouterConfig, SchedulerReplica
+from pagedkv.distributed.router import Router, RouterConfig, SchedulerReplica
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.errors import ConfigError, RequestRejectedError, require_positive_int
 from pagedkv.sim.chat_workload import ChatRequest, ChatWorkload, make_chat_requests

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedkv.engine.router import DEFAULT_BALANCE_THRESHOLD, RouterConfig, RoutingPolicy
+from pagedkv.distributed.router import DEFAULT_BALANCE_THRESHOLD, RouterConfig, RoutingPolicy
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.errors import InvalidArgumentError, require_positive_int
 from pagedkv.sim.chat_workload import ARRIVAL_PROCESSES, ChatWorkload

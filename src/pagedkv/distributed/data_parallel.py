@@ -8,7 +8,7 @@ another's GIL) that owns a full `LLMEngine` on its device:
     parent:  tokenize -> Router.route(prompt) -> replica i's pipe          step(): collect outputs
     replica: commands from the pipe -> engine.add_request / abort; engine.step(); outputs + load -> pipe
 
-Routing is `pagedkv.engine.router.Router`. A replica process reports its load (waiting and
+Routing is `pagedkv.distributed.router.Router`. A replica process reports its load (waiting and
 running requests, free blocks, and how many `add` commands it has consumed) in a shared array
 after every step and every command. The parent counts the requests it has sent, so a replica's
 waiting count is what it published plus what is still in its pipe: a burst of requests routed
@@ -31,10 +31,11 @@ import time
 from dataclasses import dataclass, field, replace
 from multiprocessing.reduction import ForkingPickler
 
+from pagedkv.distributed.router import Router, RouterConfig
+from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.router import Router, RouterConfig
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, PagedKVError, StepFailedError
 
@@ -221,36 +222,6 @@ class _Replica:
             self.inbox.append(message)
 
 
-@dataclass(frozen=True)
-class _Queued:
-    request_id: tuple
-
-
-class _SchedulerView:
-    """What the server reads of `engine.scheduler`: admission checks and queue sizes, summed over replicas."""
-
-    def __init__(self, engine: DataParallelEngine, scheduler):
-        self._engine = engine
-        self._scheduler = scheduler  # a bookkeeping-only Scheduler with the replicas' config
-        self.config = scheduler.config
-
-    def check_fits(self, *args, **kwargs) -> None:
-        self._scheduler.check_fits(*args, **kwargs)
-
-    # Queue sizes as lists of stand-ins with distinct request ids (what the server's gauges count).
-    @property
-    def waiting(self) -> list:
-        return [_Queued((i, k)) for i, r in enumerate(self._engine.replicas) for k in range(r.view.num_waiting)]
-
-    @property
-    def running(self) -> list:
-        return [_Queued((i, k)) for i, r in enumerate(self._engine.replicas) for k in range(r.view.num_running)]
-
-    @property
-    def swapped(self) -> list:
-        return []
-
-
 class DataParallelEngine:
     """`data_parallel_size` engine replicas behind one router (see the module docstring)."""
 
@@ -295,7 +266,7 @@ class DataParallelEngine:
         atexit.register(self.shutdown)
         self.router = Router([r.view for r in self.replicas], router_config)
         self.max_model_len = min(r.info["max_model_len"] for r in self.replicas)
-        self.scheduler = _SchedulerView(self, Scheduler(self.replicas[0].info["scheduler_config"]))
+        self._fits = Scheduler(self.replicas[0].info["scheduler_config"])  # bookkeeping only: admission checks
         self._request_replica: dict[str, int] = {}
         self._stream_outputs = True
         logger.info("data parallel: %d replicas on %s", len(self.replicas), ", ".join(devices))
@@ -339,7 +310,7 @@ class DataParallelEngine:
         if request_id in self._request_replica:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         _, token_ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(token_ids), params.max_tokens, params.n)
+        self.check_fits(len(token_ids), params.max_tokens, params.n)
         alive = [i for i, r in enumerate(self.replicas) if r.process.is_alive()]
         if not alive:
             raise EngineDeadError("every data-parallel replica has died")
@@ -365,8 +336,17 @@ class DataParallelEngine:
             replica.send(("abort", request_id))
         return True
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """`RequestRejectedError` if a request of this size fits no replica (all share one config)."""
+        self._fits.check_fits(num_prompt_tokens, max_tokens, n)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._request_replica)
+
+    def queue_sizes(self) -> QueueSizes:
+        """Requests waiting (including those sent but not yet taken) and running, summed over replicas."""
+        views = [replica.view for replica in self.replicas]
+        return QueueSizes(sum(v.num_waiting for v in views), sum(v.num_running for v in views), 0)
 
     @property
     def num_unfinished_requests(self) -> int:
