@@ -18,7 +18,7 @@ def test_kernel_bench_fp8_section(tmp_path, monkeypatch):
     assert kernel_main(["--smoke", "--kv-dtype", "fp8_e4m3", "--fp8-only", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "kernel_fp8.json").read_text())
     rows = result["fp8_decode"]
-    assert [row["schedule"] for row in rows] == ["split", "tiles (FP8 default)", "split, in-kernel merge", "stream-K"]
+    assert [row["schedule"] for row in rows] == ["split", "tiles (FP8 default)", "split, in-kernel merge"]
     split = rows[0]
     for row in rows:
         assert row["model_default_ms"] == split["model_ms"]  # every ratio is against the model dtype's default

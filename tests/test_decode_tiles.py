@@ -293,7 +293,7 @@ def test_tiles_max_waves_hands_big_batches_to_the_split_kernel(monkeypatch, tile
 
 
 @pytest.mark.parametrize("value, expected", [(None, "split tiles"), ("tiles", "tiles tiles"),
-                                             ("stream_k", "stream_k stream_k"),
+                                             ("split", "split split"),
                                              ("bogus", "PAGEDKV_DECODE_SCHEDULE must be one of")])
 def test_decode_schedule_environment_picks_the_default_launch(value, expected):
     """Calls without a `tuning` (the engine's) run split over model-dtype caches and tiles over FP8 ones;

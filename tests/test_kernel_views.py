@@ -65,8 +65,7 @@ def test_decode_reads_strided_tables_lengths_query_and_writes_strided_out(backen
         assert out._base[..., 1::2].isnan().all(), "wrote between the strided out's elements"
 
 
-@pytest.mark.parametrize("tuning", [DecodeTuning(schedule="stream_k", programs_per_sm=2, block_n=16),
-                                    DecodeTuning(merge="in_kernel", block_n=16)], ids=["stream_k", "in_kernel"])
+@pytest.mark.parametrize("tuning", [DecodeTuning(merge="in_kernel", block_n=16)], ids=["in_kernel"])
 def test_new_decode_schedules_read_strided_views(tuning):
     scenario = Scenario([1, 17, 40, 9], 8, 2, 64, torch.float32, seed=22)
     tables, lens = poisoned_views(scenario)

@@ -37,9 +37,8 @@ LLAMA3 = (32, 8, 128)
 #: (atol, rtol) against the float64 reference.
 TOLERANCES = {torch.bfloat16: (1.5e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
 LENGTHS = [1, 16, 17, 128, 129, 1000, 4095, 4096]
-#: The decode schedules (round 1's default, then round 2's).
-SCHEDULES = {"split": DecodeTuning(), "in_kernel": DecodeTuning(merge="in_kernel"),
-             "stream_k": DecodeTuning(schedule="stream_k")}
+#: The decode schedules: the default split with a merge launch, and the in-kernel merge.
+SCHEDULES = {"split": DecodeTuning(), "in_kernel": DecodeTuning(merge="in_kernel")}
 #: Engine models' attention: Qwen3-0.6B, SmolLM2-135M, GPT-2 as (q heads, kv heads, head_dim).
 ENGINE_HEADS = [(16, 8, 128), (9, 3, 64), (12, 12, 64)]
 
@@ -283,9 +282,9 @@ def test_decode_is_cuda_graph_capturable():
     assert_matches(out, expected, torch.bfloat16)
 
 
-# --------------------------------------------------------------------------- round 2: decode schedules
+# --------------------------------------------------------------------------- decode schedules
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+@pytest.mark.parametrize("schedule", ["in_kernel"])
 def test_new_decode_schedules_llama3(schedule, block_size):
     num_heads, num_kv_heads, head_dim = LLAMA3
     scenario = GpuScenario(LENGTHS + [0], block_size, num_kv_heads, head_dim, torch.bfloat16, seed=20)
@@ -300,7 +299,7 @@ def test_new_decode_schedules_llama3(schedule, block_size):
         workspace.check_integrity()
 
 
-@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+@pytest.mark.parametrize("schedule", ["in_kernel"])
 @pytest.mark.parametrize("heads", ENGINE_HEADS + [(28, 4, 128)], ids=["qwen3", "smollm2", "gpt2", "gqa7"])
 def test_new_decode_schedules_engine_heads(schedule, heads):
     num_heads, num_kv_heads, head_dim = heads
@@ -311,7 +310,7 @@ def test_new_decode_schedules_engine_heads(schedule, heads):
                                           tuning=SCHEDULES[schedule]), expected, torch.bfloat16)
 
 
-@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+@pytest.mark.parametrize("schedule", ["in_kernel"])
 def test_new_decode_schedules_long_single_sequence(schedule):
     num_heads, num_kv_heads, head_dim = LLAMA3
     scenario = GpuScenario([32768], 16, num_kv_heads, head_dim, torch.bfloat16, seed=22)
@@ -322,7 +321,7 @@ def test_new_decode_schedules_long_single_sequence(schedule):
     assert_matches(out, expected, torch.bfloat16)
 
 
-@pytest.mark.parametrize("schedule", ["in_kernel", "stream_k"])
+@pytest.mark.parametrize("schedule", ["in_kernel"])
 @pytest.mark.parametrize("sliding_window, soft_cap", [(256, None), (None, 30.0), (1000, 50.0), (1, None)])
 def test_new_decode_schedules_window_and_soft_cap(schedule, sliding_window, soft_cap):
     scenario = GpuScenario(LENGTHS, 16, 8, 128, torch.bfloat16, seed=23)

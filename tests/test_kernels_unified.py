@@ -1,11 +1,10 @@
-"""Round-2 kernels on CPU against the float64 reference: the unified mixed-step kernel and the new decode schedules.
+"""The unified mixed-step kernel and the in-kernel merge decode on CPU against the float64 reference.
 
 - `paged_attention` (one launch for decode rows and prefill chunks): decode-only, prefill-only
   and mixed batches, GQA ratios 1-4, head dims 64/128, pages of 8/16/32, windows, soft caps,
   empty chunks and sequences, 64-bit offsets, and the query-tile -> sequence search.
-- `DecodeTuning(merge="in_kernel")` and `DecodeTuning(schedule="stream_k")`: the same answers
-  as the reference whatever the cut between programs, with every arrival counter back at
-  zero afterwards (what lets a CUDA graph replay them).
+- `DecodeTuning(merge="in_kernel")`: the same answers as the reference and as the merge
+  launch, with every arrival counter back at zero afterwards (what lets a CUDA graph replay them).
 
 Shapes are small because the interpreter runs every program in Python.
 """
@@ -49,7 +48,6 @@ BATCHES = {
 }
 #: Small tiles so that the interpreter's few programs still cross tile, page and chunk edges.
 SMALL = UnifiedTuning(block_m=16, block_n=16)
-STREAM_K = DecodeTuning(schedule="stream_k", block_n=16)
 IN_KERNEL = DecodeTuning(merge="in_kernel", block_n=16)
 
 
@@ -77,7 +75,7 @@ def test_unified_matches_reference(case, batch, backend):
     assert_matches(out, expected, case[0])
 
 
-@pytest.mark.parametrize("decode", [DecodeTuning(), STREAM_K, IN_KERNEL], ids=["split", "stream_k", "in_kernel"])
+@pytest.mark.parametrize("decode", [DecodeTuning(), IN_KERNEL], ids=["split", "in_kernel"])
 @pytest.mark.parametrize("route", [True, False])
 def test_decode_only_batches_route_or_not(route, decode):
     """One-token rows go to the decode kernel (any schedule) or through the unified kernel: same answer."""
@@ -133,25 +131,6 @@ def test_unified_metadata_checks():
 
 
 # --------------------------------------------------------------------------- decode schedules
-@pytest.mark.parametrize("programs_per_sm", [1, 2, 5, 40])
-def test_stream_k_cuts_anywhere(programs_per_sm):
-    """4 to 160 programs over 2 + 4 + 1 + 7 + 3 tiles per kv head: items cut once, many times, or never.
-
-    Lengths 0 and 1 give one-tile items; 100 tokens spread over up to 7 programs per item.
-    """
-    tuning = DecodeTuning(schedule="stream_k", block_n=16, programs_per_sm=programs_per_sm)
-    scenario = Scenario([30, 64, 0, 100, 1, 40], 16, 2, 64, torch.float32, seed=8)
-    query = scenario.query(6, 6)
-    args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
-    workspace = KernelWorkspace(64, "cpu")
-    expected = reference_decode_attention(*args, scale=0.125, float64=True)
-    for _ in range(2):  # the second call finds the counters the first one left: all zero
-        out = paged_decode_attention(*args, scale=0.125, max_seq_len=100, backend="triton", tuning=tuning,
-                                     workspace=workspace)
-        assert_matches(out, expected, torch.float32)
-        workspace.check_integrity()
-
-
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_in_kernel_merge_equals_merge_launch(num_splits):
     scenario = Scenario([300, 17, 0, 64, 1], 16, 2, 64, torch.float32, seed=9)
@@ -167,9 +146,9 @@ def test_in_kernel_merge_equals_merge_launch(num_splits):
     workspace.check_integrity()
 
 
-@pytest.mark.parametrize("tuning", [STREAM_K, IN_KERNEL], ids=["stream_k", "in_kernel"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_new_decode_schedules_match_reference(case, tuning):
+def test_in_kernel_merge_matches_reference(case):
+    tuning = IN_KERNEL
     dtype, (num_q_heads, num_kv_heads), head_dim, block_size = case
     seq_lens = [1, block_size, block_size + 1, 2 * block_size + 5, 3 * block_size]
     scenario = Scenario(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=10)
@@ -181,9 +160,9 @@ def test_new_decode_schedules_match_reference(case, tuning):
     assert_matches(out, expected, dtype)
 
 
-@pytest.mark.parametrize("tuning", [STREAM_K, IN_KERNEL], ids=["stream_k", "in_kernel"])
 @pytest.mark.parametrize("sliding_window, soft_cap", [(5, None), (None, 2.0), (16, 5.0), (1, None)])
-def test_new_decode_schedules_window_and_soft_cap(tuning, sliding_window, soft_cap):
+def test_in_kernel_merge_window_and_soft_cap(sliding_window, soft_cap):
+    tuning = IN_KERNEL
     scenario = Scenario([1, 8, 9, 50], 8, 2, 64, torch.float32, seed=11)
     query = scenario.query(4, 6) * 3
     args = (query, scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
@@ -197,13 +176,13 @@ def test_workspace_capacity_is_checked():
     scenario = Scenario([20, 3], 8, 2, 64, torch.float32, seed=12)
     args = (scenario.query(2, 4), scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
     with pytest.raises(KernelInputError, match="max_items = 3"):
-        paged_decode_attention(*args, scale=0.1, backend="triton", tuning=STREAM_K,
+        paged_decode_attention(*args, scale=0.1, backend="triton", tuning=IN_KERNEL,
                                workspace=KernelWorkspace(3, "cpu"))
 
 
 # --------------------------------------------------------------------------- 64-bit addressing
 def test_new_kernels_address_past_2_to_the_31():
-    """Block ids whose element offset passes 2**31: the unified and stream-K kernels read the right slots.
+    """Block ids whose element offset passes 2**31: the unified and in-kernel-merge decode kernels read the right slots.
 
     As in test_kernels.py, `torch.empty` maps the pool without touching it, so only the written
     pages become resident.
@@ -225,5 +204,5 @@ def test_new_kernels_address_past_2_to_the_31():
     expected = reference_paged_attention(query, *kv, cu, scale=0.125, float64=True)
     assert_matches(paged_attention(query, *kv, cu, scale=0.125, max_seqlen_q=seq_len, backend="triton",
                                    tuning=SMALL), expected, torch.float16)
-    assert_matches(paged_decode_attention(query[-1:], *kv, scale=0.125, backend="triton", tuning=STREAM_K),
+    assert_matches(paged_decode_attention(query[-1:], *kv, scale=0.125, backend="triton", tuning=IN_KERNEL),
                    expected[-1:], torch.float16)

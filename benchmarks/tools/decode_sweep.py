@@ -8,7 +8,7 @@ fastest per case, and by how much, before anything is switched on:
               shapes (Qwen3-0.6B 16/8 d128, SmolLM2 9/3 d64, GPT-2 12/12 d64) at 1 x 2048,
               32 x 1024 and 1 x 8192
     rivals    production (`paged_decode_attention` with the default tuning), the in-kernel
-              merge and stream-K schedules, contiguous SDPA on the same K/V, and a device copy
+              merge, contiguous SDPA on the same K/V, and a device copy
               whose bytes read + written equal the K/V bytes
     configs   tiles tunings x programs-per-SM targets (`LLAMA_CONFIGS`, `ENGINE_CONFIGS`)
 
@@ -105,8 +105,8 @@ ENGINE_CONFIGS = [
     ("gather h4 n32 w4 s3", {"heads_per_program": 4, "block_n": 32}),
 ]
 ENGINE_PER_SM = (2, 4, 8)
-#: The other small-work schedules, timed beside production (rotated only) for context.
-OTHER_SCHEDULES = {"split, in-kernel merge": {"merge": "in_kernel"}, "stream-K": {"schedule": "stream_k"}}
+#: The other small-work schedule, timed beside production (rotated only) for context.
+OTHER_SCHEDULES = {"split, in-kernel merge": {"merge": "in_kernel"}}
 
 
 def programs_per_sm_for(batch: int, seq_len: int, residency: int, quick: bool) -> list[int]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from pagedkv.errors import PagedKVError
-# NOTE: re-exported until bench/parallel.py and sim/cluster_cli.py import them from pagedkv.results.
-from pagedkv.results import add_out_argument, provenance, write_json  # noqa: F401
 
 
 class GPURequiredError(PagedKVError):

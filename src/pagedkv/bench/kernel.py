@@ -350,15 +350,6 @@ def decode_variant_tunings() -> dict:
     # deadline cuts the tail of this list's last shapes.
     return {
         "default": DecodeTuning(),
-        # Resident stream-K programs per SM (sm_90, `pagedkv.kernels.offline_compile`): 3 at the default
-        # (153 registers), 3 at stages=2, 4 at block_n=32, 2 at block_n=128 with 8 warps.
-        "stream-K": DecodeTuning(schedule="stream_k"),
-        "stream-K 2/SM": DecodeTuning(schedule="stream_k", programs_per_sm=2),
-        "stream-K 4/SM (a second wave)": DecodeTuning(schedule="stream_k", programs_per_sm=4),
-        "stream-K stages=2": DecodeTuning(schedule="stream_k", num_stages=2),
-        "stream-K block_n=32 4/SM": DecodeTuning(schedule="stream_k", block_n=32, programs_per_sm=4),
-        "stream-K block_n=128 w8 2/SM": DecodeTuning(schedule="stream_k", block_n=128, num_warps=8,
-                                                     programs_per_sm=2),
         "in-kernel merge": DecodeTuning(merge="in_kernel"),
         "in-kernel merge, waves=2": DecodeTuning(merge="in_kernel", target_waves=2),
         "in-kernel merge, min_split=512": DecodeTuning(merge="in_kernel", min_split_tokens=512),
@@ -414,7 +405,7 @@ def variants(device, dtype, backend: str, smoke: bool, deadline: float, invalid:
     decode_tunings = decode_variant_tunings()
     shapes = [(1, 32768, 16), (8, 4096, 16), (64, 512, 16), (256, 512, 16), (64, 4096, 16)]
     if smoke:
-        decode_tunings = {name: decode_tunings[name] for name in ("default", "in-kernel merge", "stream-K")}
+        decode_tunings = {name: decode_tunings[name] for name in ("default", "in-kernel merge", "min_split=512")}
         shapes = [(4, 128, 16)]
     decode_rows = []
     for batch, seq_len, page in shapes:

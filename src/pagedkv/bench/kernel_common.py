@@ -22,7 +22,6 @@ def decode_contenders():
     return {
         "split": DecodeTuning(),
         "split, in-kernel merge": DecodeTuning(merge="in_kernel"),
-        "stream-K": DecodeTuning(schedule="stream_k"),
     }
 
 

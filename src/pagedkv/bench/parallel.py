@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.bench.common import add_out_argument, provenance, require_cuda
+from pagedkv.bench.common import require_cuda
 from pagedkv.bench.engine import nano_vllm_workload
 from pagedkv.cli import ArgumentParser
+from pagedkv.results import add_out_argument, provenance
 
 DTYPE = "bfloat16"
 MAX_MODEL_LEN = 4096

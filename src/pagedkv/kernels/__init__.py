@@ -3,7 +3,7 @@
 - `KVPool`: every layer's `[num_blocks, block_size, num_kv_heads, head_dim]` K and V caches.
 - `write_kv`: scatter new tokens' K/V into their slots.
 - `paged_decode_attention`: one query per sequence; GQA-grouped, split-KV (flash-decoding),
-  or stream-K over persistent programs (`DecodeTuning(schedule="stream_k")`).
+  or the tiles schedule (`DecodeTuning(schedule="tiles")`).
 - `paged_prefill_attention`: causal varlen attention over a cached prefix plus the new chunk.
 - `paged_attention`: a mixed step (decode rows and prefill chunks) in one launch.
 - `paged_decode_write_attention`: a decode step's K/V write and attention in one launch.

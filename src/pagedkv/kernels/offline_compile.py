@@ -1,7 +1,7 @@
 """Compile the Triton kernels for a GPU on a machine without one: compile errors and resource use, before the GPU run.
 
 The interpreter (TRITON_INTERPRET=1) checks what a kernel computes but never compiles it,
-so a kernel can pass every CPU test and still fail on the GPU: an early stream-K loop did,
+so a kernel can pass every CPU test and still fail on the GPU: a persistent decode loop once did,
 crashing Triton 3.6's software pipeliner. Triton compiles through ptxas without a device,
 so this module swaps in a stand-in driver that names an sm_90 target, runs each launcher
 with CPU tensors (launches become compile-only `warmup`s), and reads every cubin's resource
@@ -143,17 +143,12 @@ def _cases():
         return lambda: write_kv(key, key, k_cache, k_cache.clone(), torch.arange(4), validate=False, backend="triton")
 
     llama, masked = (32, 8, 128), {"sliding_window": 100, "soft_cap": 30.0}
-    stream_k = DecodeTuning(schedule="stream_k")
     return [
         ("decode split llama3", decode(llama, DecodeTuning()), {"head_dim": 128, "masked": False}),
         ("decode in-kernel merge llama3", decode(llama, DecodeTuning(merge="in_kernel")),
          {"head_dim": 128, "masked": False}),
-        ("decode stream-K llama3", decode(llama, stream_k), {"head_dim": 128, "masked": False}),
-        ("decode stream-K llama3 window+cap", decode(llama, stream_k, **masked), {"head_dim": 128, "masked": True}),
-        ("decode stream-K smollm2", decode((9, 3, 64), stream_k), {"head_dim": 64, "masked": False}),
-        ("decode stream-K gpt2", decode((12, 12, 64), stream_k), {"head_dim": 64, "masked": False}),
-        ("decode stream-K d96 window+cap", decode((8, 2, 96), stream_k, **masked), {"head_dim": 96, "masked": True}),
-        ("decode stream-K d256", decode((8, 2, 256), stream_k), {"head_dim": 256, "masked": False}),
+        ("decode split llama3 window+cap", decode(llama, DecodeTuning(), **masked), {"head_dim": 128, "masked": True}),
+        ("decode split d256", decode((8, 2, 256), DecodeTuning()), {"head_dim": 256, "masked": False}),
         ("decode+write gpt2 fp16", decode_write((12, 12, 64), 1, torch.float16), {"head_dim": 64, "masked": False}),
         ("decode+write split llama3", decode_write(llama, 4), {"head_dim": 128, "masked": False}),
         ("prefill llama3", varlen(paged_prefill_attention, llama, None), {}),

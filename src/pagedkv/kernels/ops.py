@@ -186,15 +186,6 @@ def _triton_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale, 
     capacity = block_tables.shape[1] * k_cache.shape[1]
     span = min(max_seq_len if max_seq_len is not None else capacity, capacity, sliding_window or capacity)
     out = torch.empty_like(query) if out is None else out
-    if tuning.schedule == "stream_k":
-        from pagedkv.kernels.triton_stream_k import MAX_STREAM_K_SEQS, triton_stream_k_decode
-
-        if num_seqs <= MAX_STREAM_K_SEQS:
-            return triton_stream_k_decode(query, k_cache, v_cache, block_tables, seq_lens, out, scale=scale,
-                                          max_seq_len=span, sliding_window=sliding_window, soft_cap=soft_cap,
-                                          tuning=tuning, sm_count=num_sms(query.device),
-                                          counters=_counters(workspace, num_seqs * num_kv_heads),
-                                          k_scale=k_scale, v_scale=v_scale)
     if tuning.schedule == "tiles" and not tuning.runs_tiles(num_seqs * num_kv_heads, num_sms(query.device)):
         tuning = _SPLIT_DECODE  # a big batch: the split kernel is at copy speed there
     if tuning.schedule == "tiles":
@@ -394,7 +385,7 @@ def paged_decode_write_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 #: The decode launch when the caller passes no `tuning`: the split schedule over model-dtype caches, the tiles
 #: schedule over FP8 caches (H200: 0.70x bf16's time at B=64 x 4096 against split's 0.77x, and
-#: 26,805 against 24,030 tok/s on nano-vllm's engine workload). PAGEDKV_DECODE_SCHEDULE=split|stream_k|tiles
+#: 26,805 against 24,030 tok/s on nano-vllm's engine workload). PAGEDKV_DECODE_SCHEDULE=split|tiles
 #: sets one schedule for both (the engine and the HF attention function take these defaults; read on import); an
 #: unknown name raises ConfigError on import, naming the variable, the value and the choices.
 _SCHEDULE = env_choice("PAGEDKV_DECODE_SCHEDULE", DECODE_SCHEDULES)

@@ -14,18 +14,14 @@ merges by log-sum-exp:
 The count comes from host-side ints only (batch, kv heads, the caller's `max_seq_len`, the
 SM count), never from a device read, so a decode step can be captured in a CUDA graph.
 
-Two schedules serve small work (few sequences, or short ones), where per-program
-start-up and the merge launch, not bandwidth, set the time (`DecodeTuning.schedule`/`merge`):
+Small work (few sequences, or short ones) is where per-program start-up and the merge
+launch, not bandwidth, set the time; the split partials merge one of two ways (`DecodeTuning.merge`):
 
-    split + merge="launch"      the grid above, then a merge kernel (the default)
-    split + merge="in_kernel"   the same grid; the last split program of each (sequence, kv
-                                head) to finish merges, counted by an atomic counter
-    stream_k                    programs_per_sm * num_sms persistent programs share one flat
-                                stream of (sequence, kv head, tile) work evenly, whatever the
-                                lengths; an item cut between programs is merged by the last
-                                of them to finish (see `triton_stream_k`)
+    merge="launch"      the grid above, then a merge kernel (the default)
+    merge="in_kernel"   the same grid; the last split program of each (sequence, kv
+                        head) to finish merges, counted by an atomic counter
 
-A third, `schedule="tiles"` (`triton_decode_tiles`), reads the block table
+A second schedule, `schedule="tiles"` (`triton_decode_tiles`), reads the block table
 ahead of the K/V loop, `heads_per_program` kv heads per program, and a split plan that
 rounds down to one wave of `programs_per_sm * num_sms` programs (`tiles_plan`).
 """
@@ -40,7 +36,7 @@ import torch
 from pagedkv.errors import InvalidArgumentError, require_positive_int
 
 
-DECODE_SCHEDULES = ("split", "stream_k", "tiles")
+DECODE_SCHEDULES = ("split", "tiles")
 DECODE_MERGES = ("launch", "in_kernel")
 #: How the tiles schedule finds a tile's block ids: a table load per tile ("inline", the split kernel's way),
 #: or from a chunk of the table read ahead of the loop via `tl.gather` ("gather") or a one-hot select ("select").
@@ -63,10 +59,9 @@ class DecodeTuning:
     max_splits: int = 128
     dot_min_group: int = 1  # from this group size on, tl.dot (M padded to 16); below it a multiply-sum
     # (the multiply-sum ran at 0.4 TB/s on the H200 against 3.8-4.2 for tl.dot, so MHA uses tl.dot too)
-    schedule: str = "split"  # "split" (grid seq x kv head x split), "stream_k" (persistent) or "tiles"
+    schedule: str = "split"  # "split" (grid seq x kv head x split) or "tiles"
     merge: str = "launch"  # split partials merged by a second "launch" or "in_kernel" by the last arrival
-    programs_per_sm: int | None = None  # stream_k: programs per SM, None: what fits (`stream_k_programs_per_sm`);
-    # tiles: the split plan's programs per SM, None: TILES_PROGRAMS_PER_SM
+    programs_per_sm: int | None = None  # tiles: the split plan's programs per SM, None: TILES_PROGRAMS_PER_SM
     heads_per_program: int = 1  # tiles: kv heads one program reads (narrowed to a power-of-2 divisor of Hkv)
     table: str = "gather"  # tiles: how a tile finds its block ids (DECODE_TABLES)
     table_chunk: int = 64  # tiles: block-table entries read ahead per outer step (a power of 2)
@@ -123,21 +118,6 @@ class DecodeTuning:
         if fp8 and self.block_n is None and self.fp8_num_warps is not None:
             return self.fp8_num_warps
         return self.num_warps
-
-    def stream_k_programs_per_sm(self, head_dim: int, masked: bool) -> int:
-        """Stream-K programs resident per SM: the grid must fit in one wave, or half of it waits a whole program.
-
-        From the kernel's registers on sm_90 (Triton 3.6, 4 warps, `python -m
-        pagedkv.kernels.offline_compile`): 111-126 at head_dim 64 (4 fit in 64 K registers),
-        147-158 at 80-128 (3 fit), up to 188 with a window or soft cap at 80-128 (2 fit at
-        worst) and 231 at 256 (2 fit). Shared memory (23-57 KiB) never binds first.
-        """
-        if self.programs_per_sm is not None:
-            return self.programs_per_sm
-        if head_dim <= 64:
-            return 4
-        return 3 if head_dim <= 128 and not masked else 2
-
 
     def runs_tiles(self, num_items: int, sm_count: int) -> bool:
         """Whether a batch of `num_items` (sequence x kv head) items runs the tiles schedule."""

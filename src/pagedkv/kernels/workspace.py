@@ -1,7 +1,7 @@
 """Scratch that split-KV kernels keep between calls: arrival counters that reset themselves.
 
-The kernels that merge split partials inside the launch (`DecodeTuning(merge="in_kernel")`,
-`schedule="stream_k"`) count each (sequence, kv head)'s finished parts on an int32 counter,
+The kernels that merge split partials inside the launch (`DecodeTuning(merge="in_kernel")`)
+count each (sequence, kv head)'s finished parts on an int32 counter,
 and the last part to arrive stores 0 back (see `triton_common`). A counter buffer zeroed
 once therefore stays zero after every call: a decode step needs no memset launch, and a
 CUDA graph that captured the step replays it as is.

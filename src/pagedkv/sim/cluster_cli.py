@@ -242,7 +242,7 @@ def _run_with_progress(tasks: list[ClusterTask], pairs: list[tuple[str, str]], a
 
 def run_cluster(args: argparse.Namespace, cost_model: CostModel) -> int:
     """`pagedkv sim --cluster` (see the module docstring)."""
-    from pagedkv.bench.common import provenance, write_json
+    from pagedkv.results import provenance, write_json
 
     arrivals = _choices(args.arrival, ARRIVAL_PROCESSES, "--arrival", "both")
     policies = _choices(args.policy, ALL_POLICIES, "--policy", "all")
