@@ -15,7 +15,8 @@ from helpers import tiny
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ConfigError
 from pagedkv.hf import PagedCache, PagePool
-from pagedkv.hf.kv_scales import calibrate_kv_scales, calibration_token_ids, checkpoint_kv_scales
+from pagedkv.hf.cache import calibrate_kv_scales
+from pagedkv.hf.kv_scales import calibration_token_ids, checkpoint_kv_scales
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

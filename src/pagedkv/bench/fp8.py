@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench fp8") -> int:
         print(f"{kv_cache_dtype:<10} {row['scales']:<20} perplexity {ppl:.4f}{increase}  [{row['seconds']:.0f} s]",
               flush=True)
     if not args.no_simulated and "fp8_e4m3" in kv_dtypes:
-        from pagedkv.hf.kv_scales import kv_scales_for
+        from pagedkv.hf.cache import kv_scales_for
 
         tick = time.perf_counter()
         ppl = simulated_perplexity(model, kv_scales_for(model, torch.float8_e4m3fn, tokenizer=tokenizer),

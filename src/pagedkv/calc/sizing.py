@@ -27,21 +27,18 @@ from typing import Any, NamedTuple
 
 from pagedkv.core import ModelSpec, num_blocks_for
 from pagedkv.errors import ConfigError, InvalidArgumentError, require_positive_int
-
-#: Config names of one quantity, first match wins (vLLM's and transformers' aliases).
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
-KV_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
-HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
-MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-#: dtype name in a config -> bytes per element.
-DTYPE_BYTES = {
-    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-    "float32": 4, "float": 4, "fp32": 4,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
-}
-DEFAULT_DTYPE_BYTES = 2
+from pagedkv.models.config import (
+    DEFAULT_DTYPE_BYTES,
+    DTYPE_BYTES,
+    HEAD_KEYS,
+    LAYER_KEYS,
+    MAX_POSITION_KEYS,
+    attention_shape,
+    optional_int,
+    positive_int,
+    required_int,
+    text_part,
+)
 
 #: Gemma-style alternation when the config does not spell out layer_types: every
 #: `pattern`-th layer is full attention, the others slide.
@@ -158,34 +155,6 @@ def custom_sizing(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes
 
 
 # ---------------------------------------------------------------------- config reading
-def _field_value(config: Mapping[str, Any], keys: Sequence[str]) -> tuple[str, Any]:
-    """(key, value) of the first key present with a non-null value, else (keys[0], None)."""
-    for key in keys:
-        if config.get(key) is not None:
-            return key, config[key]
-    return keys[0], None
-
-
-def _positive_int(value: Any, field_name: str, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{source}: {field_name} must be a positive int, got {value!r}")
-    return value
-
-
-def _optional_int(config: Mapping[str, Any], keys: Sequence[str], prefix: str, source: str) -> int | None:
-    key, value = _field_value(config, keys)
-    return None if value is None else _positive_int(value, prefix + key, source)
-
-
-def _required_int(config: Mapping[str, Any], keys: Sequence[str], prefix: str, source: str,
-                  why: str = "") -> int:
-    key, value = _field_value(config, keys)
-    if value is None:
-        aliases = f" (looked for {', '.join(keys)})" if len(keys) > 1 else ""
-        raise ConfigError(f"{source}: missing {prefix}{keys[0]}{aliases}{why}")
-    return _positive_int(value, prefix + key, source)
-
-
 def _dtype_bytes(text: Mapping[str, Any], outer: Mapping[str, Any], source: str,
                  notes: list[str]) -> int:
     """Bytes per element from `dtype` / `torch_dtype` (text config first, then the outer config)."""
@@ -229,11 +198,11 @@ def _sliding_layers(text: Mapping[str, Any], num_layers: int, prefix: str, sourc
         if not text["use_sliding_window"]:
             return [False] * num_layers
         num_full = text.get("max_window_layers")
-        num_full = 0 if num_full is None else _positive_int(num_full, prefix + "max_window_layers", source)
+        num_full = 0 if num_full is None else positive_int(num_full, prefix + "max_window_layers", source)
         return [i >= num_full for i in range(num_layers)]
     pattern = text.get("sliding_window_pattern", GEMMA_SLIDING_PATTERNS.get(text.get("model_type")))
     if pattern is not None:
-        pattern = _positive_int(pattern, prefix + "sliding_window_pattern", source)
+        pattern = positive_int(pattern, prefix + "sliding_window_pattern", source)
         return [(i + 1) % pattern != 0 for i in range(num_layers)]
     return [True] * num_layers
 
@@ -249,30 +218,29 @@ def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, d
     if not isinstance(config, Mapping):
         raise ConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
     notes: list[str] = []
-    text, prefix = config, ""
-    if isinstance(config.get("text_config"), Mapping):
-        text, prefix = config["text_config"], "text_config."
+    text, prefix = text_part(config)
+    if prefix:
         notes.append("multimodal config: sized the language model from text_config "
                      "(the vision encoder keeps no KV cache)")
-    num_layers = _required_int(text, LAYER_KEYS, prefix, source)
-    num_heads = _optional_int(text, HEAD_KEYS, prefix, source)
+    num_layers = required_int(text, LAYER_KEYS, prefix, source)
+    num_heads = optional_int(text, HEAD_KEYS, prefix, source)
     if dtype_bytes is None:
         dtype_bytes = _dtype_bytes(text, config, source, notes)
     else:
         require_positive_int("dtype_bytes", dtype_bytes)
         notes.append(f"{dtype_origin} gives {dtype_bytes} B per KV value (the config's dtype is not used for "
                      "the cache)")
-    max_positions = _optional_int(text, MAX_POSITION_KEYS, prefix, source)
+    max_positions = optional_int(text, MAX_POSITION_KEYS, prefix, source)
     name = name or str(config.get("_name_or_path") or text.get("model_type") or config.get("model_type") or source)
 
-    kv_lora_rank = _optional_int(text, ("kv_lora_rank",), prefix, source)
+    kv_lora_rank = optional_int(text, ("kv_lora_rank",), prefix, source)
     if kv_lora_rank is not None:
-        rope_dim = _required_int(text, ("qk_rope_head_dim",), prefix, source, why=" (an MLA config has kv_lora_rank)")
+        rope_dim = required_int(text, ("qk_rope_head_dim",), prefix, source, why=" (an MLA config has kv_lora_rank)")
         latent_dim = kv_lora_rank + rope_dim
         note = (f"MLA: each layer caches one latent of kv_lora_rank + qk_rope_head_dim = {kv_lora_rank} + "
                 f"{rope_dim} = {latent_dim} values per token, shared by every head, instead of K and V")
-        nope_dim = _optional_int(text, ("qk_nope_head_dim",), prefix, source)
-        v_dim = _optional_int(text, ("v_head_dim",), prefix, source)
+        nope_dim = optional_int(text, ("qk_nope_head_dim",), prefix, source)
+        v_dim = optional_int(text, ("v_head_dim",), prefix, source)
         if num_heads and nope_dim and v_dim:
             full_dim = num_heads * (nope_dim + rope_dim + v_dim)
             note += (f"; a plain cache of per-head K and V would hold {num_heads} * ({nope_dim} + {rope_dim} + "
@@ -282,34 +250,15 @@ def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, d
                         dtype_bytes=dtype_bytes, is_mla=True, max_position_embeddings=max_positions,
                         notes=tuple(notes))
 
-    def heads() -> int:
-        return _required_int(text, HEAD_KEYS, prefix, source)
-
-    head_dim = _optional_int(text, ("head_dim",), prefix, source)
-    if head_dim is None:
-        hidden_size = _required_int(text, HIDDEN_KEYS, prefix, source, why=" (needed because head_dim is not set)")
-        if hidden_size % heads():
-            raise ConfigError(f"{source}: {prefix}hidden_size {hidden_size} is not divisible by "
-                              f"num_attention_heads {heads()}, and head_dim is not set")
-        head_dim = hidden_size // heads()
-        notes.append(f"head_dim not set: hidden_size // num_attention_heads = {hidden_size} // {heads()} = {head_dim}")
-
-    is_new_falcon = text.get("model_type") in ("falcon", "RefinedWeb", "RefinedWebModel") \
-        and text.get("new_decoder_architecture")
-    if text.get("multi_query") and not is_new_falcon:
-        num_kv_heads = 1
-        notes.append("multi_query: one KV head shared by all query heads (MQA)")
-    else:
-        num_kv_heads = _optional_int(text, KV_HEAD_KEYS, prefix, source)
-        if num_kv_heads is None:
-            num_kv_heads = heads()
-            notes.append(f"num_key_value_heads not set: MHA, one KV head per attention head ({num_kv_heads})")
+    shape = attention_shape(config, source)
+    notes.extend(shape.notes)
+    head_dim, num_kv_heads = shape.head_dim, shape.num_kv_heads
 
     sliding = _sliding_layers(text, num_layers, prefix, source)
     num_sliding = sum(sliding)
     window = None
     if num_sliding:
-        window = _positive_int(text.get("sliding_window"), prefix + "sliding_window", source)
+        window = positive_int(text.get("sliding_window"), prefix + "sliding_window", source)
         notes.append(f"sliding window: {num_sliding} of {num_layers} layers attend to the last {window:,} tokens "
                      f"only; a window-aware cache keeps at most that many per sequence there, so sequence "
                      f"costs below are capped (bytes/token counts a token inside every window)")

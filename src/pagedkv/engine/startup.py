@@ -26,7 +26,7 @@ from pagedkv.core.memory import ModelSpec
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.errors import ConfigError
-from pagedkv.hf.cache import kv_shape_of
+from pagedkv.models.config import kv_shape_of, max_positions
 from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
 from pagedkv.kernels import KVPool
 from pagedkv.kernels.fp8 import is_fp8, kv_cache_dtype_name, resolve_kv_cache_dtype
@@ -178,8 +178,8 @@ def _pick_model(config: EngineConfig, hf_model: torch.nn.Module, tp):
     if wanted == "hf" or (wanted == "auto" and not is_supported(hf_config)):
         logger.info("model path: HF modules with pagedkv attention (model_type %r)", model_type)
         return hf_model, "hf"
-    max_positions = config.max_model_len or getattr(hf_config.get_text_config(), "max_position_embeddings", None)
-    own = LlamaFamilyModel.from_hf(hf_model, max_positions=max_positions, tp=tp)  # ConfigError if not covered
+    rotary_positions = config.max_model_len or max_positions(hf_config)
+    own = LlamaFamilyModel.from_hf(hf_model, max_positions=rotary_positions, tp=tp)  # ConfigError if not covered
     logger.info("model path: pagedkv's own decoder (model_type %r)", model_type)
     return own, "pagedkv"
 
@@ -187,7 +187,7 @@ def _pick_model(config: EngineConfig, hf_model: torch.nn.Module, tp):
 def _kv_scales(config: EngineConfig, hf_model: torch.nn.Module, tokenizer, kv_dtype: torch.dtype, tp,
                is_driver: bool):
     """This rank's FP8 scales: the checkpoint's, else calibrated on the built-in text (every rank alike)."""
-    from pagedkv.hf.kv_scales import kv_scales_for
+    from pagedkv.hf.cache import kv_scales_for
 
     if tokenizer is None and not is_driver and config.model is not None:
         tokenizer = load_tokenizer(config.model)  # the same calibration tokens as rank 0
@@ -215,8 +215,7 @@ def _num_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int
 
 
 def _max_model_len(config: EngineConfig, hf_config, capacity_tokens: int) -> int:
-    text = getattr(hf_config, "text_config", None) or hf_config
-    model_limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    model_limit = max_positions(hf_config)
     wanted = config.max_model_len
     if wanted is not None:
         if model_limit and wanted > model_limit:

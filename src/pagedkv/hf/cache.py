@@ -27,6 +27,7 @@ into the step's metadata transfer).
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 
@@ -36,23 +37,17 @@ from transformers import Cache
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable
 from pagedkv.env import env_choice
-from pagedkv.errors import InvalidArgumentError, PagedKVError, require_positive_int
+from pagedkv.errors import ConfigError, InvalidArgumentError, PagedKVError, require_positive_int
 from pagedkv.hf.attention import ATTN_IMPLEMENTATION, STEP_ATTR, PagedAttentionMetadata, register
+from pagedkv.hf.kv_scales import calibration_token_ids, checkpoint_kv_scales
 from pagedkv.kernels import KVPool, resolve_backend
+from pagedkv.kernels.fp8 import DEFAULT_HEADROOM, KVScales
+from pagedkv.models.config import kv_shape_of
+
+logger = logging.getLogger("pagedkv")
 
 #: The narrowest block-table width of a decode step's metadata (256 tokens at 16-token pages).
 _MIN_TABLE_WIDTH = 16
-
-
-def kv_shape_of(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a HF text config, the way serving engines read it."""
-    config = getattr(config, "text_config", None) or config
-    num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    head_dim = getattr(config, "head_dim", None) or hidden // num_heads
-    return int(num_layers), int(num_kv_heads), int(head_dim)
 
 
 class PagedKVCacheBase(Cache):
@@ -171,8 +166,6 @@ class PagePool:
         num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
         storage = resolve_kv_cache_dtype(kv_cache_dtype, model.dtype, model.device)
         if scales is None and storage != model.dtype:
-            from pagedkv.hf.kv_scales import kv_scales_for
-
             scales = kv_scales_for(model, storage, tokenizer=tokenizer)
         return cls(num_layers, num_kv_heads, head_dim, num_blocks, block_size, model.dtype, model.device,
                    kv_cache_dtype=kv_cache_dtype, scales=scales)
@@ -631,3 +624,45 @@ class PagedCache(PagedKVCacheBase):
 
 
 __all__ = ["CacheMemory", "PagePool", "PagedCache", "PagedKVCacheBase", "kv_shape_of"]
+
+
+# ---------------------------------------------------------------------- FP8 scales by calibration
+@torch.no_grad()
+def calibrate_kv_scales(model: torch.nn.Module, token_ids: list[int], dtype: torch.dtype,
+                        headroom: float = DEFAULT_HEADROOM, block_size: int = 16) -> KVScales:
+    """Scales from one forward of `token_ids` through a model-dtype `PagedCache` (see the module docstring)."""
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+    token_ids = list(token_ids)[:limit] if limit else list(token_ids)
+    if not token_ids:
+        raise ConfigError("calibration needs at least one token")
+    num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
+    pool = PagePool(num_layers, num_kv_heads, head_dim, -(-len(token_ids) // block_size), block_size, model.dtype,
+                    model.device)
+    previous = model.config._attn_implementation
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        with PagedCache(pool) as cache:
+            ids = torch.tensor([token_ids], device=model.device)
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            # The pool starts zeroed and holds only this pass's tokens: its amax is theirs.
+            amax = pool.kv.kv.abs().amax(dim=(2, 3, 5)).float()  # [2, L, Hkv]
+    finally:
+        if previous != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(previous)
+    return KVScales.from_amax(amax[0], amax[1], dtype, f"calibration: {len(token_ids)} tokens, headroom {headroom:g}",
+                              headroom)
+
+
+def kv_scales_for(model: torch.nn.Module, dtype: torch.dtype, *, tokenizer=None,
+                  headroom: float = DEFAULT_HEADROOM) -> KVScales:
+    """The checkpoint's scales if it has them, else calibrated ones; logs which."""
+    name_or_path = getattr(model.config, "_name_or_path", None) or None
+    scales = checkpoint_kv_scales(model, name_or_path)
+    if scales is None:
+        vocab = model.config.get_text_config().vocab_size
+        scales = calibrate_kv_scales(model, calibration_token_ids(tokenizer, vocab), dtype, headroom)
+    logger.info("FP8 KV scales from %s: K %.3g..%.3g, V %.3g..%.3g", scales.source, float(scales.k_scale.min()),
+                float(scales.k_scale.max()), float(scales.v_scale.min()), float(scales.v_scale.max()))
+    return scales

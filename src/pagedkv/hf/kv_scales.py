@@ -1,6 +1,8 @@
 """Where an FP8 pool's scales come from: the checkpoint, or one calibration pass at startup.
 
-`kv_scales_for(model, dtype)` returns a `KVScales` (`[num_layers, num_kv_heads]` for K and V):
+`pagedkv.hf.cache.kv_scales_for(model, dtype)` returns a `KVScales` (`[num_layers, num_kv_heads]`
+for K and V); this module reads the checkpoint's and holds the calibration text, and the
+calibration pass itself runs in `pagedkv.hf.cache` (it needs a `PagedCache`):
 
 1. From the checkpoint, where it has them. vLLM-style and compressed-tensors FP8 checkpoints
    carry K/V scales per attention layer: `self_attn.k_scale` / `self_attn.v_scale` (or one
@@ -29,7 +31,8 @@ from pathlib import Path
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.kernels.fp8 import DEFAULT_HEADROOM, KVScales
+from pagedkv.kernels.fp8 import KVScales
+from pagedkv.models.config import kv_shape_of
 
 logger = logging.getLogger("pagedkv")
 
@@ -100,8 +103,6 @@ def _collect(found: dict[int, dict[str, object]], num_layers: int, num_kv_heads:
 
 def checkpoint_kv_scales(model: torch.nn.Module, checkpoint_dir: str | Path | None = None) -> KVScales | None:
     """K/V scales the checkpoint provides (see the module docstring), or None if it has none."""
-    from pagedkv.hf.cache import kv_shape_of
-
     num_layers, num_kv_heads, _ = kv_shape_of(model.config)
     found: dict[int, dict[str, object]] = {}
     for name, module in model.named_modules():
@@ -127,47 +128,3 @@ def checkpoint_kv_scales(model: torch.nn.Module, checkpoint_dir: str | Path | No
                 if match:
                     found.setdefault(int(match.group(1)), {})[match.group(2)] = handle.get_tensor(key)
     return _collect(found, num_layers, num_kv_heads, f"checkpoint ({checkpoint_dir})")
-
-
-@torch.no_grad()
-def calibrate_kv_scales(model: torch.nn.Module, token_ids: list[int], dtype: torch.dtype,
-                        headroom: float = DEFAULT_HEADROOM, block_size: int = 16) -> KVScales:
-    """Scales from one forward of `token_ids` through a model-dtype `PagedCache` (see the module docstring)."""
-    from pagedkv.hf.attention import ATTN_IMPLEMENTATION
-    from pagedkv.hf.cache import PagedCache, PagePool, kv_shape_of
-
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    limit = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
-    token_ids = list(token_ids)[:limit] if limit else list(token_ids)
-    if not token_ids:
-        raise ConfigError("calibration needs at least one token")
-    num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)
-    pool = PagePool(num_layers, num_kv_heads, head_dim, -(-len(token_ids) // block_size), block_size, model.dtype,
-                    model.device)
-    previous = model.config._attn_implementation
-    if previous != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
-        with PagedCache(pool) as cache:
-            ids = torch.tensor([token_ids], device=model.device)
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            # The pool starts zeroed and holds only this pass's tokens: its amax is theirs.
-            amax = pool.kv.kv.abs().amax(dim=(2, 3, 5)).float()  # [2, L, Hkv]
-    finally:
-        if previous != ATTN_IMPLEMENTATION:
-            model.set_attn_implementation(previous)
-    return KVScales.from_amax(amax[0], amax[1], dtype, f"calibration: {len(token_ids)} tokens, headroom {headroom:g}",
-                              headroom)
-
-
-def kv_scales_for(model: torch.nn.Module, dtype: torch.dtype, *, tokenizer=None,
-                  headroom: float = DEFAULT_HEADROOM) -> KVScales:
-    """The checkpoint's scales if it has them, else calibrated ones; logs which."""
-    name_or_path = getattr(model.config, "_name_or_path", None) or None
-    scales = checkpoint_kv_scales(model, name_or_path)
-    if scales is None:
-        vocab = model.config.get_text_config().vocab_size
-        scales = calibrate_kv_scales(model, calibration_token_ids(tokenizer, vocab), dtype, headroom)
-    logger.info("FP8 KV scales from %s: K %.3g..%.3g, V %.3g..%.3g", scales.source, float(scales.k_scale.min()),
-                float(scales.k_scale.max()), float(scales.v_scale.min()), float(scales.v_scale.max()))
-    return scales

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.core.memory import ModelSpec
 from pagedkv.errors import KernelInputError, require_positive_int
 from pagedkv.kernels.checks import SUPPORTED_DTYPES
 from pagedkv.kernels.fp8 import KVScales, as_bytes, is_fp8, kv_cache_dtype_name, resolve_kv_cache_dtype
@@ -106,7 +107,7 @@ class KVPool:
     @staticmethod
     def bytes_per_block_for(spec, block_size: int, dtype: torch.dtype) -> int:
         """K+V bytes of one block across all layers of a model described by `spec`."""
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * _dtype_bytes(dtype)
+        return ModelSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, _dtype_bytes(dtype)).page_size_bytes(block_size)
 
     @staticmethod
     def num_blocks_for_budget(spec, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -126,7 +127,7 @@ class KVPool:
     @property
     def bytes_per_block(self) -> int:
         """K+V bytes of one block across all layers."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * _dtype_bytes(self.dtype)
+        return self.bytes_per_block_for(self, self.block_size, self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedkv.errors import ConfigError
+from pagedkv.models.config import as_mapping, attention_shape, max_positions
 from pagedkv.kernels import fused as fused_ops
 
 #: `config.model_type` values this decoder covers; everything else runs on HF's modules.
@@ -87,43 +88,41 @@ class DecoderConfig:
     @classmethod
     def from_hf(cls, config) -> DecoderConfig:
         """Read an HF `PretrainedConfig` of a covered family; `ConfigError` names what is not covered."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model_type = getattr(text, "model_type", None)
+        text = as_mapping(config.get_text_config() if hasattr(config, "get_text_config") else config)
+        model_type = text.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not covered by pagedkv's own decoder "
                               f"(covered: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        act = getattr(text, "hidden_act", "silu")
+        act = text.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not covered by pagedkv's own decoder (only silu)")
-        num_heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-        num_layers = text.num_hidden_layers
-        window = getattr(text, "sliding_window", None)
-        layer_types = getattr(text, "layer_types", None)
+        shape = attention_shape(text)
+        window = text.get("sliding_window")
+        layer_types = text.get("layer_types")
         if model_type == "mistral":
-            windows = (window,) * num_layers
+            windows = (window,) * shape.num_layers
         elif layer_types is not None and window:
             windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
         else:
-            windows = (None,) * num_layers
-        attention_bias = bool(getattr(text, "attention_bias", model_type == "qwen2"))
+            windows = (None,) * shape.num_layers
+        attention_bias = bool(text.get("attention_bias", model_type == "qwen2"))
         return cls(
             model_type=model_type,
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(as_mapping(config).get("tie_word_embeddings", False)),
             attention_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias and model_type != "qwen2",  # Qwen2 has q/k/v biases but none on o_proj
-            mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            mlp_bias=bool(text.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=tuple(int(w) if w else None for w in windows),
-            max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
+            max_position_embeddings=max_positions(text) or 0,
         )
 
 
