@@ -281,16 +281,33 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring)."""
-        cfg = self.config
-        bm = self.block_manager
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
+        budget = self._schedule_running(out, decodes, prefills, self.config.max_num_batched_tokens)
+        if not out.preempted:  # swapped sequences come back first, and only in a step without preemption
+            budget = self._schedule_swapped(out, decodes, prefills, budget)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, decodes, prefills, budget)
+        out.scheduled = decodes + prefills
+        self.stats.num_steps += 1
+        if not out.scheduled and not out.preempted and self.has_unfinished():
+            bm = self.block_manager
+            raise SchedulerStallError(
+                f"nothing could be scheduled with {len(self.waiting)} waiting, {len(self.running)} running and "
+                f"{len(self.swapped)} swapped sequences, {bm.num_free_blocks} of {bm.num_blocks} blocks free"
+            )
+        return out
 
-        # 1. Running sequences. Decodes go before prefill chunks, so a long chunked prefill
-        #    cannot take the whole token budget from them. When the pool runs short, the victim
-        #    is the most victim-like sequence (by policy) not yet scheduled in this step.
+    def _schedule_running(self, out: SchedulerOutput, decodes: list, prefills: list, budget: int) -> int:
+        """Step 1: the running sequences' next tokens, preempting victims when the pool runs short; budget left.
+
+        Decodes go before prefill chunks, so a long chunked prefill cannot take the whole token
+        budget from them. The victim is the most victim-like sequence (by policy) not yet
+        scheduled in this step.
+        """
+        cfg = self.config
+        bm = self.block_manager
         keep_order = sorted(self.running, key=self._keep_key, reverse=True)  # most victim-like last
         queue = deque([s for s in keep_order if s.num_uncomputed_tokens == 1]
                       + [s for s in keep_order if s.num_uncomputed_tokens != 1])
@@ -323,59 +340,54 @@ class Scheduler:
             budget -= num_new
             still_running.append(seq)
         self.running = still_running
+        return budget
 
-        # 2. Swapped sequences come back first, and only in a step without preemption.
-        if not out.preempted:
-            while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                seq = self.swapped[0]
-                if seq.num_pending:
-                    break
-                num_new = min(seq.num_uncomputed_tokens, budget)
-                # Blocks for what comes back plus this step's new tokens (not "+1": a forked
-                # sequence may have been swapped out holding the whole pool).
-                need = max(bm.blocks_to_swap_in(seq.seq_id),
-                           num_blocks_for(seq.num_computed_tokens + num_new, cfg.block_size))
-                watermark = cfg.watermark if self.running else 0.0
-                if not bm.can_admit(need, watermark):
-                    break
-                self.swapped.popleft()
-                out.swap_in.extend(bm.swap_in(seq.seq_id))
-                self.stats.num_swap_ins += 1
-                slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
-                if slots_needed > 0:
-                    out.block_copies.extend(bm.append_slots(seq.seq_id, slots_needed))
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
-                (decodes if item.is_decode else prefills).append(item)
-                budget -= num_new
+    def _schedule_swapped(self, out: SchedulerOutput, decodes: list, prefills: list, budget: int) -> int:
+        """Step 2: swapped sequences back in, FIFO, while the pool and the budget allow; budget left."""
+        cfg = self.config
+        bm = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.swapped[0]
+            if seq.num_pending:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            # Blocks for what comes back plus this step's new tokens (not "+1": a forked
+            # sequence may have been swapped out holding the whole pool).
+            need = max(bm.blocks_to_swap_in(seq.seq_id),
+                       num_blocks_for(seq.num_computed_tokens + num_new, cfg.block_size))
+            watermark = cfg.watermark if self.running else 0.0
+            if not bm.can_admit(need, watermark):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(bm.swap_in(seq.seq_id))
+            self.stats.num_swap_ins += 1
+            slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
+            if slots_needed > 0:
+                out.block_copies.extend(bm.append_slots(seq.seq_id, slots_needed))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
+            (decodes if item.is_decode else prefills).append(item)
+            budget -= num_new
+        return budget
 
-        # 3. Waiting sequences, in order, while the watermark holds.
-        if not out.preempted and not self.swapped:
-            while self.waiting and budget > 0:
-                seq = self.waiting[0]
-                if seq.num_pending:
-                    break  # its last token is still on the device: admit it once that comes back
-                # A request that will fork into n sequences needs room for all of them.
-                will_fork = seq.sample_index == 0 and seq.num_output_tokens == 0
-                if len(self.running) + (seq.sampling_params.n if will_fork else 1) > cfg.max_num_seqs:
-                    break
-                item = self._try_admit(seq, budget, out)
-                if item is None:
-                    break
-                self.waiting.popleft()
-                self.running.append(seq)
-                (decodes if item.is_decode else prefills).append(item)
-                budget -= item.num_new_tokens
-
-        out.scheduled = decodes + prefills
-        self.stats.num_steps += 1
-        if not out.scheduled and not out.preempted and self.has_unfinished():
-            raise SchedulerStallError(
-                f"nothing could be scheduled with {len(self.waiting)} waiting, {len(self.running)} running and "
-                f"{len(self.swapped)} swapped sequences, {bm.num_free_blocks} of {bm.num_blocks} blocks free"
-            )
-        return out
+    def _schedule_waiting(self, out: SchedulerOutput, decodes: list, prefills: list, budget: int) -> None:
+        """Step 3: waiting sequences admitted in order while the watermark and the budget hold."""
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.num_pending:
+                break  # its last token is still on the device: admit it once that comes back
+            # A request that will fork into n sequences needs room for all of them.
+            will_fork = seq.sample_index == 0 and seq.num_output_tokens == 0
+            if len(self.running) + (seq.sampling_params.n if will_fork else 1) > self.config.max_num_seqs:
+                break
+            item = self._try_admit(seq, budget, out)
+            if item is None:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            (decodes if item.is_decode else prefills).append(item)
+            budget -= item.num_new_tokens
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
         """Record a finished step whose sampled tokens are known: `advance` then `resolve`.

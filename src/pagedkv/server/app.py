@@ -200,6 +200,53 @@ def _validation_error(error: RequestValidationError, content_type: str = "") -> 
     return APIError(400, f"Invalid value for '{'.'.join(loc)}': {first['msg']}.", param=field)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """What the route handlers of one app share."""
+
+    engine: EngineClient
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    config: ServerConfig
+    limits: validate.Limits
+    served_model_name: str
+    tokenizer_thread: ThreadPoolExecutor
+    token_text: Callable[[int], str]
+    created: int
+
+    async def prepare(self, fn, body):
+        """Run `fn(engine, body, limits)` in the tokenizer thread, counting a refusal."""
+        call = functools.partial(fn, self.engine, body, self.limits)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, call)
+        except APIError as error:
+            self.metrics.observe_rejection(error.code or "invalid_request")
+            raise
+
+    def start(self, prefix: str, prompts: list[list[int]], params, arrival_s: float) -> Job:
+        config = self.config
+        try:
+            return submit(self.async_engine, prefix, prompts, params, arrival_s, max_queue=config.max_queue,
+                          retry_after_s=config.retry_after_s, timeout_s=config.request_timeout_s,
+                          metrics=self.metrics)
+        except APIError as error:
+            self.metrics.observe_rejection(error.code or "invalid_request")
+            raise
+
+    async def respond(self, job: Job, body, request: Request, chat: bool):
+        if body.stream:
+            events = stream_events(job, request, self.served_model_name, chat, body.include_usage,
+                                   bool(body.return_token_ids), self.token_text)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            outputs = await collect(job, request)
+        except ClientDisconnectedError:
+            return Response(status_code=499)  # nobody reads this: the client has gone
+        return full_response(job, outputs, self.served_model_name, chat, bool(body.return_token_ids),
+                             self.token_text)
+
+
 def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MODEL_NAME, api_key: str | None = None,
                *, config: ServerConfig | None = None,
                on_engine_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -215,26 +262,25 @@ def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MOD
     if api_key is not None:
         config = dataclasses.replace(config, api_key=api_key)
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, metrics, on_dead=on_engine_dead)
     limits = validate.Limits(served_model_name, config.max_prompt_chars or validate.prompt_chars_bound(engine),
                              config.ignore_unknown_fields)
     # NOTE: one thread, as vLLM does: HF fast tokenizers are not safe to call from several at once.
-    tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
-    token_text = token_text_fn(engine.tokenizer)
-    created = protocol.now()
+    served = _Served(engine, AsyncEngine(engine, metrics, on_dead=on_engine_dead), metrics, config, limits,
+                     served_model_name, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer"),
+                     token_text_fn(engine.tokenizer), protocol.now())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        served.async_engine.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(async_engine.stop)
-            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            await asyncio.to_thread(served.async_engine.stop)
+            served.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedkv", summary="OpenAI-compatible server over a paged KV cache", lifespan=lifespan)
     app.state.engine = engine
-    app.state.async_engine = async_engine
+    app.state.async_engine = served.async_engine
     app.state.metrics = metrics
     app.state.config = config
     app.state.limits = limits
@@ -244,25 +290,14 @@ def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MOD
         protected = ("/v1", "/tokenize", "/detokenize") + (("/metrics",) if config.protect_metrics else ())
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key, protected=protected, metrics=metrics)
     app.add_middleware(_ResponseMetricsMiddleware, metrics=metrics)
+    _add_error_handlers(app, metrics)
+    _add_service_routes(app, served)
+    _add_api_routes(app, served)
+    return app
 
-    async def in_tokenizer_thread(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, functools.partial(fn, *args))
 
-    async def prepare(fn, body):
-        """Run `fn(engine, body, limits)` in the tokenizer thread, counting a refusal."""
-        try:
-            return await in_tokenizer_thread(fn, engine, body, limits)
-        except APIError as error:
-            metrics.observe_rejection(error.code or "invalid_request")
-            raise
-
-    def start(prefix: str, prompts: list[list[int]], params, arrival_s: float) -> Job:
-        try:
-            return submit(async_engine, prefix, prompts, params, arrival_s, max_queue=config.max_queue,
-                          retry_after_s=config.retry_after_s, timeout_s=config.request_timeout_s, metrics=metrics)
-        except APIError as error:
-            metrics.observe_rejection(error.code or "invalid_request")
-            raise
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error as an OpenAI error body; validation errors name the field, and count as refusals."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -278,6 +313,11 @@ def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MOD
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
         return _error_response(error.status_code, error_body(str(error.detail), kind))
+
+
+def _add_service_routes(app: FastAPI, served: _Served) -> None:
+    """/health, /metrics, /version and the model list."""
+    engine, async_engine, name = served.engine, served.async_engine, served.served_model_name
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -298,7 +338,7 @@ def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MOD
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict:
@@ -308,46 +348,37 @@ def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MOD
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [protocol.model_card(served_model_name, created, engine.max_model_len)]}
+        return {"object": "list", "data": [protocol.model_card(name, served.created, engine.max_model_len)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        if model_id != served_model_name:
-            raise APIError(404, f"The model {model_id!r} does not exist; this server serves {served_model_name!r}.",
+        if model_id != name:
+            raise APIError(404, f"The model {model_id!r} does not exist; this server serves {name!r}.",
                            param="model", code="model_not_found")
-        return protocol.model_card(served_model_name, created, engine.max_model_len)
+        return protocol.model_card(name, served.created, engine.max_model_len)
+
+
+def _add_api_routes(app: FastAPI, served: _Served) -> None:
+    """/tokenize, /detokenize and the OpenAI completions and chat completions."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        tokens = await prepare(validate.prepare_tokenize, body)
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        tokens = await served.prepare(validate.prepare_tokenize, body)
+        return {"count": len(tokens), "max_model_len": served.engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        return {"prompt": await prepare(validate.prepare_detokenize, body)}
+        return {"prompt": await served.prepare(validate.prepare_detokenize, body)}
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         arrival_s = time.perf_counter()
-        prompts, params = await prepare(validate.prepare_completion, body)
-        return await _respond(start("cmpl", prompts, params, arrival_s), body, request, chat=False)
+        prompts, params = await served.prepare(validate.prepare_completion, body)
+        return await served.respond(served.start("cmpl", prompts, params, arrival_s), body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         arrival_s = time.perf_counter()
-        token_ids, params = await prepare(validate.prepare_chat, body)
-        return await _respond(start("chatcmpl", [token_ids], params, arrival_s), body, request, chat=True)
-
-    async def _respond(job: Job, body, request: Request, chat: bool):
-        if body.stream:
-            events = stream_events(job, request, served_model_name, chat, body.include_usage,
-                                   bool(body.return_token_ids), token_text)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            outputs = await collect(job, request)
-        except ClientDisconnectedError:
-            return Response(status_code=499)  # nobody reads this: the client has gone
-        return full_response(job, outputs, served_model_name, chat, bool(body.return_token_ids), token_text)
-
-    return app
+        token_ids, params = await served.prepare(validate.prepare_chat, body)
+        return await served.respond(served.start("chatcmpl", [token_ids], params, arrival_s), body, request,
+                                    chat=True)
