@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pagedkv.kernels import fused
+from pagedkv.kernels import layer_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -24,8 +24,8 @@ def test_add_rms_norm(dtype, with_residual):
     delta = _randn(5, 96, dtype=dtype, seed=1)
     residual = _randn(5, 96, dtype=dtype, seed=2) if with_residual else None
     weight = _randn(96, dtype=dtype, seed=3)
-    expected, expected_residual = fused.add_rms_norm_reference(delta, residual, weight, 1e-6)
-    got, got_residual = fused.add_rms_norm(delta.clone(), residual.clone() if with_residual else None, weight, 1e-6)
+    expected, expected_residual = layer_ops.add_rms_norm_reference(delta, residual, weight, 1e-6)
+    got, got_residual = layer_ops.add_rms_norm(delta.clone(), residual.clone() if with_residual else None, weight, 1e-6)
     torch.testing.assert_close(got, expected, **TOL[dtype])
     torch.testing.assert_close(got_residual, expected_residual, **TOL[dtype])
 
@@ -50,10 +50,10 @@ def test_qk_norm_rope_write_kv(dtype, heads, qk_norm):
 
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    exp_q, exp_k = fused.qk_norm_rope_reference(q.reshape(num_tokens, num_heads, head_dim),
+    exp_q, exp_k = layer_ops.qk_norm_rope_reference(q.reshape(num_tokens, num_heads, head_dim),
                                                 k.reshape(num_tokens, num_kv_heads, head_dim), positions, cos, sin,
                                                 q_norm, k_norm, 1e-6)
-    got_q = fused.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache,
+    got_q = layer_ops.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache,
                                         slots, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     torch.testing.assert_close(got_q, exp_q, **TOL[dtype])
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
@@ -68,4 +68,4 @@ def test_qk_norm_rope_write_kv(dtype, heads, qk_norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     gate_up = _randn(7, 2 * 80, dtype=dtype, seed=7)
-    torch.testing.assert_close(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up), **TOL[dtype])
+    torch.testing.assert_close(layer_ops.silu_mul(gate_up), layer_ops.silu_mul_reference(gate_up), **TOL[dtype])

@@ -323,7 +323,7 @@ def test_fp8_bad_input_raises_kernel_input_error(backend, name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_rotary_write_quantizes_like_write_kv(cache_dtype, dtype):
     """The own decoder's fused q/k-norm + rotary + K/V store writes what `write_kv` would for the same K/V."""
-    from pagedkv.kernels import fused
+    from pagedkv.kernels import layer_ops
 
     num_heads, num_kv_heads, head_dim, num_tokens = 8, 2, 32, 6
     generator = torch.Generator().manual_seed(11)
@@ -338,12 +338,12 @@ def test_fused_rotary_write_quantizes_like_write_kv(cache_dtype, dtype):
     slots = torch.tensor([3, 9, 10, 0, 31, 17])
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    _, rotated_k = fused.qk_norm_rope_reference(q.reshape(num_tokens, num_heads, head_dim),
+    _, rotated_k = layer_ops.qk_norm_rope_reference(q.reshape(num_tokens, num_heads, head_dim),
                                                 k.reshape(num_tokens, num_kv_heads, head_dim), positions, cos, sin,
                                                 None, None, 1e-6)
     reference_write_kv(rotated_k, v.reshape(num_tokens, num_kv_heads, head_dim), k_expected, v_expected, slots,
                        k_scale, v_scale)
-    fused.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, None, None, 1e-6, k_cache, v_cache, slots,
+    layer_ops.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, None, None, 1e-6, k_cache, v_cache, slots,
                                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 k_scale=k_scale, v_scale=v_scale)
     assert torch.equal(v_cache.view(torch.uint8), v_expected.view(torch.uint8))

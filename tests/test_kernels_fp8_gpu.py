@@ -160,7 +160,7 @@ def test_fp8_decode_captures_in_a_cuda_graph(schedule):
 
 
 def test_fused_rotary_write_in_bf16_stores_what_write_kv_stores():
-    from pagedkv.kernels import fused
+    from pagedkv.kernels import layer_ops
 
     num_heads, num_kv_heads, head_dim, num_tokens = 32, 8, 128, 40
     generator = torch.Generator().manual_seed(5)
@@ -178,19 +178,19 @@ def test_fused_rotary_write_in_bf16_stores_what_write_kv_stores():
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(128, generator=generator)[:num_tokens].cuda()
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    _, rotated = fused.qk_norm_rope_reference(q.reshape(num_tokens, num_heads, head_dim),
+    _, rotated = layer_ops.qk_norm_rope_reference(q.reshape(num_tokens, num_heads, head_dim),
                                               k.reshape(num_tokens, num_kv_heads, head_dim), positions, cos, sin,
                                               None, None, 1e-6)
     write_kv(rotated.contiguous(), v.reshape(num_tokens, num_kv_heads, head_dim).contiguous(), k_ref, v_ref, slots,
              k_scale=k_scale, v_scale=v_scale)
-    fused.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, None, None, 1e-6, k_cache, v_cache, slots,
+    layer_ops.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, None, None, 1e-6, k_cache, v_cache, slots,
                                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, k_scale=k_scale,
                                 v_scale=v_scale)
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     # The FP8 K is exactly write_kv's quantization of the K the same kernel stores in a bf16 cache ...
     k_bf16, v_bf16 = torch.zeros(shape, device="cuda", dtype=torch.bfloat16), torch.zeros(shape, device="cuda",
                                                                                           dtype=torch.bfloat16)
-    fused.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, None, None, 1e-6, k_bf16, v_bf16, slots,
+    layer_ops.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, None, None, 1e-6, k_bf16, v_bf16, slots,
                                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     rotated_by_kernel = k_bf16.view(-1, num_kv_heads, head_dim)[slots].contiguous()
     k_expected = torch.zeros(shape, device="cuda").to(torch.float8_e4m3fn)

@@ -12,7 +12,7 @@ from pagedkv.distributed.router import (
     RoutingPolicy,
     SchedulerReplica,
 )
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import Sequence
 from pagedkv.errors import ConfigError, InvalidArgumentError

@@ -12,7 +12,7 @@ import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampler import Sampler, SamplingRow, stream_keys, uniforms
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import InvalidArgumentError, SamplingParamsError
 
 EOS = 3

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pagedkv.core.block_manager import KVBlockManager
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pagedkv.errors import ConfigError, RequestRejectedError

@@ -43,7 +43,7 @@ def _bad_requests() -> list[tuple[str, str | bytes]]:
         ("/v1/chat/completions", {"messages": [], "stream": True}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
     ]
-    from pagedkv.engine.sampling import SamplingParams as Params
+    from pagedkv.engine.sampling_params import SamplingParams as Params
 
     if "min_tokens" in {f.name for f in dataclasses.fields(Params)}:  # seed bounds land with branch `sampler`
         cases.append(("/v1/completions", {"prompt": [5, 6], "seed": 2**64, "temperature": 1.0}))

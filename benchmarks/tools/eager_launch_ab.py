@@ -17,7 +17,7 @@ import sys
 def run(mode: str) -> dict:
     import torch
 
-    from pagedkv.kernels import fused, launch
+    from pagedkv.kernels import launch, layer_ops
 
     if mode == "triton":
         launch._is_compiled = lambda fn: False

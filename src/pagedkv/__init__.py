@@ -43,7 +43,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; loaded lazily because these import torch / transformers.
 _LAZY = {
     "LLM": "pagedkv.engine.llm",
-    "SamplingParams": "pagedkv.engine.sampling",
+    "SamplingParams": "pagedkv.engine.sampling_params",
     "EngineConfig": "pagedkv.engine.config",
     "LLMEngine": "pagedkv.engine.engine",
     "PagedCache": "pagedkv.hf.cache",

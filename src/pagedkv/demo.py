@@ -94,7 +94,7 @@ def engine_demo(model: str | None = None, max_tokens: int = 48, device: str | No
     from transformers import DynamicCache
 
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     console = console or Console()
     with console.status("loading the model (the first run converts the GGUF weights once)..."):

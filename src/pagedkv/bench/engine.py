@@ -50,7 +50,7 @@ def _greedy_check(model, llm, prompts, num_tokens: int) -> dict:
     """Engine vs HF generate (sdpa, DynamicCache), one request at a time; margins where they differ."""
     from transformers import DynamicCache
 
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
     model.set_attn_implementation("sdpa")

@@ -17,7 +17,7 @@ def timed_generate(llm, prompts, output_lens, record: list | None = None) -> dic
     Returns wall time, output tokens, output tok/s and the engine's preemptions so far. With
     `record`, appends each step's shape and time (prefill tokens, decode rows, KV tokens, seconds).
     """
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     engine = llm.engine
     if record is not None:

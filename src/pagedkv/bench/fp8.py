@@ -136,7 +136,7 @@ def greedy_agreement(model, tokenizer, kv_cache_dtypes: list[str], max_tokens: i
     """Greedy outputs of the demo questions with each KV dtype; where each FP8 run first differs from "auto"."""
     from pagedkv.demo import DEMO_QUESTIONS
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     questions = DEMO_QUESTIONS[:num_prompts]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -64,7 +64,7 @@ def _median(values):
 
 def decode_case(llm, batch: int, bandwidth: float, weights: int, kv_bytes_per_token: int, seed: int = 0) -> dict:
     """Median decode-only step of `batch` streams, its phases and its roofline."""
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed + batch)
     vocab = min(llm.engine.vocab_size, 10000)

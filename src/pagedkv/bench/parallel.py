@@ -61,7 +61,7 @@ def _free_gpu() -> None:
 
 def _decode_ms(llm, batch: int, vocab: int, phases: dict | None = None) -> float:
     """Median decode step (ms) at `batch`; `phases` receives the median of each StepTiming phase (ms)."""
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     rng = random.Random(batch)
     prompts = [[rng.randrange(3, min(vocab, 10000)) for _ in range(128)] for _ in range(batch)]
@@ -78,7 +78,7 @@ def _decode_ms(llm, batch: int, vocab: int, phases: dict | None = None) -> float
 
 def _throughput(llm, prompts, output_lens, breakdown: bool = False) -> dict:
     """Output tok/s of one `generate` over the prompts; `breakdown` adds where the run's steps spent it."""
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     engine = llm.engine
@@ -158,7 +158,7 @@ def tensor_parallel(tp: int, out: Path, model: str = "random:llama3-8b", key: st
 def tensor_parallel_greedy(out: Path, model: str = "random:llama3-8b", num_prompts: int = 8,
                            max_tokens: int = 32) -> None:
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     rng = random.Random(7)
     vocab = 400 if "tiny" in model else 10000
@@ -218,7 +218,7 @@ def routing(out: Path, num_requests: int, num_system_prompts: int, model: str = 
     from pagedkv.distributed.data_parallel import DataParallelEngine
     from pagedkv.engine.llm import LLM
     from pagedkv.distributed.router import RouterConfig
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     rng = random.Random(0)
     vocab = 10000 if DTYPE != "float32" else 400

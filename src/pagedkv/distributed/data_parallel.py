@@ -36,7 +36,7 @@ from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, PagedKVError, StepFailedError
 
 logger = logging.getLogger("pagedkv")

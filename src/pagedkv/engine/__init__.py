@@ -1,5 +1,5 @@
 """The continuous-batching engine.
 
-`sequence`, `sampling` (parameters) and `scheduler` are pure Python, so the simulator can
+`sequence`, `sampling_params` and `scheduler` are pure Python, so the simulator can
 drive the very same scheduler without torch. `runner`, `engine` and `llm` hold the model.
 """

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
     """Generate for each prompt and print the completions (or JSON lines)."""
     args = build_parser(prog).parse_args(argv)
 
-    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.engine.sampling_params import SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),

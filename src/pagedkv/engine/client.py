@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 
 
 class QueueSizes(NamedTuple):

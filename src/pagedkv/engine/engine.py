@@ -30,7 +30,7 @@ from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import OutputProcessor, Request, chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import EngineStats, RequestOutput, StepTiming
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import Sequence
 from pagedkv.engine.step_input import StepInputBuilder

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.sequence import FinishReason
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError
 

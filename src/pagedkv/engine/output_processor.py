@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import FinishReason, Sequence
 from pagedkv.errors import InvalidArgumentError

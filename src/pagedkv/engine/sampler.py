@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import InvalidArgumentError, require_positive_int
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's state increment

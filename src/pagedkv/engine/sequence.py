@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 
 #: A token sampled on the device whose value the host does not know yet (async scheduling).
 PENDING_TOKEN = -1

@@ -29,8 +29,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedkv.errors import ConfigError
+from pagedkv.kernels import layer_ops
 from pagedkv.models.config import as_mapping, attention_shape, max_positions
-from pagedkv.kernels import fused as fused_ops
 
 #: `config.model_type` values this decoder covers; everything else runs on HF's modules.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -133,7 +133,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops.rms_norm_reference(x, self.weight, self.eps)
+        return layer_ops.rms_norm_reference(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -156,7 +156,7 @@ class Rotary(nn.Module):
         """q [T, H, D], k [T, Hkv, D] -> rotated copies."""
         cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]  # [T, 1, D]
         sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return q * cos + fused_ops.rotate_half(q) * sin, k * cos + fused_ops.rotate_half(k) * sin
+        return q * cos + layer_ops.rotate_half(q) * sin, k * cos + layer_ops.rotate_half(k) * sin
 
 
 class DecoderLayer(nn.Module):
@@ -186,13 +186,13 @@ class DecoderLayer(nn.Module):
         """One layer over the residual stream: returns (this layer's MLP output, the residual before it)."""
         cfg = self.cfg
         num_tokens = hidden.shape[0]
-        add_norm = fused_ops.add_rms_norm if fused else fused_ops.add_rms_norm_reference
+        add_norm = layer_ops.add_rms_norm if fused else layer_ops.add_rms_norm_reference
         normed, residual = add_norm(hidden, residual, self.input_norm.weight, cfg.rms_norm_eps)
         qkv = self.qkv_proj(normed)  # [T, (H + 2 Hkv) D]
         if fused:  # q/k norm, rotary and the K/V store in one kernel; q is rotated in place in qkv
             k_cache, v_cache = attn.kv_cache(self.layer_idx)
             k_scale, v_scale = attn.kv_scales(self.layer_idx)  # FP8 pools: the store quantizes
-            q = fused_ops.qk_norm_rope_write_kv(
+            q = layer_ops.qk_norm_rope_write_kv(
                 qkv, positions, rotary.cos, rotary.sin, self.q_norm.weight if cfg.qk_norm else None,
                 self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, k_cache, v_cache, attn.slot_mapping,
                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, k_scale=k_scale,
@@ -210,7 +210,7 @@ class DecoderLayer(nn.Module):
         hidden = self._reduce(self.o_proj(out.view(num_tokens, cfg.q_size)), self.o_bias, tp)
         normed, residual = add_norm(hidden, residual, self.post_norm.weight, cfg.rms_norm_eps)
         gate_up = self.gate_up_proj(normed)
-        act = fused_ops.silu_mul(gate_up) if fused else fused_ops.silu_mul_reference(gate_up)
+        act = layer_ops.silu_mul(gate_up) if fused else layer_ops.silu_mul_reference(gate_up)
         return self._reduce(self.down_proj(act), self.down_bias, tp), residual
 
     @staticmethod
@@ -242,7 +242,7 @@ class LlamaFamilyModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(inv_freq, attention_scaling, max_positions)
-        # The fused Triton kernels (pagedkv.kernels.fused) run on CUDA; CPU runs their torch references.
+        # The fused Triton kernels (pagedkv.kernels.layer_ops) run on CUDA; CPU runs their torch references.
         self.use_fused_kernels = True
 
     @torch.inference_mode()

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from pagedkv.engine.client import EngineClient
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import EngineDeadError, PagedKVError, StepFailedError
 from pagedkv.server.metrics import ServerMetrics
 

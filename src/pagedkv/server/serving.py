@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.server import protocol
 from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream, ShuttingDownError
 from pagedkv.server.metrics import ServerMetrics

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pagedkv.engine.client import EngineClient
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError, SamplingParamsError
 from pagedkv.server.protocol import (
     APIError,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceT
 from dataclasses import asdict, dataclass
 
-from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepShape
 from pagedkv.engine.sequence import FinishReason, Sequence
 from pagedkv.errors import RequestRejectedError, require_positive_int
