@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pagedkv import SamplingParams
 from pagedkv.errors import PagedKVError
 
-VOCAB_SIZE = 512  # the tiny models' vocabulary (pagedkv.hf.models.RANDOM_CONFIGS)
+VOCAB_SIZE = 512  # the tiny models' vocabulary (pagedkv.models.loader.RANDOM_CONFIGS)
 EOS_TOKEN_ID = 2
 SHARED_PREFIXES = ([7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49])
 

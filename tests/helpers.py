@@ -15,7 +15,7 @@ def smollm2():
 
 @functools.lru_cache(maxsize=None)
 def tiny(name: str, attn: str = "pagedkv"):
-    """A random-weight tiny model of a real family (see pagedkv.hf.models.RANDOM_CONFIGS)."""
+    """A random-weight tiny model of a real family (see pagedkv.models.loader.RANDOM_CONFIGS)."""
     return random_model(name, attn_implementation=attn)
 
 

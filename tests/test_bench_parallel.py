@@ -5,7 +5,7 @@ import json
 import torch
 
 from pagedkv.bench import parallel
-from pagedkv.hf.models import RANDOM_CONFIGS
+from pagedkv.models.loader import RANDOM_CONFIGS
 
 
 def test_shard_model_is_one_rank_of_the_whole():

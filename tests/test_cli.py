@@ -158,7 +158,7 @@ def test_generate_end_to_end_with_the_new_flags(tmp_path, monkeypatch, capsys):
         return real_llm(hf_model=model, tokenizer=tokenizer, **options)
 
     monkeypatch.setattr(llm_module, "LLM", tiny_llm)
-    monkeypatch.setattr("pagedkv.hf.models.check_model_argument", lambda model: None)  # "anything" is no hub id
+    monkeypatch.setattr("pagedkv.models.loader.check_model_argument", lambda model: None)  # "anything" is no hub id
     verbosity = transformers.logging.get_verbosity()
     path = tmp_path / "prompts.txt"
     path.write_text("The capital of France is\nOnce upon a time\n")

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from pagedkv import LLM, SamplingParams
 from pagedkv.bench.common import graph_replay_ms
 from pagedkv.bench.parallel import shard_model
-from pagedkv.hf.models import RANDOM_CONFIGS
+from pagedkv.models.loader import RANDOM_CONFIGS
 
 
 def graph_us(fn, calls: int) -> float:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     from rich.table import Table
 
     from pagedkv.engine.llm import LLM
-    from pagedkv.hf.models import random_model
+    from pagedkv.models.loader import random_model
 
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="random-weight architecture (pagedkv.hf.RANDOM_CONFIGS)")

@@ -64,7 +64,7 @@ def run_one(model, kv_cache_dtype: str, budget_bytes: int, prompts, output_lens,
 def run(args) -> int:
     """The kv-bound preset of `pagedkv bench engine` (arguments parsed there); writes engine_kv_bound.json / .md."""
     from pagedkv.bench.common import require_cuda
-    from pagedkv.hf.models import random_model
+    from pagedkv.models.loader import random_model
     from pagedkv.results import provenance, write_json
 
     require_cuda("pagedkv bench engine")

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench hf") -> int:
     from rich.table import Table
 
     from pagedkv.hf.cache import PagePool
-    from pagedkv.hf.models import load_model, parse_dtype, random_model
+    from pagedkv.models.loader import load_model, parse_dtype, random_model
 
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("all", "sharing", "latency"), default="all",

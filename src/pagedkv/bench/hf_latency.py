@@ -273,7 +273,7 @@ def run(model_names: list[str], batches: list[int], prompt_len: int, steps: int,
         budget: int, with_static: bool = True, diagnose: bool = True, device: str = "cuda") -> tuple[dict, dict]:
     """Measure every (model, batch); returns (latency by model and batch, labels)."""
     from pagedkv.hf.cache import PagePool
-    from pagedkv.hf.models import random_model
+    from pagedkv.models.loader import random_model
 
     latency, labels = {}, {}
     frozen = gc_mode == "freeze"

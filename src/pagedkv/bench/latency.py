@@ -126,7 +126,7 @@ def hf_compiled_batch1(model, vocab: int, seed: int = 0) -> dict:
 def run_model(name: str, batches: list[int], bandwidth: float, impls: list[str], console, hf_compiled: bool) -> dict:
     from pagedkv.engine.llm import LLM
     from pagedkv.models.config import kv_shape_of
-    from pagedkv.hf.models import random_model
+    from pagedkv.models.loader import random_model
 
     model = random_model(name, torch.bfloat16, "cuda")
     num_layers, num_kv_heads, head_dim = kv_shape_of(model.config)

@@ -119,7 +119,7 @@ def shard_model(model: str, tp: int) -> str:
     Heads, KV heads and MLP width divided by `tp`, the vocab rows too (each rank's LM head and
     embedding shard; the sampler then scans 1/tp of the vocab, a few microseconds less).
     """
-    from pagedkv.hf.models import RANDOM_CONFIGS
+    from pagedkv.models.loader import RANDOM_CONFIGS
 
     base = model.split(":", 1)[1]
     cfg = dict(RANDOM_CONFIGS[base])

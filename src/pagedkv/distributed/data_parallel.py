@@ -230,7 +230,7 @@ class DataParallelEngine:
         import torch
 
         from pagedkv.engine.scheduler import Scheduler
-        from pagedkv.hf.models import load_tokenizer
+        from pagedkv.models.loader import load_tokenizer
 
         if data_parallel_size < 2:
             raise ConfigError(f"data_parallel_size must be >= 2 for replicas, got {data_parallel_size}")

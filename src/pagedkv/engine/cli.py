@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
     check_prompt_kind(args)
     inputs = [parse_token_ids(p) for p in prompts] if args.token_ids else prompts
 
-    from pagedkv.hf.models import check_model_argument
+    from pagedkv.models.loader import check_model_argument
 
     check_model_argument(args.model)
     if args.verbose:

@@ -27,7 +27,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.errors import ConfigError
 from pagedkv.models.config import kv_shape_of, max_positions
-from pagedkv.hf.models import load_model, load_tokenizer, parse_dtype
+from pagedkv.models.loader import load_model, load_tokenizer, parse_dtype
 from pagedkv.kernels import KVPool
 from pagedkv.kernels.fp8 import is_fp8, kv_cache_dtype_name, resolve_kv_cache_dtype
 

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.client import EngineClient
-from pagedkv.hf.models import EMBEDDED_NAME
+from pagedkv.models.loader import EMBEDDED_NAME
 from pagedkv.server import protocol, validate
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.config import ServerConfig
