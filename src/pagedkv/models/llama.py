@@ -26,11 +26,11 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels import layer_ops
 from pagedkv.models.config import as_mapping, attention_shape, max_positions
+from pagedkv.models.layers import RMSNorm, Rotary, TensorShard, VocabParallelEmbedding, row_parallel_reduce
 
 #: `config.model_type` values this decoder covers; everything else runs on HF's modules.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -126,39 +126,6 @@ class DecoderConfig:
         )
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_ops.rms_norm_reference(x, self.weight, self.eps)
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding from a cos/sin table indexed by position (HF's rotate-half convention).
-
-    The table is computed once in fp32 from the model's own `inv_freq` and attention scaling
-    (which carry any RoPE scaling the checkpoint asks for, e.g. Llama 3's) and cast to the model
-    dtype per step exactly where HF casts it.
-    """
-
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
-        super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
-        freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, Hkv, D] -> rotated copies."""
-        cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return q * cos + layer_ops.rotate_half(q) * sin, k * cos + layer_ops.rotate_half(k) * sin
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm attention and gated MLP, with the projections fused."""
 
@@ -207,17 +174,11 @@ class DecoderLayer(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
         out = attn.forward(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
-        hidden = self._reduce(self.o_proj(out.view(num_tokens, cfg.q_size)), self.o_bias, tp)
+        hidden = row_parallel_reduce(self.o_proj(out.view(num_tokens, cfg.q_size)), self.o_bias, tp)
         normed, residual = add_norm(hidden, residual, self.post_norm.weight, cfg.rms_norm_eps)
         gate_up = self.gate_up_proj(normed)
         act = layer_ops.silu_mul(gate_up) if fused else layer_ops.silu_mul_reference(gate_up)
-        return self._reduce(self.down_proj(act), self.down_bias, tp), residual
-
-    @staticmethod
-    def _reduce(x: torch.Tensor, bias: torch.Tensor | None, tp) -> torch.Tensor:
-        if tp is not None:
-            x = tp.all_reduce(x)
-        return x if bias is None else x + bias
+        return row_parallel_reduce(self.down_proj(act), self.down_bias, tp), residual
 
 
 class LlamaFamilyModel(nn.Module):
@@ -231,11 +192,9 @@ class LlamaFamilyModel(nn.Module):
         tp_size, tp_rank = (tp.size, tp.rank) if tp is not None else (1, 0)
         local = cfg.shard(tp_size)
         self.local_cfg = local
-        # Vocab-parallel embedding and LM head: rank r holds rows [r * shard, (r + 1) * shard), the last
-        # shard padded with zero rows that no id reaches and whose logits are cut off after the gather.
-        self.vocab_shard = -(-cfg.vocab_size // tp_size)
-        self.vocab_start = tp_rank * self.vocab_shard
-        self.embed = nn.Embedding(self.vocab_shard, cfg.hidden_size)
+        # Vocab-parallel embedding and LM head (the head's padded rows' logits are cut off after the gather).
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
+        self.vocab_shard = self.embed.vocab_shard
         self.layers = nn.ModuleList(DecoderLayer(local, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_shard, bias=False)
@@ -254,12 +213,7 @@ class LlamaFamilyModel(nn.Module):
         """
         fused = self.use_fused_kernels and input_ids.is_cuda
         tp = self.tp
-        if tp is None:
-            hidden = self.embed(input_ids)
-        else:  # each rank embeds the ids in its vocab shard, zeros elsewhere; the all-reduce sums them
-            local = input_ids - self.vocab_start
-            inside = (local >= 0) & (local < self.vocab_shard)
-            hidden = tp.all_reduce(self.embed(local.clamp(0, self.vocab_shard - 1)) * inside[:, None])
+        hidden = self.embed(input_ids, tp)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, self.rotary, attn, fused, tp)
@@ -296,18 +250,11 @@ class LlamaFamilyModel(nn.Module):
         model.tp = tp
         model.rotary = Rotary(rotary.inv_freq.to(device), float(rotary.attention_scaling), positions)
 
-        def rows(t: torch.Tensor, per_rank: int) -> torch.Tensor:  # this rank's block of output rows
-            return t[rank * per_rank:(rank + 1) * per_rank]
-
-        def cols(t: torch.Tensor, per_rank: int) -> torch.Tensor:  # this rank's block of input columns
-            return t[:, rank * per_rank:(rank + 1) * per_rank]
+        shard = TensorShard(rank, tp_size)
+        rows, cols = shard.rows, shard.cols
 
         def vocab_rows(t: torch.Tensor) -> torch.Tensor:
-            shard = model.vocab_shard
-            out = torch.zeros(shard, t.shape[1], dtype=t.dtype, device=t.device)
-            part = t[rank * shard:(rank + 1) * shard]
-            out[:part.shape[0]] = part
-            return out
+            return shard.vocab_rows(t, model.vocab_shard)
 
         q_rows, kv_rows, mlp_rows = local.q_size, local.kv_size, local.intermediate_size
         model.embed.weight.copy_(vocab_rows(weight))
