@@ -132,3 +132,39 @@ def check_final_output(request: FuzzRequest, output, context: str) -> None:
             assert stops_on_token or params.stop, f"{where}: 'stop' with no stop token or string"
         if params.logprobs is not None:
             assert completion.logprobs is not None and len(completion.logprobs) == count, where
+
+
+def run_batch(engine, requests, rng: random.Random, context: str) -> tuple[dict, set]:
+    """Feed `requests` over the first steps, abort some at random; {request id: final output}, aborted ids."""
+    pending = list(requests)
+    final, aborted, live = {}, set(), []
+    for step in range(10_000):
+        for _ in range(rng.randint(0, 8) if step else rng.randint(1, 12)):
+            if not pending:
+                break
+            request = pending.pop(0)
+            if request.params is None:
+                continue  # refused while drawing its params: SamplingParamsError, nothing queued
+            try:
+                engine.add_request(request.request_id, request.prompt, request.params)
+            except PagedKVError:
+                queued = getattr(engine, "requests", None)  # LLMEngine's; replicas keep theirs elsewhere
+                assert queued is None or request.request_id not in queued, f"{context}: a refused request was queued"
+                continue
+            live.append(request.request_id)
+        if live and rng.random() < 0.08:
+            victim = live.pop(rng.randrange(len(live)))
+            assert engine.abort(victim), f"{context}: abort of live request {victim} found nothing"
+            aborted.add(victim)
+        if not engine.has_unfinished_requests() and not pending:
+            break
+        for output in engine.step():  # a raise here fails the test: no step may raise
+            assert output.request_id not in aborted, f"{context}: output for aborted {output.request_id}"
+            if output.finished:
+                final[output.request_id] = output
+                live.remove(output.request_id)
+        if hasattr(engine, "check_integrity"):
+            engine.check_integrity()
+    else:
+        raise AssertionError(f"{context}: the batch did not finish in 10,000 steps")
+    return final, aborted

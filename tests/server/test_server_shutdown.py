@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _start(*flags: str) -> tuple[subprocess.Popen, str]:

@@ -25,8 +25,8 @@ from pagedkv.cli import main
 from pagedkv.core import generate_lengths
 from pagedkv.errors import ConfigError, InvalidArgumentError
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
-SRC = Path(__file__).parents[1] / "src"
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
+SRC = Path(__file__).parents[2] / "src"
 GB = 10**9
 
 

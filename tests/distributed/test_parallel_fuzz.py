@@ -8,8 +8,7 @@ failed its whole step, and on a replica or a TP group that took its step-mates d
 import random
 
 import pytest
-from fuzz_requests import FuzzRequest, check_final_output, draw_requests, fuzz_seed
-from test_engine_fuzz import run_batch
+from fuzz_requests import FuzzRequest, check_final_output, draw_requests, fuzz_seed, run_batch
 
 from pagedkv import LLM, SamplingParams
 
