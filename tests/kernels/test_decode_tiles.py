@@ -17,7 +17,16 @@ import sys
 
 import pytest
 import torch
-from kernel_scenarios import Scenario, assert_matches
+from kernel_scenarios import (
+    LENGTHS,
+    GpuScenario,
+    Scenario,
+    assert_gpu_matches,
+    assert_matches,
+    interleave,
+    poisoned_views,
+    strided_out,
+)
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kernels import DecodeTuning, KernelWorkspace, paged_decode_attention, reference_decode_attention
@@ -133,8 +142,6 @@ def test_tiles_window_and_soft_cap(table, sliding_window, soft_cap):
 
 def test_tiles_reads_strided_views():
     """block_tables[:, ::2], seq_lens[::2], a query and an out with head_dim stride 2."""
-    from test_kernel_views import interleave, poisoned_views, strided_out
-
     scenario = Scenario([1, 17, 40, 9], 8, 2, 64, torch.float32, seed=6)
     tables, lens = poisoned_views(scenario)
     query = interleave(scenario.query(4, 8), float("nan"), dim=2)
@@ -221,9 +228,6 @@ def test_read_ahead_table_pipelines_kv_deeper_on_sm90():
 @pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (9, 3, 64), (12, 12, 64)],
                          ids=["llama3", "qwen3", "smollm2", "gpt2"])
 def test_tiles_gpu_matches_reference(heads, tuning):
-    from test_kernels_gpu import LENGTHS, GpuScenario
-    from test_kernels_gpu import assert_matches as assert_gpu_matches
-
     num_heads, num_kv_heads, head_dim = heads
     scenario = GpuScenario(LENGTHS + [0, 32768], 16, num_kv_heads, head_dim, torch.bfloat16, seed=40)
     query = scenario.query(len(LENGTHS) + 2, num_heads)

@@ -8,14 +8,26 @@ interpreter runs every program in Python; each parameter value is covered, not t
 
 import pytest
 import torch
-from kernel_scenarios import Scenario, assert_matches, seq_lens_for
+from kernel_scenarios import (
+    ENGINE_HEADS,
+    LENGTHS,
+    LLAMA3,
+    SCHEDULES,
+    GpuScenario,
+    Scenario,
+    assert_gpu_matches,
+    assert_matches,
+    seq_lens_for,
+)
 
 from pagedkv.core import ModelSpec
 from pagedkv.errors import KernelInputError, PagedKVError
 from pagedkv.kernels import (
     DecodeTuning,
+    KernelWorkspace,
     KVPool,
     choose_num_splits,
+    paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
     reference_decode_attention,
@@ -403,3 +415,307 @@ def test_auto_backend_on_cpu_is_torch(monkeypatch):
     monkeypatch.delenv("PAGEDKV_KERNEL_BACKEND", raising=False)
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("triton", torch.device("cpu")) == "triton"
+
+
+# --------------------------------------------------------------------------- on CUDA, at full size
+# Llama-3-8B attention (32 q heads, 8 kv heads, head_dim 128) in bf16, compiled for the GPU: the checks above,
+# plus the head dims the CPU run skips and CUDA-graph captures of the decode hot path (every schedule).
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+GPU_HEAD_SIZES = [64, 80, 96, 128, 256]
+GPU_BLOCK_SIZES = [16, 128]
+GPU_NUM_HEADS = [(32, 8), (32, 32), (28, 4), (14, 2)]  # Llama-3-8B, MHA, GQA 7 (Qwen2-7B), GQA 7 small
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+GPU_HEAD_SIZES = [64, 80, 96, 128, 256]
+GPU_BLOCK_SIZES = [16, 128]
+GPU_NUM_HEADS = [(32, 8), (32, 32), (28, 4), (14, 2)]  # Llama-3-8B, MHA, GQA 7 (Qwen2-7B), GQA 7 small
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_write_kv_matches_reference_on_cuda(dtype):
+    generator = torch.Generator().manual_seed(2)
+    key = torch.randn(333, 8, 128, generator=generator).to("cuda", dtype)
+    value = torch.randn(333, 8, 128, generator=generator).to("cuda", dtype)
+    slots = torch.randperm(64 * 16, generator=generator)[:333].cuda()
+    slots[::7] = -1
+    k_cache = torch.full((64, 16, 8, 128), float("nan"), dtype=dtype, device="cuda")
+    v_cache = k_cache.clone()
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    reference_write_kv(key, value, k_expected, v_expected, slots)
+    write_kv(key, value, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_expected, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", GPU_BLOCK_SIZES)
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_llama3_matches_reference(block_size, num_splits):
+    num_heads, num_kv_heads, head_dim = LLAMA3
+    scenario = GpuScenario(LENGTHS, block_size, num_kv_heads, head_dim, torch.bfloat16)
+    query = scenario.query(len(LENGTHS), num_heads)
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    out = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=max(LENGTHS),
+                                 num_splits=num_splits)
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+def _check_decode(dtype, head_dim, num_q_heads, num_kv_heads, seed):
+    scenario = GpuScenario([1, 16, 17, 700], 16, num_kv_heads, head_dim, dtype, seed=seed)
+    query = scenario.query(4, num_q_heads)
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    assert_gpu_matches(paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5), expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", GPU_HEAD_SIZES)
+def test_decode_head_dims(dtype, head_dim):
+    _check_decode(dtype, head_dim, 32, 8, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", GPU_NUM_HEADS, ids=[f"{h}:{kv}" for h, kv in GPU_NUM_HEADS])
+def test_decode_gqa_groups(num_heads):
+    _check_decode(torch.bfloat16, 128, *num_heads, seed=13)
+
+
+@pytest.mark.gpu
+def test_long_single_sequence_splits():
+    num_heads, num_kv_heads, head_dim = LLAMA3
+    scenario = GpuScenario([32768], 16, num_kv_heads, head_dim, torch.bfloat16, seed=4)
+    query = scenario.query(1, num_heads)
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    auto = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=32768)
+    whole = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, num_splits=1)
+    assert_gpu_matches(auto, expected, torch.bfloat16)
+    torch.testing.assert_close(auto.float(), whole.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_zero_length_rows_give_zeros_on_cuda(num_splits):
+    scenario = GpuScenario([0, 300, 0, 17], 16, 8, 128, torch.bfloat16, seed=5)
+    query = scenario.query(4, 32)
+    out = paged_decode_attention(query, *scenario.kv, scale=0.088, num_splits=num_splits)
+    assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
+    assert_gpu_matches(out, reference_decode_attention(query, *scenario.kv, scale=0.088, float64=True), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding_window, soft_cap", [(256, None), (None, 30.0), (1000, 50.0), (1, None)])
+def test_decode_window_and_soft_cap_on_cuda(sliding_window, soft_cap):
+    scenario = GpuScenario(LENGTHS, 16, 8, 128, torch.bfloat16, seed=6)
+    query = scenario.query(len(LENGTHS), 32) * 4
+    options = {"scale": 0.088, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    expected = reference_decode_attention(query, *scenario.kv, **options, float64=True)
+    assert_gpu_matches(paged_decode_attention(query, *scenario.kv, **options), expected, torch.bfloat16)
+
+
+def _prefill_case(block_size, dtype, head_dim=128, num_heads=(32, 8), seed=7):
+    seq_lens = [17, 1000, 4096, 2048, 129]
+    q_lens = [17, 1, 4096, 512, 128]  # whole prompt, one token, a long prompt, chunks after a cached prefix
+    scenario = GpuScenario(seq_lens, block_size, num_heads[1], head_dim, dtype, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return scenario, cu, max(q_lens), scenario.query(int(cu[-1]), num_heads[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", GPU_BLOCK_SIZES)
+def test_prefill_llama3_matches_reference(block_size):
+    scenario, cu, max_q, query = _prefill_case(block_size, torch.bfloat16)
+    expected = reference_prefill_attention(query, *scenario.kv, cu, scale=0.088, float64=True)
+    out = paged_prefill_attention(query, *scenario.kv, cu, scale=0.088, max_seqlen_q=max_q)
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", GPU_HEAD_SIZES)
+def test_prefill_head_dims(dtype, head_dim):
+    seq_lens, q_lens = [300, 77], [300, 40]
+    scenario = GpuScenario(seq_lens, 16, 2, head_dim, dtype, seed=8)
+    cu = torch.tensor([0, 300, 340], dtype=torch.int32, device="cuda")
+    query = scenario.query(340, 14)
+    expected = reference_prefill_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, float64=True)
+    out = paged_prefill_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, max_seqlen_q=max(q_lens))
+    assert_gpu_matches(out, expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding_window, soft_cap", [(300, None), (None, 30.0), (700, 50.0)])
+def test_prefill_window_and_soft_cap_on_cuda(sliding_window, soft_cap):
+    scenario, cu, max_q, query = _prefill_case(16, torch.bfloat16, seed=9)
+    options = {"scale": 0.088, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    expected = reference_prefill_attention(query * 4, *scenario.kv, cu, **options, float64=True)
+    assert_gpu_matches(paged_prefill_attention(query * 4, *scenario.kv, cu, **options, max_seqlen_q=max_q),
+                   expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_chunked_prefill_equals_one_shot_on_cuda():
+    scenario = GpuScenario([4096], 16, 8, 128, torch.bfloat16, seed=10)
+    query = scenario.query(4096, 32)
+    whole = paged_prefill_attention(query, *scenario.kv, torch.tensor([0, 4096], dtype=torch.int32, device="cuda"),
+                                    scale=0.088, max_seqlen_q=4096)
+    tail = paged_prefill_attention(query[1500:].contiguous(), *scenario.kv,
+                                   torch.tensor([0, 4096 - 1500], dtype=torch.int32, device="cuda"),
+                                   scale=0.088, max_seqlen_q=4096 - 1500)
+    torch.testing.assert_close(tail.float(), whole[1500:].float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_block_offsets_past_2_to_the_31_on_cuda():
+    block_size, num_kv_heads, head_dim = 16, 8, 128
+    elements_per_block = block_size * num_kv_heads * head_dim
+    num_blocks = 2**31 // elements_per_block + 64  # 4.3 GB per cache in bf16
+    k_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    block_table = torch.tensor([[num_blocks - 1, num_blocks - 40, 3, num_blocks // 2 + 1]], dtype=torch.int32,
+                               device="cuda")
+    seq_len = 60
+    positions = torch.arange(seq_len, device="cuda")
+    slots = block_table[0, positions // block_size].long() * block_size + positions % block_size
+    key = torch.randn(seq_len, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[num_blocks - 1, 3], key[3])
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
+    query = torch.randn(seq_len, 32, head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = (k_cache, v_cache, block_table, seq_lens)
+    expected = reference_decode_attention(query[-1:], *kv, scale=0.088, float64=True)
+    assert_gpu_matches(paged_decode_attention(query[-1:], *kv, scale=0.088, num_splits=3), expected, torch.bfloat16)
+    cu = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
+    expected = reference_prefill_attention(query, *kv, cu, scale=0.088, float64=True)
+    assert_gpu_matches(paged_prefill_attention(query, *kv, cu, scale=0.088, max_seqlen_q=seq_len), expected,
+                   torch.bfloat16)
+    # The unified kernel and every decode schedule on the same far blocks.
+    assert_gpu_matches(paged_attention(query, *kv, cu, scale=0.088, max_seqlen_q=seq_len), expected, torch.bfloat16)
+    for tuning in SCHEDULES.values():
+        assert_gpu_matches(paged_decode_attention(query[-1:], *kv, scale=0.088, num_splits=3, tuning=tuning),
+                       expected[-1:], torch.bfloat16)
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_bad_input_raises_before_launch():
+    scenario = GpuScenario([10, 40], 16, 8, 128, torch.bfloat16, seed=11)
+    query = scenario.query(2, 32)
+    before = scenario.k_cache.clone()
+    table = scenario.block_tables.clone()
+    table[1, 1] = scenario.k_cache.shape[0] + 5
+    calls = [
+        lambda: paged_decode_attention(query.cpu(), *scenario.kv, scale=0.1),  # device
+        lambda: paged_decode_attention(query.float(), *scenario.kv, scale=0.1),  # dtype
+        lambda: paged_decode_attention(query[:, :30], *scenario.kv, scale=0.1),  # heads not a multiple
+        lambda: paged_decode_attention(query, scenario.k_cache, scenario.v_cache, table, scenario.seq_lens,
+                                       scale=0.1),  # block id outside the pool
+        lambda: paged_decode_attention(query, scenario.k_cache, scenario.v_cache, scenario.block_tables,
+                                       scenario.seq_lens * 100, scale=0.1),  # over capacity
+        lambda: write_kv(query[:, :8], query[:, :8], scenario.k_cache, scenario.v_cache,
+                         torch.tensor([0, 10**9], device="cuda")),  # slot outside the pool
+    ]
+    for call in calls:
+        with pytest.raises(KernelInputError):
+            call()
+    torch.testing.assert_close(scenario.k_cache, before, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_decode_is_cuda_graph_capturable():
+    """With validate=False and a host max_seq_len, a decode step has no host sync and can be captured."""
+    scenario = GpuScenario([100, 3000, 17, 4096], 16, 8, 128, torch.bfloat16, seed=12)
+    query = scenario.query(4, 32)
+    out = torch.empty_like(query)
+    options = {"scale": 0.088, "max_seq_len": 4096, "validate": False, "out": out}
+    paged_decode_attention(query, *scenario.kv, **options)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(query, *scenario.kv, **options)
+    query.copy_(scenario.query(4, 32, seed=99))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference_decode_attention(query, *scenario.kv, scale=0.088, float64=True)
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- on CUDA: decode schedules
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", GPU_BLOCK_SIZES)
+@pytest.mark.parametrize("schedule", ["in_kernel"])
+def test_new_decode_schedules_llama3(schedule, block_size):
+    num_heads, num_kv_heads, head_dim = LLAMA3
+    scenario = GpuScenario(LENGTHS + [0], block_size, num_kv_heads, head_dim, torch.bfloat16, seed=20)
+    query = scenario.query(len(LENGTHS) + 1, num_heads)
+    workspace = KernelWorkspace((len(LENGTHS) + 1) * num_kv_heads, "cuda")
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    for _ in range(2):  # the second call starts from the counters the first left behind
+        out = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=max(LENGTHS),
+                                     tuning=SCHEDULES[schedule], workspace=workspace)
+        assert_gpu_matches(out, expected, torch.bfloat16)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        workspace.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["in_kernel"])
+@pytest.mark.parametrize("heads", ENGINE_HEADS + [(28, 4, 128)], ids=["qwen3", "smollm2", "gpt2", "gqa7"])
+def test_new_decode_schedules_engine_heads(schedule, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    scenario = GpuScenario([1, 16, 17, 700, 2049], 16, num_kv_heads, head_dim, torch.bfloat16, seed=21)
+    query = scenario.query(5, num_heads)
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    assert_gpu_matches(paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=2049,
+                                          tuning=SCHEDULES[schedule]), expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["in_kernel"])
+def test_new_decode_schedules_long_single_sequence(schedule):
+    num_heads, num_kv_heads, head_dim = LLAMA3
+    scenario = GpuScenario([32768], 16, num_kv_heads, head_dim, torch.bfloat16, seed=22)
+    query = scenario.query(1, num_heads)
+    expected = reference_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, float64=True)
+    out = paged_decode_attention(query, *scenario.kv, scale=head_dim ** -0.5, max_seq_len=32768,
+                                 tuning=SCHEDULES[schedule])
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["in_kernel"])
+@pytest.mark.parametrize("sliding_window, soft_cap", [(256, None), (None, 30.0), (1000, 50.0), (1, None)])
+def test_new_decode_schedules_window_and_soft_cap(schedule, sliding_window, soft_cap):
+    scenario = GpuScenario(LENGTHS, 16, 8, 128, torch.bfloat16, seed=23)
+    query = scenario.query(len(LENGTHS), 32) * 4
+    options = {"scale": 0.088, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    expected = reference_decode_attention(query, *scenario.kv, **options, float64=True)
+    assert_gpu_matches(paged_decode_attention(query, *scenario.kv, **options, tuning=SCHEDULES[schedule]), expected,
+                   torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_decode_schedules_are_cuda_graph_capturable(schedule):
+    """Captured once; replayed with new queries and new (shorter) lengths: the split follows the device data."""
+    scenario = GpuScenario([100, 3000, 17, 4096, 0, 1], 16, 8, 128, torch.bfloat16, seed=24)
+    query = scenario.query(6, 32)
+    out = torch.empty_like(query)
+    workspace = KernelWorkspace(6 * 8, "cuda")
+    options = {"scale": 0.088, "max_seq_len": 4096, "validate": False, "out": out, "tuning": SCHEDULES[schedule],
+               "workspace": workspace}
+    paged_decode_attention(query, *scenario.kv, **options)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(query, *scenario.kv, **options)
+    for seed, new_lens in ((99, None), (98, [50, 2999, 16, 1, 0, 1])):
+        query.copy_(scenario.query(6, 32, seed=seed))
+        if new_lens is not None:
+            scenario.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_gpu_matches(out, reference_decode_attention(query, *scenario.kv, scale=0.088, float64=True),
+                       torch.bfloat16)
+        workspace.check_integrity()

@@ -11,7 +11,16 @@ Shapes are small because the interpreter runs every program in Python.
 
 import pytest
 import torch
-from kernel_scenarios import Scenario, assert_matches, cu_seqlens
+from kernel_scenarios import (
+    ENGINE_HEADS,
+    LENGTHS,
+    GpuScenario,
+    Scenario,
+    assert_gpu_matches,
+    assert_matches,
+    cu_seqlens,
+    mixed_gpu_case,
+)
 
 from pagedkv.errors import KernelInputError
 from pagedkv.kernels import (
@@ -206,3 +215,79 @@ def test_new_kernels_address_past_2_to_the_31():
                                    tuning=SMALL), expected, torch.float16)
     assert_matches(paged_decode_attention(query[-1:], *kv, scale=0.125, backend="triton", tuning=IN_KERNEL),
                    expected[-1:], torch.float16)
+
+
+# --------------------------------------------------------------------------- on CUDA, at full size
+# Mixed steps of Llama-3-8B attention in bf16, compiled for the GPU, and a CUDA-graph capture of one.
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+GPU_HEAD_SIZES = [64, 80, 96, 128, 256]
+GPU_BLOCK_SIZES = [16, 128]
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", GPU_BLOCK_SIZES)
+@pytest.mark.parametrize("block_m", [None, 16, 128])
+def test_unified_llama3_mixed_step(block_size, block_m):
+    scenario, cu, max_q, query = mixed_gpu_case(block_size)
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True)
+    out = paged_attention(query, *scenario.kv, cu, scale=0.088, max_seqlen_q=max_q,
+                          tuning=UnifiedTuning(block_m=block_m))
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", GPU_HEAD_SIZES)
+def test_unified_head_dims(dtype, head_dim):
+    seq_lens, q_lens = [300, 77, 40, 1], [300, 40, 1, 1]
+    scenario = GpuScenario(seq_lens, 16, 2, head_dim, dtype, seed=31)
+    cu = torch.tensor([0, 300, 340, 341, 342], dtype=torch.int32, device="cuda")
+    query = scenario.query(342, 14)
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, float64=True)
+    assert_gpu_matches(paged_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, max_seqlen_q=300), expected,
+                   dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", ENGINE_HEADS + [(32, 32, 128), (28, 4, 128)],
+                         ids=["qwen3", "smollm2", "gpt2", "mha", "gqa7"])
+def test_unified_gqa_groups(heads):
+    scenario, cu, max_q, query = mixed_gpu_case(16, heads=heads, seed=32)
+    scale = heads[2] ** -0.5
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=scale, float64=True)
+    assert_gpu_matches(paged_attention(query, *scenario.kv, cu, scale=scale, max_seqlen_q=max_q), expected,
+                   torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding_window, soft_cap", [(300, None), (None, 30.0), (700, 50.0)])
+def test_unified_window_and_soft_cap_on_cuda(sliding_window, soft_cap):
+    scenario, cu, max_q, query = mixed_gpu_case(16, seed=33)
+    options = {"scale": 0.088, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    expected = reference_paged_attention(query * 4, *scenario.kv, cu, **options, float64=True)
+    assert_gpu_matches(paged_attention(query * 4, *scenario.kv, cu, **options, max_seqlen_q=max_q), expected,
+                   torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_unified_mixed_step_is_cuda_graph_capturable():
+    """Captured once; replayed after the step's contents change (other chunk split, other lengths, same shape)."""
+    scenario, cu, max_q, query = mixed_gpu_case(16, seed=34)
+    out = torch.empty_like(query)
+    options = {"scale": 0.088, "max_seqlen_q": max_q, "max_seq_len": 4096, "validate": False, "out": out}
+    paged_attention(query, *scenario.kv, cu, **options)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(query, *scenario.kv, cu, **options)
+    num_decode = len(LENGTHS)
+    # Same token count: 100 of the 1000-token chunk's tokens move to the one-token chunk before it.
+    q_lens = [1] * num_decode + [17, 101, 900, 512, 128]
+    seq_lens = LENGTHS + [17, 1000, 4000, 2048, 129]
+    for new_q_lens, new_seq_lens in ((None, None), (q_lens, seq_lens)):
+        if new_q_lens is not None:
+            cu.copy_(torch.tensor([0, *torch.tensor(new_q_lens).cumsum(0).tolist()], dtype=torch.int32))
+            scenario.seq_lens.copy_(torch.tensor(new_seq_lens, dtype=torch.int32))
+        query.copy_(torch.randn_like(query))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_gpu_matches(out, reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True),
+                       torch.bfloat16)

@@ -9,7 +9,18 @@ kernel that steps over the stride reads NaN, runs past the pool, or fails the co
 
 import pytest
 import torch
-from kernel_scenarios import Scenario, assert_matches, cu_seqlens
+from kernel_scenarios import (
+    LENGTHS,
+    SCHEDULES,
+    Scenario,
+    assert_gpu_matches,
+    assert_matches,
+    cu_seqlens,
+    interleave,
+    mixed_gpu_case,
+    poisoned_views,
+    strided_out,
+)
 
 from pagedkv.kernels import (
     DecodeTuning,
@@ -18,6 +29,7 @@ from pagedkv.kernels import (
     paged_decode_attention,
     paged_prefill_attention,
     reference_decode_attention,
+    reference_paged_attention,
     reference_prefill_attention,
     reference_write_kv,
     write_kv,
@@ -25,28 +37,6 @@ from pagedkv.kernels import (
 
 BACKENDS = ["triton", "torch"]
 SCALE = 0.125
-
-
-def interleave(tensor: torch.Tensor, poison, dim: int = 0) -> torch.Tensor:
-    """A view of `tensor` with stride 2 along `dim`, over storage whose odd entries hold `poison`."""
-    shape = list(tensor.shape)
-    shape[dim] *= 2
-    wide = torch.full(shape, poison, dtype=tensor.dtype)
-    view = wide.narrow(dim, 0, shape[dim]).unflatten(dim, (tensor.shape[dim], 2)).select(dim + 1, 0)
-    view.copy_(tensor)
-    assert view.stride(dim) == 2 * tensor.contiguous().stride(dim)
-    return view
-
-
-def poisoned_views(scenario: Scenario):
-    """block_tables[:, ::2] over poisoned block ids, seq_lens[::2] over huge lengths."""
-    poison_block = int(scenario.block_tables[0, -1])  # a padding entry: a NaN block no sequence owns
-    return (interleave(scenario.block_tables, poison_block, dim=1), interleave(scenario.seq_lens, 10**6))
-
-
-def strided_out(like: torch.Tensor) -> torch.Tensor:
-    """An `out` whose head_dim stride is 2, over NaN storage."""
-    return interleave(torch.empty_like(like), float("nan"), dim=2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -131,3 +121,28 @@ def test_write_kv_reads_strided_slots_and_keys(backend, has_padding):
              slot_view, backend=backend, has_padding=has_padding)
     torch.testing.assert_close(k_cache, k_expected, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, v_expected, atol=0, rtol=0, equal_nan=True)
+
+
+# --------------------------------------------------------------------------- on CUDA
+@pytest.mark.gpu
+def test_strided_views_on_gpu():
+    scenario, cu, max_q, query = mixed_gpu_case(16, seed=35)
+    poison_block = int(scenario.block_tables[0, -1])
+    tables = interleave(scenario.block_tables, poison_block, dim=1)
+    lens = interleave(scenario.seq_lens, 10**6)
+    cu_view = interleave(cu, 10**7)
+    strided_query = interleave(query, float("nan"), dim=2)
+    kv = (scenario.k_cache, scenario.v_cache, tables, lens)
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True)
+    out = interleave(torch.empty_like(query), float("nan"), dim=2)
+    paged_attention(strided_query, *kv, cu_view, scale=0.088, max_seqlen_q=max_q, out=out)
+    assert_gpu_matches(out, expected, torch.bfloat16)
+    paged_prefill_attention(strided_query, *kv, cu_view, scale=0.088, max_seqlen_q=max_q, out=out)
+    assert_gpu_matches(out, expected, torch.bfloat16)
+    rows = torch.arange(len(LENGTHS), device="cuda")  # the decode rows: token i is sequence i's only query
+    decode_kv = (scenario.k_cache, scenario.v_cache, tables[: len(LENGTHS)], lens[: len(LENGTHS)])
+    for tuning in SCHEDULES.values():
+        decode_out = interleave(torch.empty_like(query[rows]), float("nan"), dim=2)
+        paged_decode_attention(strided_query[: len(LENGTHS)], *decode_kv, scale=0.088, max_seq_len=4096,
+                               out=decode_out, tuning=tuning)
+        assert_gpu_matches(decode_out, expected[rows], torch.bfloat16)
