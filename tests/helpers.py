@@ -2,9 +2,13 @@
 
 import functools
 
+import pytest
 import torch
 
 from pagedkv.hf import load_model, load_tokenizer, random_model
+
+#: For the `gpu` tests that spread over two devices (data and tensor parallel).
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,7 +30,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: bool = False) 
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, past_key_values=DynamicCache(),
                              eos_token_id=model.generation_config.eos_token_id if eos else None,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from helpers import needs_two_gpus
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ConfigError, InvalidArgumentError
 
@@ -242,3 +243,25 @@ def test_replica_devices_give_each_tensor_parallel_group_its_own_gpus(monkeypatc
     assert DataParallelEngine._devices(config, 2, fake_torch) == ["cuda:0", "cuda:2"]
     with pytest.raises(ConfigError, match="needs 6 GPUs, but torch sees 4"):
         DataParallelEngine._devices(config, 3, fake_torch)
+
+
+# --------------------------------------------------------------------------- on two CUDA GPUs
+# Data-parallel replicas on two GPUs: each replica on its own device, fp32 greedy tokens equal one engine's.
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])  # own decoder with graphs; HF's modules
+def test_two_replicas_on_two_gpus_equal_one_engine_fp32(name):
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 30, 64, 5, 17)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    options = dict(dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=256, max_num_seqs=16)
+    single = [o.outputs[0].token_ids for o in LLM(f"random:{name}", **options).generate(prompts, params)]
+    llm = LLM(f"random:{name}", data_parallel_size=2, **options)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == single
+        health = llm.engine.health()
+        assert [(h["alive"], h["device"]) for h in health] == [(True, "cuda:0"), (True, "cuda:1")]
+        assert all(n > 0 for n in llm.engine.router.stats.num_per_replica)  # distinct prompts: spread by load
+        assert llm.stats()["num_used_blocks"] == 0
+    finally:
+        llm.engine.shutdown()

@@ -1,11 +1,14 @@
-"""PagedCache as a drop-in `past_key_values` for HF `generate` and `forward`."""
+"""PagedCache as a drop-in `past_key_values` for HF `generate` and `forward`, on CPU and (marked `gpu`) on CUDA."""
+
+import copy
 
 import pytest
 import torch
 from transformers import DynamicCache
 
 from helpers import left_padded as _batch
-from helpers import smollm2, tiny
+from helpers import left_padded, smollm2, tiny
+from hf_oracle import generate, paged_and_oracle, sdpa
 from pagedkv import InvalidArgumentError, ModelMismatchError, PagedKVError
 from pagedkv.hf import PagedCache, PagePool, random_model
 
@@ -155,3 +158,72 @@ def test_step_metadata_starts_every_kernel_input_on_16_bytes():
     assert len(tensors) == 4 + 3 * 3 and all(t.data_ptr() % 16 == 0 for t in tensors)  # 1 prefill + 3 decodes
     cache.free()
     pool.check_integrity()
+
+
+# --------------------------------------------------------------------------- on CUDA
+# PagedCache's Cache contract on CUDA: pinned metadata staging, copy-on-write on the device, Triton kernels.
+CUDA_FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-mistral", "tiny-qwen2"]
+
+
+def _left_padded(lengths):
+    ids, mask = left_padded(lengths)
+    return ids.cuda(), mask.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CUDA_FAMILIES)
+def test_paged_cache_on_cuda_equals_dynamic_cache_fp32(name):
+    model = random_model(name, torch.float32, "cuda")
+    ids, mask = _left_padded([5, 9, 13, 2, 17, 1, 8, 11])
+    pool = PagePool.for_model(model, num_blocks=256, block_size=16)
+    with PagedCache(pool) as cache:
+        paged = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, past_key_values=cache,
+                               pad_token_id=0, eos_token_id=None)
+    model.set_attn_implementation("sdpa")
+    dynamic = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                             past_key_values=DynamicCache(), pad_token_id=0, eos_token_id=None)
+    assert torch.equal(paged, dynamic)
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_beams_samples_and_assisted_decoding_on_cuda_equal_dynamic_cache(name):
+    model = random_model(name, torch.float32, "cuda")
+    assistant = random_model(name, torch.float32, "cuda", seed=1, attn_implementation="sdpa")
+    ids, mask = (t.cuda() for t in left_padded([6, 11]))
+    pool = PagePool.for_model(model, num_blocks=256, block_size=16)
+    runs = {
+        "beams": ((ids, mask), dict(num_beams=4, num_return_sequences=2, do_sample=False)),
+        "samples": ((ids, mask), dict(do_sample=True, num_return_sequences=4)),
+        "assisted": ((ids[1:], mask[1:]), dict(do_sample=False, assistant_model=assistant)),
+        "lookup": ((ids[1:], mask[1:]), dict(do_sample=False, prompt_lookup_num_tokens=3)),
+    }
+    for (run_ids, run_mask), kwargs in runs.values():
+        got, expected = paged_and_oracle(
+            model, pool, lambda cache: generate(model, run_ids, run_mask, cache, 20, **kwargs), seed=0)
+        assert torch.equal(got, expected), kwargs
+    assert pool.num_used_blocks == 0
+    pool.check_integrity()
+
+
+@pytest.mark.gpu
+def test_deepcopy_prompt_reuse_on_cuda():
+    model = random_model("tiny-llama", torch.float32, "cuda")
+    prompt = left_padded([21], seed=5)[0].cuda()  # a partial last block, shared by every copy
+    pool = PagePool.for_model(model, num_blocks=64, block_size=16)
+
+    def reuse(prompt_cache):
+        with torch.no_grad():
+            model(prompt, past_key_values=prompt_cache, use_cache=True)
+        outs = []
+        for suffix in ([[7, 8]], [[9]], [[7, 8]]):
+            ids = torch.cat([prompt, torch.tensor(suffix, device="cuda")], dim=1)
+            outs.append(generate(model, ids, torch.ones_like(ids), copy.deepcopy(prompt_cache), 12, do_sample=False))
+        return outs
+
+    got = reuse(PagedCache(pool))
+    with sdpa(model):
+        expected = reuse(DynamicCache())
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert torch.equal(got[0], got[2])
