@@ -136,12 +136,13 @@ class OutputProcessor:
         """seq id -> sampled token (a list of n for a forking first sample), from a step's read-back rows."""
         sampled = {}
         scheduled = out.scheduled
+        wants_logprobs = logprobs is not None
         rows = zip(step_input.sample_seqs, step_input.sampling, token_ids, logprobs or itertools.repeat(None))
         for index, row, tokens, entries in rows:
             seq = scheduled[index].seq
             try:
                 sampled[seq.seq_id] = tokens if len(tokens) > 1 else tokens[0]
-                if row.params.logprobs is not None:
+                if wants_logprobs and row.params.logprobs is not None:
                     request = self.seq_to_request[seq.seq_id]
                     for sample_index, entry in zip(row.sample_indices, entries):
                         request.logprobs.setdefault(sample_index, []).append(entry)
@@ -171,16 +172,20 @@ class OutputProcessor:
         for seq_id, tokens in sampled.items():
             self.num_generated_tokens += len(tokens) if isinstance(tokens, list) else 1
             if (request := self.seq_to_request.get(seq_id)) is not None:
-                request.first_token_time = request.first_token_time or now
+                if request.first_token_time is None:
+                    request.first_token_time = now
                 touched[request.request_id] = request
         ended = {seq.request_id for seq in finished}
+        offline = not self.stream_outputs
         for request in touched.values():
             try:
-                if not self.stream_outputs:
+                if offline:  # nothing to report until the request finishes (stop strings may finish it now)
                     if request.request_id not in ended:
+                        if not request.params.stop:
+                            continue
                         self.check_stop_strings(request)
                     if not request.is_finished:
-                        continue  # offline: nothing to report until the request finishes
+                        continue
                 output = self.output(request)
             except Exception as error:  # noqa: BLE001 - contained to this request
                 output = self.isolate(request, error)
