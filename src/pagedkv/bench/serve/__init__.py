@@ -65,7 +65,9 @@ def build_parser(prog: str = "pagedkv bench serve") -> argparse.ArgumentParser:
     data.add_argument("--vocab-size", type=int, default=10_000,
                       help="random token ids are drawn below this (default %(default)s)")
     data.add_argument("--dataset-path", default=None,
-                      help="ShareGPT-format JSON for --dataset sharegpt (default: a small synthetic sample)")
+                      help="ShareGPT-format JSON for --dataset sharegpt (default: a small synthetic sample); for "
+                           "--dataset ids, a JSON list of {\"prompt_token_ids\": [...], \"max_tokens\": N}, "
+                           "replayed in order")
     data.add_argument("--sharegpt-output-len", type=int, default=None, help="max_tokens instead of each reply's")
     data.add_argument("--num-prefixes", type=int, default=4, help="prefix-chat system prompts (default %(default)s)")
     data.add_argument("--prefix-len", type=int, default=256, help="tokens per system prompt (default %(default)s)")

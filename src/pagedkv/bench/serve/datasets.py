@@ -1,4 +1,5 @@
-"""The requests `bench serve` sends: `random`, `sharegpt` and `prefix-chat`, as vLLM's bench names them.
+"""The requests `bench serve` sends: `random`, `sharegpt` and `prefix-chat`, as vLLM's bench names them,
+and `ids`, an exact list of token-id prompts replayed from a file.
 
 A request is a list of messages (role, content) plus the number of tokens to ask for. Content
 is either token ids (random, prefix-chat) or text (sharegpt). `BenchRequest.body` renders it
@@ -177,6 +178,34 @@ def sharegpt_requests(path: str | Path, num_requests: int, seed: int, output_len
                                    f"4..{max_prompt_tokens} prompt tokens, <= {max_total_tokens} in all)")
     random.Random(seed).shuffle(pairs)
     return [pairs[i % len(pairs)] for i in range(num_requests)]
+
+
+def token_id_requests(path: str | Path, num_requests: int) -> list[BenchRequest]:
+    """`ids`: the first `num_requests` of a JSON list of {"prompt_token_ids": [...], "max_tokens": N}, in order.
+
+    Replays an exact request list (an offline engine run's, say) so the server sees the same
+    prompts and lengths. Never cycles: a repeated prompt would hit the prefix cache.
+    """
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise InvalidArgumentError(f"cannot read token-id file {str(path)!r}: {error}") from None
+    if not isinstance(rows, list):
+        raise InvalidArgumentError(f"token-id file {str(path)!r} must hold a JSON list of requests")
+    if num_requests > len(rows):
+        raise InvalidArgumentError(f"token-id file {str(path)!r} holds {len(rows)} requests, {num_requests} "
+                                   f"asked for: pass --num-prompts {len(rows)} or fewer")
+    requests = []
+    for index, row in enumerate(rows[:num_requests]):
+        ids = row.get("prompt_token_ids") if isinstance(row, dict) else None
+        max_tokens = row.get("max_tokens") if isinstance(row, dict) else None
+        if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids)
+                or not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
+            raise InvalidArgumentError(f"token-id file {str(path)!r}, request {index}: expected "
+                                       f'{{"prompt_token_ids": [non-negative ints], "max_tokens": int}}, got '
+                                       f"{str(row)[:120]}")
+        requests.append(BenchRequest((("user", tuple(ids)),), len(ids), max_tokens))
+    return requests
 
 
 def prefix_chat_requests(num_prefixes: int, num_conversations: int, num_turns: int, prefix_len: int,

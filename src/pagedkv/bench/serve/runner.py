@@ -23,7 +23,7 @@ from pagedkv.bench.serve.client import OpenAIClient, measure_loop_lag
 from pagedkv.bench.serve.metrics import RequestRecord, client_overhead, summarize
 from pagedkv.errors import InvalidArgumentError
 
-DATASETS = ("random", "sharegpt", "prefix-chat")
+DATASETS = ("random", "sharegpt", "prefix-chat", "ids")
 
 
 def arrival_offsets(num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -101,7 +101,7 @@ class ServeBenchConfig:
     random_output_len: int = 128
     random_range_ratio: float = 0.0
     vocab_size: int = 10_000
-    dataset_path: str | None = None  # sharegpt (default: the sample shipped with pagedkv)
+    dataset_path: str | None = None  # sharegpt (default: the sample shipped with pagedkv); ids (required)
     sharegpt_output_len: int | None = None
     num_prefixes: int = 4
     prefix_len: int = 256
@@ -120,6 +120,8 @@ class ServeBenchConfig:
     def __post_init__(self):
         if self.dataset not in DATASETS:
             raise InvalidArgumentError(f"dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        if self.dataset == "ids" and not self.dataset_path:
+            raise InvalidArgumentError("dataset ids replays a file: give its path (--dataset-path)")
         if self.prompt_format not in ("auto", *datasets.PROMPT_FORMATS):
             raise InvalidArgumentError(f"prompt format must be auto, {', '.join(datasets.PROMPT_FORMATS)}, "
                                        f"got {self.prompt_format!r}")
@@ -140,6 +142,8 @@ class ServeBenchConfig:
         if self.dataset == "sharegpt":
             return datasets.sharegpt_requests(self.dataset_path or datasets.sharegpt_path(), self.num_prompts,
                                               self.seed, self.sharegpt_output_len)
+        if self.dataset == "ids":
+            return datasets.token_id_requests(self.dataset_path, self.num_prompts)
         return datasets.prefix_chat_requests(self.num_prefixes, self.num_conversations, self.num_turns,
                                              self.prefix_len, self.random_input_len, self.random_output_len,
                                              self.random_range_ratio, self.vocab_size, self.seed)
