@@ -76,35 +76,59 @@ class RequestFailedError(PagedKVError):
 class RequestStream:
     """Outputs of one or more engine requests, delivered to one asyncio consumer.
 
-    The engine thread puts items with `put_threadsafe`; the consumer awaits `get`. Items sit in
-    a deque and an `asyncio.Event` only signals, so a `get` cancelled by its timeout loses nothing.
+    The engine thread puts items with `put_threadsafe` (or, for a whole step's outputs at once,
+    `deliver_threadsafe`); the consumer awaits `get`. Items sit in a deque and an `asyncio.Event`
+    only signals, so a `get` cancelled by its timeout loses nothing.
+
+    An output carries its request's whole state so far (text, token ids, logprobs), so when the
+    consumer falls behind, `get` returns only the newest of a request's queued outputs: a slow
+    client, or an event loop at its limit, gets one chunk covering several tokens instead of
+    falling further behind one token at a time (vLLM v1's output collector merges the same way).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        self.loop = loop
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         """Hand an output (or the error that ends the stream) to the consumer's event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            pass
+        deliver_threadsafe(self.loop, [(self, item)])
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """On the event loop: queue an item and wake the consumer."""
         self._items.append(item)
         self._ready.set()
 
     async def get(self, timeout_s: float | None = None) -> RequestOutput:
-        """The next output; raises the stream's error, or `TimeoutError` after `timeout_s`."""
+        """The next output (the newest queued one of its request); raises the stream's error, or
+        `TimeoutError` after `timeout_s`."""
         while not self._items:
             self._ready.clear()
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         item = self._items.popleft()
         if isinstance(item, BaseException):
             raise item
+        items = self._items
+        while items and isinstance(items[0], RequestOutput) and items[0].request_id == item.request_id:
+            item = items.popleft()  # supersedes the one before: it holds everything that one did
         return item
+
+
+def _put_all(pairs: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in pairs:
+        stream.put(item)
+
+
+def deliver_threadsafe(loop: asyncio.AbstractEventLoop,
+                       pairs: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """Hand many streams their items with one wake-up of `loop` (one per step, not one per output)."""
+    if not pairs:
+        return
+    try:
+        loop.call_soon_threadsafe(_put_all, pairs)
+    except RuntimeError:  # the event loop has closed: nobody is listening any more
+        pass
 
 
 @dataclass
@@ -153,6 +177,7 @@ class AsyncEngine:
         self._on_dead = on_dead
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}
+        self._outbox: list | None = None  # a step's (stream, item) hand-offs while _dispatch runs
         self._lock = threading.Lock()  # orders "is it dead / draining?" against "put a command"; guards counts
         self._dead: BaseException | None = None
         self._draining = False
@@ -359,7 +384,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_abort("error")
         error.request_id = request_id
-        tracked.stream.put_threadsafe(error)
+        self._send(tracked.stream, error)
 
     def _stop_waiting(self, tracked: _Tracked) -> None:
         if tracked.is_waiting:
@@ -368,15 +393,32 @@ class AsyncEngine:
                 self._num_waiting -= 1
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one event-loop wake-up per step, in order."""
         now = time.perf_counter()
-        for output in outputs:
-            try:
-                self._deliver(output, now)
-            except Exception as error:  # noqa: BLE001 - this request fails, the others are delivered
-                logger.error("delivering request %s failed: %s: %s", output.request_id, type(error).__name__,
-                             error, exc_info=error)
-                self._fail(output.request_id, RequestFailedError(f"delivering this request's output failed: "
-                                                                 f"{type(error).__name__}: {error}"))
+        self._outbox = []
+        try:
+            for output in outputs:
+                try:
+                    self._deliver(output, now)
+                except Exception as error:  # noqa: BLE001 - this request fails, the others are delivered
+                    logger.error("delivering request %s failed: %s: %s", output.request_id, type(error).__name__,
+                                 error, exc_info=error)
+                    self._fail(output.request_id, RequestFailedError(f"delivering this request's output failed: "
+                                                                     f"{type(error).__name__}: {error}"))
+        finally:
+            pairs, self._outbox = self._outbox, None
+            by_loop: dict = {}
+            for stream, item in pairs:
+                by_loop.setdefault(stream.loop, []).append((stream, item))
+            for loop, loop_pairs in by_loop.items():
+                deliver_threadsafe(loop, loop_pairs)
+
+    def _send(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        """Queue `item` for this step's one hand-off (see `_dispatch`), or hand it over now outside a step."""
+        if self._outbox is not None:
+            self._outbox.append((stream, item))
+        else:
+            stream.put_threadsafe(item)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         tracked = self._tracked.get(output.request_id)
@@ -397,7 +439,7 @@ class AsyncEngine:
                 reason = output.outputs[0].finish_reason if output.outputs else "abort"
                 self.metrics.observe_request(tracked.arrival_s, tracked.first_token_s, now, num_tokens,
                                              reason or "abort")
-        tracked.stream.put_threadsafe(output)
+        self._send(tracked.stream, output)
 
     def _die(self, error: BaseException) -> None:
         """Stop taking commands, abort what is in flight and fail every stream and pending call."""
