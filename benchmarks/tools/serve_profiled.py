@@ -286,7 +286,7 @@ class Windows:
             entry["cpu_s"] += used
             entry["num_threads"] += 1
         for entry in cpu.values():
-            entry["cpu_share_of_wall"] = entry["cpu_s"] / cpu_span_s
+            entry["cpu_share_of_wall"] = entry["cpu_s"] / cpu_span_s if cpu_span_s else None  # no samples
         loop = {part: {"s": clock.seconds[part], "share_of_wall": clock.seconds[part] / span_s,
                        "calls": clock.calls[part]} for part in clock.PARTS}
         loop["other"] = {"s": span_s - sum(clock.seconds.values()),
