@@ -5,14 +5,10 @@
     schedule (Scheduler) -> StepInput (StepInputBuilder) -> execute (ModelRunner) -> update (Scheduler)
         -> outputs (OutputProcessor)
 
-Startup (model path, pool size, max_model_len, FP8 scales) lives in `engine.startup`; with
-`tensor_parallel_size > 1` the workers and the group live in `distributed.executor`, and this
-engine is rank 0: it schedules, sends each step to the workers and samples.
-
-One request's failure is its own: an exception while resolving, reading back or detokenizing
-a request ends that request with an error output (blocks freed) and its step-mates go on. A
-failed forward pass raises `StepFailedError` naming the step's requests, which are failed;
-requests that were not in that step go on.
+Startup lives in `engine.startup`; under tensor parallelism the group lives in `distributed.executor`
+and this engine is rank 0 (it schedules, sends each step to the workers and samples). A request that
+fails while resolving, reading back or detokenizing ends alone (`OutputProcessor.isolate`); a failed
+forward pass raises `StepFailedError` naming that step's requests, and the others go on.
 """
 
 from __future__ import annotations
