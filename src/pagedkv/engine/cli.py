@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
             continue
         print(f"### {prompt}")
         if output.error:
-            print(f"(rejected: {output.error})")
+            refused = any(c.finish_reason == "rejected" for c in output.outputs)
+            print(f"({'rejected' if refused else 'failed'}: {output.error})")
         for number, completion in enumerate(output.outputs, 1):
             if len(output.outputs) > 1:
                 print(f"--- completion {number} of {len(output.outputs)}")

@@ -26,7 +26,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", "rejected"
+    finish_reason: str | None = None  # "stop", "length", "abort", "rejected", "error"
     logprobs: list[TokenLogprobs] | None = None  # one per token, when SamplingParams.logprobs is set
 
     @property
@@ -44,7 +44,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    error: str | None = None  # set when the request was rejected
+    error: str | None = None  # why it was rejected (finish reason "rejected") or failed ("error")
     metrics: dict = field(default_factory=dict)  # arrival, first_token and finish times (perf_counter s)
 
 

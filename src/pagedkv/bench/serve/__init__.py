@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import tempfile
 from pathlib import Path
 
 from pagedkv.bench.serve.runner import DATASETS, ServeBenchConfig, run_benchmark
 from pagedkv.cli import ArgumentParser
+from pagedkv.results import add_out_argument
 
-DEFAULT_OUT = Path(tempfile.gettempdir()) / "pagedkv-bench-serve"
 
 #: --smoke: seconds against a tiny model on CPU; flags given explicitly still win.
 SMOKE_DEFAULTS = dict(dataset="random", num_prompts=8, random_input_len=16, random_output_len=8,
@@ -85,8 +84,7 @@ def build_parser(prog: str = "pagedkv bench serve") -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
     parser.add_argument("--smoke", action="store_true", help="8 short requests at two rates, for CI")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="directory for serve.json and serve.png "
-                        "(default %(default)s)")
+    add_out_argument(parser, "serve.json and serve.png")
     return parser
 
 
