@@ -1,5 +1,8 @@
 """Data-parallel replicas: N whole engines, one per GPU (or per TP group), behind the prefix-aware router.
 
+With N = 1 this is the engine in a process of its own (`pagedkv serve --engine-process`): the
+server's event loop and the engine's step loop then hold separate interpreter locks.
+
 `DataParallelEngine` has the engine's request API (`add_request`, `step`, `abort`, `stats`, ...)
 so `LLM` and the OpenAI server drive it like one `LLMEngine`. Each replica is a process of its
 own (spawned, so each engine's Python loop has its own interpreter and no replica waits on
@@ -31,6 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 from multiprocessing.reduction import ForkingPickler
 
+from pagedkv.distributed.output_deltas import DeltaDecoder, DeltaEncoder
 from pagedkv.distributed.router import Router, RouterConfig
 from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
@@ -61,6 +65,7 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
     consumed = 0
+    encoder = DeltaEncoder()  # streamed outputs cross the pipe as what each request gained since its last
     # Replies go out through a sender thread, never from this loop: the parent may be blocked
     # sending this replica a burst of requests while not reading, and a loop blocked on its own
     # send (its outputs filling the pipe) would then never read them - both sides stuck for good.
@@ -99,6 +104,7 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
                     send(("rejected", (request_id, f"{type(error).__name__}: {error}")))
             elif command == "abort":
                 engine.abort(payload)
+                encoder.forget(payload)
             elif command == "stats":
                 send(("stats", engine.stats().as_dict()))
             elif command == "stream":
@@ -110,9 +116,11 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
                 outputs = engine.step()
             except StepFailedError as error:  # the engine failed that step's requests; the replica goes on
                 send(("failed", (error.request_ids, str(error))))
+                for request_id in error.request_ids:
+                    encoder.forget(request_id)
                 outputs = []
             if outputs:
-                send(("outputs", outputs))
+                send(("outputs", [encoder.encode(output) for output in outputs]))
             if time.perf_counter() - last_push >= _STATS_PUSH_S or not engine.has_unfinished_requests():
                 push_stats()
         publish()
@@ -232,8 +240,8 @@ class DataParallelEngine:
         from pagedkv.engine.scheduler import Scheduler
         from pagedkv.models.loader import load_tokenizer
 
-        if data_parallel_size < 2:
-            raise ConfigError(f"data_parallel_size must be >= 2 for replicas, got {data_parallel_size}")
+        if data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         devices = self._devices(config, data_parallel_size, torch)
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
@@ -268,6 +276,7 @@ class DataParallelEngine:
         self.max_model_len = min(r.info["max_model_len"] for r in self.replicas)
         self._fits = Scheduler(self.replicas[0].info["scheduler_config"])  # bookkeeping only: admission checks
         self._request_replica: dict[str, int] = {}
+        self._decoder = DeltaDecoder()
         self._stream_outputs = True
         logger.info("data parallel: %d replicas on %s", len(self.replicas), ", ".join(devices))
 
@@ -332,6 +341,7 @@ class DataParallelEngine:
             return False
         replica = self.replicas[index]
         replica.requests.discard(request_id)
+        self._decoder.forget(request_id)
         if replica.process.is_alive():
             replica.send(("abort", request_id))
         return True
@@ -361,7 +371,8 @@ class DataParallelEngine:
                 self._drain(replica)
                 for kind, payload in replica.inbox:
                     if kind == "outputs":  # not those of requests aborted since the replica sent them
-                        outputs += [output for output in payload if output.request_id in replica.requests]
+                        outputs += [self._decoder.decode(delta) for delta in payload
+                                    if delta.request_id in replica.requests]
                     elif kind == "rejected":
                         request_id, message = payload
                         outputs.append(self._failed(request_id, message, "rejected"))
@@ -390,6 +401,7 @@ class DataParallelEngine:
             pass
 
     def _failed(self, request_id: str, message: str, reason: str) -> RequestOutput:
+        self._decoder.forget(request_id)
         return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], reason)], True, error=message)
 
     def stats(self, timeout_s: float = 30.0):

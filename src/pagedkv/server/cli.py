@@ -94,6 +94,9 @@ def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
                         help="host memory for swapped blocks, swap mode (default 256MiB)")
     engine.add_argument("--watermark", type=float, default=0.01,
                         help="fraction of blocks kept free at admission (default %(default)s)")
+    engine.add_argument("--engine-process", action="store_true",
+                        help="run the engine in a process of its own, so the HTTP event loop and the engine's "
+                             "step loop do not share one interpreter lock (implied by --data-parallel-size > 1)")
     return parser
 
 
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
         from pagedkv.engine.engine import LLMEngine
         from pagedkv.server.app import DEFAULT_SERVED_MODEL_NAME, create_app
 
-        if args.data_parallel_size > 1:
+        if args.data_parallel_size > 1 or args.engine_process:
             from pagedkv.distributed.data_parallel import DataParallelEngine
 
             engine = DataParallelEngine(config, args.data_parallel_size)
