@@ -168,3 +168,17 @@ def run_batch(engine, requests, rng: random.Random, context: str) -> tuple[dict,
     else:
         raise AssertionError(f"{context}: the batch did not finish in 10,000 steps")
     return final, aborted
+
+
+def fail_in_resolve(monkeypatch, request_id: str, after_tokens: int) -> None:
+    """Make resolving `request_id` raise once it has `after_tokens` output tokens (its step-mates untouched)."""
+    from pagedkv.engine.scheduler import Scheduler
+
+    original = Scheduler._token_stop
+
+    def broken_for_one_request(self, seq, token, index):
+        if seq.request_id == request_id and seq.num_output_tokens >= after_tokens:
+            raise RuntimeError("injected failure while resolving")
+        return original(self, seq, token, index)
+
+    monkeypatch.setattr(Scheduler, "_token_stop", broken_for_one_request)

@@ -139,29 +139,35 @@ SCHEDULES = {"split": DecodeTuning(), "in_kernel": DecodeTuning(merge="in_kernel
 ENGINE_HEADS = [(16, 8, 128), (9, 3, 64), (12, 12, 64)]
 
 
+def shuffled_layout(seq_lens, block_size, generator, extra_blocks=31):
+    """(num_blocks, block_tables [B, max_blocks + 3] int32, slots) on CUDA: each sequence's blocks drawn in
+    shuffled order from a pool of its blocks plus `extra_blocks`, the table's unused columns pointing at
+    blocks nobody owns (so a kernel that reads past a sequence's end reads NaN)."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    order = torch.randperm(num_blocks, generator=generator)
+    owned, unowned = order[: sum(blocks_per_seq)], order[sum(blocks_per_seq):]
+    table = unowned[torch.randint(len(unowned), (len(seq_lens), max(blocks_per_seq) + 3), generator=generator)]
+    slots, start = [], 0
+    for b, (n, num) in enumerate(zip(seq_lens, blocks_per_seq)):
+        table[b, :num] = owned[start : start + num]
+        start += num
+        positions = torch.arange(n)
+        slots.append(table[b, positions // block_size] * block_size + positions % block_size)
+    return num_blocks, table.to(torch.int32).cuda(), torch.cat(slots).cuda()
+
+
 class GpuScenario:
     """A NaN-poisoned CUDA pool with sequences behind shuffled block tables (written in one scatter)."""
 
     def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, dtype, *, extra_blocks=31, seed=0):
         generator = torch.Generator().manual_seed(seed)
-        blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-        num_blocks = sum(blocks_per_seq) + extra_blocks
+        num_blocks, self.block_tables, self.slots = shuffled_layout(seq_lens, block_size, generator, extra_blocks)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size, self.dtype = block_size, dtype
         self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
         self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-        order = torch.randperm(num_blocks, generator=generator)
-        owned, unowned = order[: sum(blocks_per_seq)], order[sum(blocks_per_seq):]
-        table = unowned[torch.randint(len(unowned), (len(seq_lens), max(blocks_per_seq) + 3), generator=generator)]
-        slots, start = [], 0
-        for b, (n, num) in enumerate(zip(seq_lens, blocks_per_seq)):
-            table[b, :num] = owned[start : start + num]
-            start += num
-            positions = torch.arange(n)
-            slots.append(table[b, positions // block_size] * block_size + positions % block_size)
-        self.block_tables = table.to(torch.int32).cuda()
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        self.slots = torch.cat(slots).cuda()
         self.keys = torch.randn(len(self.slots), num_kv_heads, head_dim, generator=generator).to("cuda", dtype)
         self.values = torch.randn(len(self.slots), num_kv_heads, head_dim, generator=generator).to("cuda", dtype)
         write_kv(self.keys, self.values, self.k_cache, self.v_cache, self.slots)

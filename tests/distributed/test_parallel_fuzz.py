@@ -8,7 +8,7 @@ failed its whole step, and on a replica or a TP group that took its step-mates d
 import random
 
 import pytest
-from fuzz_requests import FuzzRequest, check_final_output, draw_requests, fuzz_seed, run_batch
+from fuzz_requests import FuzzRequest, check_final_output, draw_requests, fail_in_resolve, fuzz_seed, run_batch
 
 from pagedkv import LLM, SamplingParams
 
@@ -46,19 +46,10 @@ def test_fuzz_on_parallel_engines(parallel):
 @pytest.mark.slow
 def test_a_request_failing_on_rank_0_fails_alone_under_tensor_parallelism(monkeypatch):
     """Resolving happens on rank 0 only: a request that fails there ends alone, and the group goes on in step."""
-    from pagedkv.engine.scheduler import Scheduler
-
     llm = LLM("random:tiny-llama", device="cpu", block_size=4, num_blocks=64, tensor_parallel_size=2)
     try:
         engine = llm.engine
-        original = Scheduler._token_stop
-
-        def broken_for_one_request(self, seq, token, index):
-            if seq.request_id == "doomed" and seq.num_output_tokens >= 2:
-                raise RuntimeError("injected failure while resolving")
-            return original(self, seq, token, index)
-
-        monkeypatch.setattr(Scheduler, "_token_stop", broken_for_one_request)
+        fail_in_resolve(monkeypatch, "doomed", after_tokens=2)
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         for name, prompt in (("fine", [5, 6, 7]), ("doomed", [8, 9, 10]), ("also-fine", [11, 12])):
             engine.add_request(name, prompt, params)
@@ -68,7 +59,7 @@ def test_a_request_failing_on_rank_0_fails_alone_under_tensor_parallelism(monkey
         assert "injected failure" in final["doomed"].error
         assert all(final[name].error is None and len(final[name].outputs[0].token_ids) == 6
                    for name in ("fine", "also-fine"))
-        monkeypatch.setattr(Scheduler, "_token_stop", original)
+        monkeypatch.undo()
         again = llm.generate([[5, 6, 7]], params)[0]  # the group is still in step
         assert again.outputs[0].token_ids == final["fine"].outputs[0].token_ids
         assert llm.stats()["num_used_blocks"] == 0 and llm.stats()["num_request_failures"] == 1

@@ -11,10 +11,9 @@ import random
 
 import pytest
 
-from fuzz_requests import check_final_output, draw_requests, fuzz_seed, letters_tokenizer, run_batch
+from fuzz_requests import check_final_output, draw_requests, fail_in_resolve, fuzz_seed, letters_tokenizer, run_batch
 from helpers import tiny
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import PagedKVError, StepFailedError
 
 NUM_BATCHES = 10
@@ -107,14 +106,7 @@ def test_a_request_failing_in_resolve_leaves_its_step_mates_tokens_unchanged(mon
 
     llm = LLM(hf_model=tiny("tiny-llama"), block_size=4, num_blocks=64)
     engine = llm.engine
-    original = Scheduler._token_stop
-
-    def broken_for_one_request(self, seq, token, index):
-        if seq.request_id == "doomed" and seq.num_output_tokens >= 3:
-            raise RuntimeError("injected failure while resolving")
-        return original(self, seq, token, index)
-
-    monkeypatch.setattr(Scheduler, "_token_stop", broken_for_one_request)
+    fail_in_resolve(monkeypatch, "doomed", after_tokens=3)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
     engine.add_request("doomed", [30, 31, 32], SamplingParams(temperature=0.0, max_tokens=8, n=3, ignore_eos=True))

@@ -25,6 +25,7 @@ from kernel_scenarios import (
     assert_matches,
     cu_seqlens,
     seq_lens_for,
+    shuffled_layout,
 )
 
 from pagedkv import LLM, SamplingParams
@@ -403,19 +404,8 @@ class Fp8GpuScenario:
 
     def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, cache_dtype, seed=0):
         generator = torch.Generator().manual_seed(seed)
-        blocks = [-(-n // block_size) for n in seq_lens]
-        num_blocks = sum(blocks) + 31
-        order = torch.randperm(num_blocks, generator=generator)
-        table = order[sum(blocks):][torch.randint(31, (len(seq_lens), max(blocks) + 3), generator=generator)]
-        slots, start = [], 0
-        for b, (n, num) in enumerate(zip(seq_lens, blocks)):
-            table[b, :num] = order[start:start + num]
-            start += num
-            positions = torch.arange(n)
-            slots.append(table[b, positions // block_size] * block_size + positions % block_size)
-        self.block_tables = table.to(torch.int32).cuda()
+        num_blocks, self.block_tables, self.slots = shuffled_layout(seq_lens, block_size, generator)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        self.slots = torch.cat(slots).cuda()
         gain = torch.linspace(0.5, 8.0, num_kv_heads)[None, :, None]  # heads of different ranges
         keys = torch.randn(len(self.slots), num_kv_heads, head_dim, generator=generator) * gain
         values = torch.randn(len(self.slots), num_kv_heads, head_dim, generator=generator) / gain
