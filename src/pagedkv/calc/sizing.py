@@ -30,20 +30,16 @@ from pagedkv.errors import ConfigError, InvalidArgumentError, require_positive_i
 from pagedkv.models.config import (
     DEFAULT_DTYPE_BYTES,
     DTYPE_BYTES,
+    FULL_ATTENTION,
     HEAD_KEYS,
     LAYER_KEYS,
     MAX_POSITION_KEYS,
+    SLIDING_ATTENTION,
     attention_shape,
     optional_int,
-    positive_int,
     required_int,
     text_part,
 )
-
-#: Gemma-style alternation when the config does not spell out layer_types: every
-#: `pattern`-th layer is full attention, the others slide.
-GEMMA_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
-
 
 @dataclass(frozen=True)
 class KVSizing:
@@ -178,35 +174,6 @@ def _dtype_bytes(text: Mapping[str, Any], outer: Mapping[str, Any], source: str,
     return DEFAULT_DTYPE_BYTES
 
 
-def _sliding_layers(text: Mapping[str, Any], num_layers: int, prefix: str, source: str) -> list[bool]:
-    """Which layers slide, from layer_types, use_sliding_window/max_window_layers, Gemma alternation, or
-    a bare sliding_window (Mistral v0.1: every layer)."""
-    layer_types = text.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-            raise ConfigError(f"{source}: {prefix}layer_types must list one type per layer "
-                              f"({num_layers}), got {layer_types!r:.80}")
-        for layer_type in layer_types:
-            if layer_type not in ("full_attention", "sliding_attention"):
-                raise ConfigError(f"{source}: {prefix}layer_types has {layer_type!r}; calc sizes "
-                                  "full_attention and sliding_attention layers only")
-        return [layer_type == "sliding_attention" for layer_type in layer_types]
-    if text.get("sliding_window") is None:
-        return [False] * num_layers
-    if "use_sliding_window" in text:
-        # Qwen2/Qwen3: the first max_window_layers layers are full, the rest slide.
-        if not text["use_sliding_window"]:
-            return [False] * num_layers
-        num_full = text.get("max_window_layers")
-        num_full = 0 if num_full is None else positive_int(num_full, prefix + "max_window_layers", source)
-        return [i >= num_full for i in range(num_layers)]
-    pattern = text.get("sliding_window_pattern", GEMMA_SLIDING_PATTERNS.get(text.get("model_type")))
-    if pattern is not None:
-        pattern = positive_int(pattern, prefix + "sliding_window_pattern", source)
-        return [(i + 1) % pattern != 0 for i in range(num_layers)]
-    return [True] * num_layers
-
-
 def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, dtype_bytes: int | None = None,
                         dtype_origin: str = "dtype_bytes", source: str = "config") -> KVSizing:
     """Read a Hugging Face `config.json` (as a dict) into a `KVSizing`, with notes on how.
@@ -254,11 +221,13 @@ def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, d
     notes.extend(shape.notes)
     head_dim, num_kv_heads = shape.head_dim, shape.num_kv_heads
 
-    sliding = _sliding_layers(text, num_layers, prefix, source)
-    num_sliding = sum(sliding)
-    window = None
+    for layer_type in shape.layer_types:
+        if layer_type not in (FULL_ATTENTION, SLIDING_ATTENTION):
+            raise ConfigError(f"{source}: {prefix}layer_types has {layer_type!r}; calc sizes "
+                              "full_attention and sliding_attention layers only")
+    num_sliding = shape.layer_types.count(SLIDING_ATTENTION)
+    window = shape.sliding_window
     if num_sliding:
-        window = positive_int(text.get("sliding_window"), prefix + "sliding_window", source)
         notes.append(f"sliding window: {num_sliding} of {num_layers} layers attend to the last {window:,} tokens "
                      f"only; a window-aware cache keeps at most that many per sequence there, so sequence "
                      f"costs below are capped (bytes/token counts a token inside every window)")

@@ -68,8 +68,10 @@ class BoundAttention:
         self.meta = meta
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        return self.backend.forward(self.meta, layer_idx, q, k, v, scale=scale, sliding_window=sliding_window)
+                scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+        """Layer `layer_idx`'s paged attention (see `AttentionBackend.forward`)."""
+        return self.backend.forward(self.meta, layer_idx, q, k, v, scale=scale, sliding_window=sliding_window,
+                                    soft_cap=soft_cap)
 
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (k_cache, v_cache), for a fused kernel that writes K/V itself."""
@@ -171,10 +173,12 @@ class AttentionBackend:
 
     # ------------------------------------------------------------------ per layer
     def forward(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
-                v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         """Write this step's K/V (unless k is None: a fused kernel already did), then attend.
 
-        q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+        q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `sliding_window` and `soft_cap` are the layer's
+        (HF's window semantics; scores capped as cap * tanh(score / cap) before the mask).
         """
         pool = self.pool
         k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
@@ -192,11 +196,11 @@ class AttentionBackend:
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                    scale=scale, max_seq_len=meta.max_decode_seq_len, sliding_window=sliding_window,
-                                   num_splits=meta.decode_num_splits if q.is_cuda else None, out=out[:nd],
-                                   validate=False, k_scale=k_scale, v_scale=v_scale)
+                                   soft_cap=soft_cap, num_splits=meta.decode_num_splits if q.is_cuda else None,
+                                   out=out[:nd], validate=False, k_scale=k_scale, v_scale=v_scale)
         if nd < meta.num_tokens:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                                     meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
                                     max_seq_len=meta.max_prefill_seq_len, sliding_window=sliding_window,
-                                    out=out[nd:], validate=False, k_scale=k_scale, v_scale=v_scale)
+                                    soft_cap=soft_cap, out=out[nd:], validate=False, k_scale=k_scale, v_scale=v_scale)
         return out

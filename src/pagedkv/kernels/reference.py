@@ -48,20 +48,30 @@ def reference_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 
 
 def _gather_sequence(cache: torch.Tensor, block_table: list[int], seq_len: int, dtype: torch.dtype,
-                     scale: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: torch.Tensor | None = None, first_visible: int = 0) -> torch.Tensor:
     """Token rows 0 .. seq_len-1 of one sequence, block by block: `[seq_len, num_kv_heads, head_dim]`.
 
-    With a scale (an FP8 cache) the rows are dequantized.
+    Blocks wholly before `first_visible` (the earliest key any query sees) are not read: their
+    table entries may hold anything, and their rows come back as zeros. With a scale (an FP8
+    cache) the rows are dequantized.
     """
     block_size = cache.shape[1]
     pieces = []
     for logical, start in enumerate(range(0, seq_len, block_size)):
         num_tokens = min(block_size, seq_len - start)  # the last block may be partly filled
+        if start + num_tokens <= first_visible:
+            pieces.append(torch.zeros((num_tokens, *cache.shape[2:]), dtype=cache.dtype, device=cache.device))
+            continue
         pieces.append(cache[block_table[logical], :num_tokens])
     if not pieces:
         return torch.zeros((0, *cache.shape[2:]), dtype=dtype, device=cache.device)
     rows = torch.cat(pieces)
     return rows.to(dtype) if scale is None else dequantize(rows, scale, dtype)
+
+
+def _first_visible(first_query_pos: int, sliding_window: int | None) -> int:
+    """The earliest key position a query at `first_query_pos` or later can see."""
+    return 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], scale: float,
@@ -96,8 +106,9 @@ def reference_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cac
         if seq_len == 0:
             continue
         table = block_tables[b].tolist()
-        k = _gather_sequence(k_cache, table, seq_len, dtype, k_scale)
-        v = _gather_sequence(v_cache, table, seq_len, dtype, v_scale)
+        first = _first_visible(seq_len - 1, sliding_window)
+        k = _gather_sequence(k_cache, table, seq_len, dtype, k_scale, first)
+        v = _gather_sequence(v_cache, table, seq_len, dtype, v_scale, first)
         out[b] = _attend(query[b : b + 1].to(dtype), k, v, [seq_len - 1], scale, sliding_window, soft_cap)[0]
     return out if float64 else out.to(query.dtype)
 
@@ -119,8 +130,9 @@ def reference_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_ca
         if end == start:
             continue
         table = block_tables[b].tolist()
-        k = _gather_sequence(k_cache, table, seq_len, dtype, k_scale)
-        v = _gather_sequence(v_cache, table, seq_len, dtype, v_scale)
+        first = _first_visible(seq_len - (end - start), sliding_window)
+        k = _gather_sequence(k_cache, table, seq_len, dtype, k_scale, first)
+        v = _gather_sequence(v_cache, table, seq_len, dtype, v_scale, first)
         positions = list(range(seq_len - (end - start), seq_len))
         out[start:end] = _attend(query[start:end].to(dtype), k, v, positions, scale, sliding_window, soft_cap)
     return out if float64 else out.to(query.dtype)

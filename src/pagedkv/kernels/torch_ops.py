@@ -145,14 +145,18 @@ def _prefill_sequences(query, k_cache, v_cache, block_tables, seq_lens, cu, seqs
         q_len = end - start
         if q_len == 0:
             continue
-        table = block_tables[b, : -(-seq_len // block_size)].to(torch.int64)
-        # Only this sequence's own slots 0 .. seq_len-1 are gathered, so no NaN can enter.
-        k = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len]
+        # With a window, blocks wholly before the first query's window are neither gathered nor read
+        # from the table (a sliding layer's table may hold anything there).
+        first_block = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size
+        first_pos = first_block * block_size
+        table = block_tables[b, first_block: -(-seq_len // block_size)].to(torch.int64)
+        # Only this sequence's own slots first_pos .. seq_len-1 are gathered, so no NaN can enter.
+        k = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len - first_pos]
+        v = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:seq_len - first_pos]
         k = _compute_rows(k, k_scale, query.dtype).transpose(0, 1)  # [Hkv, S, D]
         v = _compute_rows(v, v_scale, query.dtype).transpose(0, 1)
         pos_q = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]  # [M, 1]
-        pos_k = torch.arange(seq_len, device=query.device)[None, :]  # [1, S]
+        pos_k = torch.arange(first_pos, seq_len, device=query.device)[None, :]  # [1, S]
         visible = pos_k <= pos_q  # [M, S]
         if sliding_window is not None:
             visible &= pos_k > pos_q - sliding_window

@@ -41,7 +41,8 @@ This kernel changes four things, each a launch parameter so a sweep can weigh th
 
 Sliding window: splits start at the window's first token rounded down to BLOCK_N, so every
 range stays tile- (and, when PAGE divides BLOCK_N, page-) aligned; tokens before the window
-are masked. Masked lanes are never dereferenced, as in every kernel here.
+are masked, and so are the table entries of pages wholly before it. Masked lanes are never
+dereferenced, as in every kernel here.
 """
 
 from __future__ import annotations
@@ -168,10 +169,12 @@ def _tiles_decode_kernel(
     else:
         slots = tl.arange(0, TABLE_CHUNK)
         for chunk_lo in range(lo, hi, CHUNK_TOKENS):
-            # Read ahead: the chunk's block ids in one load, masked by the table's width only.
+            # Read ahead: the chunk's block ids in one load, masked by the table's width and the window
+            # (entries of pages wholly before the window are never read: they may hold anything).
             first_page = chunk_lo // BLOCK_SIZE
-            table_vec = tl.load(table_row + (first_page + slots) * stride_bt_b,
-                                mask=first_page + slots < table_cols, other=0)  # [TABLE_CHUNK]
+            pages = first_page + slots
+            table_vec = tl.load(table_row + pages * stride_bt_b,
+                                mask=(pages < table_cols) & (pages >= kv_start // BLOCK_SIZE), other=0)
             m_i, l_i, acc = _fold_range(q, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, table_vec, first_page,
                                         chunk_lo, tl.minimum(chunk_lo + CHUNK_TOKENS, hi), kv_start, same_head,
                                         tile_tokens, head_offsets, dims, dim_mask, m_i, l_i, acc, row_scale, soft_cap,

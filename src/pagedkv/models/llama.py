@@ -97,14 +97,6 @@ class DecoderConfig:
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not covered by pagedkv's own decoder (only silu)")
         shape = attention_shape(text)
-        window = text.get("sliding_window")
-        layer_types = text.get("layer_types")
-        if model_type == "mistral":
-            windows = (window,) * shape.num_layers
-        elif layer_types is not None and window:
-            windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-        else:
-            windows = (None,) * shape.num_layers
         attention_bias = bool(text.get("attention_bias", model_type == "qwen2"))
         return cls(
             model_type=model_type,
@@ -121,7 +113,7 @@ class DecoderConfig:
             o_bias=attention_bias and model_type != "qwen2",  # Qwen2 has q/k/v biases but none on o_proj
             mlp_bias=bool(text.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            sliding_windows=tuple(int(w) if w else None for w in windows),
+            sliding_windows=shape.layer_windows,
             max_position_embeddings=max_positions(text) or 0,
         )
 
