@@ -42,7 +42,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     model_impl: str = "auto"  # "auto": pagedkv's own decoder where it covers the family, else HF modules
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False  # True: no CUDA graphs at all
+    # Steps with prefill tokens replay graphs of everything but attention, per token bucket (own decoders, CUDA).
+    piecewise_cuda_graphs: bool = True
     # Schedule and launch step k+1 while the device runs step k (its tokens feed k+1 on the device).
     # Requests with n > 1 or penalties run without overlap while they are live.
     async_scheduling: bool = True

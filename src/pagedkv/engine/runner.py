@@ -14,6 +14,8 @@ the sampler. A step is:
 3. the block-table rows that changed are scattered into the persistent tables;
 4. the forward: a decode-only step of at most the largest captured batch replays the CUDA
    graph of the next padded batch size (padded rows read nothing and write a scratch slot);
+   a step with prefill tokens, up to the largest token bucket, replays the piecewise graphs
+   of its padded token count with attention run eagerly between them (`piecewise_graphs`);
    every other step runs eagerly;
 5. the sampler, over the logits rows that sample, with one device-to-host copy of its results.
 
@@ -31,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.step_input import StepInput
 from pagedkv.kernels import KVPool
@@ -98,7 +101,8 @@ class ModelRunner:
 
     def __init__(self, model, pool: KVPool, *, is_own_model: bool, num_swap_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_blocks_per_seq: int, num_table_rows: int, max_model_len: int,
-                 vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False, tp=None):
+                 vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False,
+                 piecewise_cuda_graphs: bool = True, tp=None):
         self.tp = tp  # a TensorParallel group: rank 0 samples and broadcasts the tokens (see _sample)
         self.model = model if is_own_model else HFModelAdapter(model, pool)
         self.is_own_model = is_own_model
@@ -141,8 +145,22 @@ class ModelRunner:
         self.logits_indices = d[o["logits"]:o["logits"] + max_seqs]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
+        self.piecewise: PiecewiseGraphs | None = None
         if is_own_model and self.device.type == "cuda" and not enforce_eager:
             self.capture_graphs(graph_batch_sizes(max_num_seqs))
+            if piecewise_cuda_graphs:
+                self.piecewise = self._piecewise(capture=True)
+        elif not is_own_model and piecewise_cuda_graphs and not enforce_eager and self.device.type == "cuda":
+            logger.info("piecewise CUDA graphs: off for HF modules (mixed and prefill steps run eagerly)")
+
+    def _piecewise(self, capture: bool) -> PiecewiseGraphs:
+        """Piecewise graphs over this runner's staging views, one set per token bucket up to the step budget."""
+        if capture:  # the captured passes read the staged inputs: padding tokens that store K/V to the scratch slot
+            self._stage(StepInput(), padded_tokens=self._max_tokens, logit_rows=self._max_seqs)
+            torch.cuda.synchronize(self.device)
+        return PiecewiseGraphs(self.model, self.backend, input_ids=self.input_ids, positions=self.positions,
+                               slot_mapping=self.slot_mapping, logits_indices=self.logits_indices,
+                               buckets=token_buckets(self._max_tokens), capture=capture)
 
     # ------------------------------------------------------------------ block movement
     def swap_out(self, copies: list[tuple[int, int]]) -> None:
@@ -172,8 +190,12 @@ class ModelRunner:
         self.pool.copy_blocks(src, dst)
 
     # ------------------------------------------------------------------ staging
-    def _stage(self, step: StepInput, padded_batch: int = 0) -> int:
-        """Pack `step` into the next pinned buffer and copy it to the device; returns the number of table updates."""
+    def _stage(self, step: StepInput, padded_batch: int = 0, padded_tokens: int = 0, logit_rows: int = 0) -> int:
+        """Pack `step` into the next pinned buffer and copy it to the device; returns the number of pending inputs.
+
+        `padded_batch` pads a decode graph's sequences; `padded_tokens` and `logit_rows` pad a
+        piecewise graph's token rows and the LM head's gathered rows (row 0: a real index).
+        """
         host = self._host_np[self._turn]
         o = self._offsets
         n, s = step.num_tokens, step.num_seqs
@@ -182,10 +204,12 @@ class ModelRunner:
         host[o["slots"]:o["slots"] + n] = step.slot_mapping
         host[o["rows"]:o["rows"] + s] = step.table_rows
         host[o["lens"]:o["lens"] + s] = step.seq_lens
-        if padded_batch > n:  # graph padding rows: token 0 at position 0, a scratch slot, the zero table, length 0
-            host[o["ids"] + n:o["ids"] + padded_batch] = 0
-            host[o["pos"] + n:o["pos"] + padded_batch] = 0
-            host[o["slots"] + n:o["slots"] + padded_batch] = self.scratch_slot
+        pad_to = max(padded_batch, padded_tokens)
+        if pad_to > n:  # padding tokens: token 0 at position 0, K/V to the scratch slot
+            host[o["ids"] + n:o["ids"] + pad_to] = 0
+            host[o["pos"] + n:o["pos"] + pad_to] = 0
+            host[o["slots"] + n:o["slots"] + pad_to] = self.scratch_slot
+        if padded_batch > s:  # decode graph padding rows also read the zero table with length 0
             host[o["rows"] + s:o["rows"] + padded_batch] = self.backend.padding_row
             host[o["lens"] + s:o["lens"] + padded_batch] = 0
         nd = step.num_decode_seqs
@@ -198,6 +222,8 @@ class ModelRunner:
             # The flat index of each sampling row's last token.
             ends = np.cumsum(step.query_lens)
             host[o["logits"]:o["logits"] + num_sample] = ends[step.sample_seqs] - 1
+        if logit_rows > num_sample:
+            host[o["logits"] + num_sample:o["logits"] + logit_rows] = 0
         num_fill = len(step.pending_inputs)
         if num_fill:
             host[o["fill_at"]:o["fill_at"] + num_fill] = [at for at, _ in step.pending_inputs]
@@ -266,10 +292,13 @@ class ModelRunner:
         process group while such a graph is alive blocks forever in the NCCL teardown (seen on
         two H200s with torch 2.11, even for one bare captured all-reduce: benchmarks/tools/tp_probe.py).
         """
-        if self.graphs:
+        if self.graphs or self.piecewise is not None:
             torch.cuda.synchronize(self.device)
             self.graphs.clear()
             self.graph_sizes = []
+            if self.piecewise is not None:
+                self.piecewise.release()
+                self.piecewise = None
 
     def _graph_for(self, num_seqs: int) -> int:
         for size in self.graph_sizes:
@@ -291,7 +320,11 @@ class ModelRunner:
         if not step.num_seqs:
             return None
         padded = self._graph_for(step.num_seqs) if step.is_decode_only and self.graphs else 0
-        num_fill = self._stage(step, padded_batch=padded)
+        bucket = 0
+        if not padded and self.piecewise is not None:
+            bucket = self.piecewise.bucket_for(step.num_tokens)
+        num_fill = self._stage(step, padded_batch=padded, padded_tokens=bucket,
+                               logit_rows=self.piecewise.logit_rows(bucket) if bucket else 0)
         if num_fill:
             self._fill_pending(num_fill, previous_tokens)
         num_sample = len(step.sample_seqs)
@@ -307,9 +340,12 @@ class ModelRunner:
                 self.slot_mapping[:step.num_tokens], self.rows[:step.num_seqs], self.seq_lens[:step.num_seqs],
                 self.cu_seqlens_q[:step.num_seqs - nd + 1], num_decode=nd, host_seq_lens=step.seq_lens,
                 host_query_lens=step.query_lens)
-            indices = self.logits_indices[:num_sample] if num_sample else self.logits_indices[:1]
-            logits = self.model(self.input_ids[:step.num_tokens], self.positions[:step.num_tokens],
-                                self.backend.bind(meta), indices)
+            if bucket:
+                logits = self.piecewise.run(step.num_tokens, meta)[:num_sample]
+            else:
+                indices = self.logits_indices[:num_sample] if num_sample else self.logits_indices[:1]
+                logits = self.model(self.input_ids[:step.num_tokens], self.positions[:step.num_tokens],
+                                    self.backend.bind(meta), indices)
         if not num_sample:
             return None
         return self._sample(logits, step, num_sample)

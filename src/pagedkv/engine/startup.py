@@ -145,7 +145,8 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
                          max_blocks_per_seq=num_blocks_for(plan.max_model_len, config.block_size),
                          num_table_rows=num_table_rows(config), max_model_len=plan.max_model_len,
                          vocab_size=setup.vocab_size, eos_token_ids=setup.eos_token_ids,
-                         scratch_slot=plan.num_blocks * config.block_size, enforce_eager=config.enforce_eager, tp=tp)
+                         scratch_slot=plan.num_blocks * config.block_size, enforce_eager=config.enforce_eager,
+                         piecewise_cuda_graphs=config.piecewise_cuda_graphs, tp=tp)
     return pool, runner
 
 

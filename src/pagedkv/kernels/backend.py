@@ -174,11 +174,12 @@ class AttentionBackend:
     # ------------------------------------------------------------------ per layer
     def forward(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's K/V (unless k is None: a fused kernel already did), then attend.
 
-        q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `sliding_window` and `soft_cap` are the layer's
-        (HF's window semantics; scores capped as cap * tanh(score / cap) before the mask).
+        q [T, H, D], k/v [T, Hkv, D] -> [T, H, D] (into `out` when given: a piecewise graph's static
+        buffer). `sliding_window` and `soft_cap` are the layer's (HF's window semantics; scores
+        capped as cap * tanh(score / cap) before the mask).
         """
         pool = self.pool
         k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
@@ -191,7 +192,8 @@ class AttentionBackend:
             else:
                 write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False, has_padding=False,
                          k_scale=k_scale, v_scale=v_scale)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,

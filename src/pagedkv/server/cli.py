@@ -108,7 +108,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption_mode=args.preemption_mode, swap_space=args.swap_space, watermark=args.watermark,
-                        tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+                        tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+                        enforce_eager=args.enforce_eager, piecewise_cuda_graphs=args.piecewise_cuda_graphs)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

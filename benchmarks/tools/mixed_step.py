@@ -1,0 +1,107 @@
+"""Mixed-step cost with piecewise CUDA graphs, decode graphs only, and eager, same machine, same run.
+
+Qwen3-0.6B shape, bf16, random weights. For each mode (its own engine, one after the other):
+- the mixed step: 64 running decodes plus a 512-token prompt arriving every step; its median
+  wall time (the engine's step timing, no profiler) and its GPU time (the kernels' summed device
+  time under torch.profiler over a separate set of the same steps), and their ratio;
+- a prefill-only step: one 2,048-token prompt on an idle engine (TTFT in the engine, median of 5);
+- the 512-token prefill alone (no decodes).
+Prints a table and writes OUT_DIR/mixed_step.json. Usage: python benchmarks/tools/mixed_step.py OUT_DIR
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from pagedkv import LLM, SamplingParams
+
+MODES = {"piecewise": {}, "decode_graphs_only": {"piecewise_cuda_graphs": False}, "eager": {"enforce_eager": True}}
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(salt * 7919 + j * 31) % 150000 + 3 for j in range(n)]
+
+
+def device_ms_per_step(engine, make_step, num_steps: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(num_steps):
+            make_step(k)
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / num_steps
+
+
+def measure(mode: str, options: dict) -> dict:
+    llm = LLM("random:qwen3-0.6b", dtype="bfloat16", max_model_len=4096, max_num_seqs=128,
+              max_num_batched_tokens=2048, kv_cache_memory=0.3, **options)
+    engine = llm.engine
+    engine.stream_outputs = False
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    result = {"mode": mode}
+    # Idle prefill: one 2,048-token prompt, and one 512-token prompt (each its own step).
+    for n in (2048, 512):
+        times = []
+        for rep in range(6):
+            start = time.perf_counter()
+            llm.generate([prompt(n, 1000 + rep + n)], one, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        result[f"prefill_{n}_ms"] = statistics.median(times[1:]) * 1e3
+    # Mixed: 64 running decodes, a 512-token prompt arriving every step.
+    decode = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for i in range(64):
+        engine.add_request(f"d{i}", prompt(32, i), decode)
+    for _ in range(4):
+        engine.step()
+    counter = iter(range(10**6))
+
+    def mixed_step(_k):
+        engine.add_request(f"p{next(counter)}", prompt(512, 5000 + next(counter)), one)
+        engine.step()
+
+    for k in range(8):  # warm-up (kernel compiles at these shapes)
+        mixed_step(k)
+    engine.step_timings = []
+    for k in range(40):
+        mixed_step(k)
+    steps = [t for t in engine.step_timings if t.shape.prefill_tokens == 512 and t.shape.decode_seqs == 64]
+    result["mixed_steps_timed"] = len(steps)
+    result["mixed_step_ms"] = statistics.median(t.total_s for t in steps) * 1e3
+    result["mixed_launch_ms"] = statistics.median(t.launch_s for t in steps) * 1e3
+    engine.step_timings = None
+    result["mixed_gpu_ms"] = device_ms_per_step(engine, mixed_step, 10)
+    result["mixed_step_over_gpu"] = result["mixed_step_ms"] / result["mixed_gpu_ms"]
+    for i in range(64):
+        engine.abort(f"d{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    del llm, engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    os.makedirs(out_dir, exist_ok=True)
+    rows = [measure(mode, options) for mode, options in MODES.items()]
+    commit = os.environ.get("PAGEDKV_COMMIT", "unknown")
+    report = {"benchmark": "mixed_step", "gpu": torch.cuda.get_device_name(), "commit": commit,
+              "date": time.strftime("%Y-%m-%d"), "model": "random:qwen3-0.6b (bf16)",
+              "target": "mixed step (64 decodes + a 512-token chunk) <= 1.2x its GPU time", "modes": rows}
+    print(f"{'mode':<20} {'mixed ms':>9} {'GPU ms':>8} {'ratio':>6} {'launch ms':>10} {'prefill2048 ms':>15} "
+          f"{'prefill512 ms':>14}")
+    for r in rows:
+        print(f"{r['mode']:<20} {r['mixed_step_ms']:9.2f} {r['mixed_gpu_ms']:8.2f} {r['mixed_step_over_gpu']:6.2f} "
+              f"{r['mixed_launch_ms']:10.2f} {r['prefill_2048_ms']:15.2f} {r['prefill_512_ms']:14.2f}")
+    with open(os.path.join(out_dir, "mixed_step.json"), "w") as handle:
+        json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

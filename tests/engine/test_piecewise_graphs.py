@@ -1,0 +1,111 @@
+"""Piecewise graphs' step layout: padded token buckets, attention on the real rows, padded LM-head rows.
+
+On CPU nothing is captured: `PiecewiseGraphs(capture=False)` runs the same padded layout eagerly
+(the forward over the bucket, attention over the real rows into the static buffer), so what the
+graphs would replay is checked here against plain eager steps. The GPU test at the end captures
+and replays them.
+"""
+
+import pytest
+import torch
+from helpers import tiny
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
+
+MODELS = ["tiny-llama", "tiny-qwen3"]
+
+
+def test_token_buckets_cover_every_count_with_bounded_padding():
+    for max_tokens in (1, 16, 17, 100, 2048, 5000):
+        buckets = token_buckets(max_tokens)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+        for n in range(1, max_tokens + 1, 7):
+            bucket = next(b for b in buckets if b >= n)
+            # at most 15 padding tokens, or a quarter of the step beyond 128 tokens
+            assert bucket - n <= max(15, n // 4 + 1), (max_tokens, n, bucket)
+
+
+def _mixed_workload(vocab: int):
+    """Prompts of mixed lengths (chunked under a small step budget) arriving while others decode."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [3, 40, 17, 90, 1, 64, 33, 120]
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=9, ignore_eos=True)
+              for i in range(len(prompts))]
+    return prompts, greedy, seeded
+
+
+def _emulated(llm: LLM) -> list[int]:
+    """Swap the runner's eager mixed steps for the emulated piecewise layout; returns the buckets used."""
+    runner = llm.engine.runner
+    runner.piecewise = runner._piecewise(capture=False)
+    used = []
+    run = runner.piecewise.run
+
+    def recording_run(num_tokens, meta):
+        used.append(runner.piecewise.bucket_for(num_tokens) - num_tokens)
+        return run(num_tokens, meta)
+
+    runner.piecewise.run = recording_run
+    return used
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_piecewise_layout_equals_eager_steps(name):
+    model = tiny(name)
+    options = dict(kv_cache_memory=8 * 2**20, max_num_batched_tokens=48, max_num_seqs=8)
+    prompts, greedy, seeded = _mixed_workload(model.config.vocab_size)
+    reference = LLM(hf_model=model, **options)
+    want_greedy = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy)]
+    want_seeded = [o.outputs[0].token_ids for o in reference.generate(prompts, seeded)]
+
+    llm = LLM(hf_model=model, **options)
+    padding = _emulated(llm)
+    got_greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    got_seeded = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
+    assert got_greedy == want_greedy
+    assert got_seeded == want_seeded
+    # The layout was used, with padding: mixed steps whose token count is not a bucket.
+    assert padding and any(p > 0 for p in padding)
+    assert llm.stats()["num_used_blocks"] == 0
+    llm.engine.scheduler.block_manager.check_integrity()
+
+
+def test_padding_rows_never_reach_the_pool_or_the_sampler():
+    """Padding tokens store K/V only to the scratch slot, and the LM head's padded rows are never sampled."""
+    model = tiny("tiny-llama")
+    llm = LLM(hf_model=model, kv_cache_memory=8 * 2**20, max_num_batched_tokens=48, max_num_seqs=8)
+    _emulated(llm)
+    pool = llm.engine.pool
+    scratch = llm.engine.runner.scratch_slot // pool.block_size
+    before = [k.clone() for k in pool.k_caches]
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1))  # a 3-token step in the 16 bucket
+    for layer, k in enumerate(pool.k_caches):
+        changed = set((k != before[layer]).flatten(1).any(dim=1).nonzero().flatten().tolist())
+        # The prompt's one block, and at most the scratch block (where a fused store puts padding K/V).
+        assert len(changed - {scratch}) == 1, (layer, changed)
+
+
+def test_piecewise_graphs_are_not_built_without_cuda():
+    llm = LLM(hf_model=tiny("tiny-llama"), kv_cache_memory=8 * 2**20)
+    assert llm.engine.runner.piecewise is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_captured_piecewise_graphs_equal_eager_steps_on_gpu(name):
+    """Captured and replayed: greedy and seeded outputs equal the eager engine's, fp32, on the GPU."""
+    model = tiny(name).to("cuda")
+    options = dict(kv_cache_memory=64 * 2**20, max_num_batched_tokens=48, max_num_seqs=8, dtype="float32")
+    prompts, greedy, seeded = _mixed_workload(model.config.vocab_size)
+    eager = LLM(hf_model=model, enforce_eager=True, **options)
+    want = ([o.outputs[0].token_ids for o in eager.generate(prompts, greedy)],
+            [o.outputs[0].token_ids for o in eager.generate(prompts, seeded)])
+    del eager
+    llm = LLM(hf_model=model, **options)
+    assert isinstance(llm.engine.runner.piecewise, PiecewiseGraphs) and llm.engine.runner.piecewise.is_captured
+    got = ([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)],
+           [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)])
+    assert got == want
