@@ -1,4 +1,4 @@
-"""Mixed-step cost with piecewise CUDA graphs, decode graphs only, and eager, same machine, same run.
+"""Mixed-step cost with full and piecewise CUDA graphs, decode graphs only, and eager, same machine, same run.
 
 Qwen3-0.6B shape, bf16, random weights. For each mode (its own engine, one after the other):
 - the mixed step: 64 running decodes plus a 512-token prompt arriving every step; its median
@@ -19,7 +19,8 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 
-MODES = {"piecewise": {}, "decode_graphs_only": {"piecewise_cuda_graphs": False}, "eager": {"enforce_eager": True}}
+MODES = {"full": {}, "piecewise": {"mixed_step_graphs": "piecewise"}, "decode_graphs_only": {"mixed_step_graphs": "off"},
+         "eager": {"enforce_eager": True}}
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -87,6 +88,9 @@ def measure(mode: str, options: dict) -> dict:
 
 
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # capture time and memory
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
     rows = [measure(mode, options) for mode, options in MODES.items()]

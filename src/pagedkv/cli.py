@@ -52,7 +52,7 @@ def parse_memory(text: str) -> int | float:
 
 def add_engine_arguments(group) -> None:
     """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
-    --max-model-len, --kv-cache-dtype, --enforce-eager, --no-piecewise-graphs."""
+    --max-model-len, --kv-cache-dtype, --enforce-eager, --mixed-step-graphs."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -73,8 +73,9 @@ def add_engine_arguments(group) -> None:
                             "pass) (default %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: every step launches its kernels from Python (slower; for debugging)")
-    group.add_argument("--no-piecewise-graphs", dest="piecewise_cuda_graphs", action="store_false",
-                       help="steps with prefill tokens run eagerly; only decode-only steps replay CUDA graphs")
+    group.add_argument("--mixed-step-graphs", default="full", choices=["full", "piecewise", "off"],
+                       help="CUDA graphs for steps with prefill tokens, per token bucket: full (attention inside, "
+                            "one replay), piecewise (attention eager between graphs) or off (default %(default)s)")
 
 
 #: subcommand -> (module with `main(argv)`, one-line help)

@@ -1,9 +1,9 @@
-"""Piecewise graphs' step layout: padded token buckets, attention on the real rows, padded LM-head rows.
+"""Graphs for steps with prefill tokens: padded token buckets, padded sequence rows, padded LM-head rows.
 
-On CPU nothing is captured: `PiecewiseGraphs(capture=False)` runs the same padded layout eagerly
-(the forward over the bucket, attention over the real rows into the static buffer), so what the
-graphs would replay is checked here against plain eager steps. The GPU test at the end captures
-and replays them.
+Two modes: "piecewise" (attention eager on the real rows between graphs) and "full" (the unified
+attention over the padded step, inside the one graph). On CPU nothing is captured:
+`PiecewiseGraphs(capture=False)` runs the same padded layout eagerly, so what the graphs would
+replay is checked here against plain eager steps. The GPU tests at the end capture and replay.
 """
 
 import pytest
@@ -14,6 +14,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 
 MODELS = ["tiny-llama", "tiny-qwen3"]
+MODES = ["full", "piecewise"]
 
 
 def test_token_buckets_cover_every_count_with_bounded_padding():
@@ -37,9 +38,10 @@ def _mixed_workload(vocab: int):
     return prompts, greedy, seeded
 
 
-def _emulated(llm: LLM) -> list[int]:
-    """Swap the runner's eager mixed steps for the emulated piecewise layout; returns the buckets used."""
+def _emulated(llm: LLM, mode: str) -> list[int]:
+    """Swap the runner's eager mixed steps for the emulated layout of `mode`; returns each step's padding."""
     runner = llm.engine.runner
+    runner.capture_attention = mode == "full"
     runner.piecewise = runner._piecewise(capture=False)
     used = []
     run = runner.piecewise.run
@@ -52,8 +54,9 @@ def _emulated(llm: LLM) -> list[int]:
     return used
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", MODELS)
-def test_piecewise_layout_equals_eager_steps(name):
+def test_padded_layout_equals_eager_steps(name, mode):
     model = tiny(name)
     options = dict(kv_cache_memory=8 * 2**20, max_num_batched_tokens=48, max_num_seqs=8)
     prompts, greedy, seeded = _mixed_workload(model.config.vocab_size)
@@ -62,7 +65,7 @@ def test_piecewise_layout_equals_eager_steps(name):
     want_seeded = [o.outputs[0].token_ids for o in reference.generate(prompts, seeded)]
 
     llm = LLM(hf_model=model, **options)
-    padding = _emulated(llm)
+    padding = _emulated(llm, mode)
     got_greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     got_seeded = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
     assert got_greedy == want_greedy
@@ -73,11 +76,12 @@ def test_piecewise_layout_equals_eager_steps(name):
     llm.engine.scheduler.block_manager.check_integrity()
 
 
-def test_padding_rows_never_reach_the_pool_or_the_sampler():
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_rows_never_reach_the_pool_or_the_sampler(mode):
     """Padding tokens store K/V only to the scratch slot, and the LM head's padded rows are never sampled."""
     model = tiny("tiny-llama")
     llm = LLM(hf_model=model, kv_cache_memory=8 * 2**20, max_num_batched_tokens=48, max_num_seqs=8)
-    _emulated(llm)
+    _emulated(llm, mode)
     pool = llm.engine.pool
     scratch = llm.engine.runner.scratch_slot // pool.block_size
     before = [k.clone() for k in pool.k_caches]
@@ -94,8 +98,9 @@ def test_piecewise_graphs_are_not_built_without_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-def test_captured_piecewise_graphs_equal_eager_steps_on_gpu(name):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODELS)
+def test_captured_graphs_equal_eager_steps_on_gpu(name, mode):
     """Captured and replayed: greedy and seeded outputs equal the eager engine's, fp32, on the GPU."""
     model = tiny(name).to("cuda")
     options = dict(kv_cache_memory=64 * 2**20, max_num_batched_tokens=48, max_num_seqs=8, dtype="float32")
@@ -104,8 +109,9 @@ def test_captured_piecewise_graphs_equal_eager_steps_on_gpu(name):
     want = ([o.outputs[0].token_ids for o in eager.generate(prompts, greedy)],
             [o.outputs[0].token_ids for o in eager.generate(prompts, seeded)])
     del eager
-    llm = LLM(hf_model=model, **options)
-    assert isinstance(llm.engine.runner.piecewise, PiecewiseGraphs) and llm.engine.runner.piecewise.is_captured
+    llm = LLM(hf_model=model, mixed_step_graphs=mode, **options)
+    graphs = llm.engine.runner.piecewise
+    assert isinstance(graphs, PiecewiseGraphs) and graphs.is_captured and graphs.capture_attention == (mode == "full")
     got = ([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)],
            [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)])
     assert got == want

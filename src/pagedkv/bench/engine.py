@@ -4,9 +4,10 @@ The workload is nano-vllm's `bench.py`: 256 requests, prompt and output lengths 
 uniform in [100, 1024] from a fixed seed, random token ids, `ignore_eos`. In one run and on the
 same requests it times, side by side:
 
-- pagedkv with its own decoder, CUDA-graph decode and piecewise graphs for steps with prefill
-  tokens (the default);
-- the same with decode graphs only (`piecewise_cuda_graphs=False`: steps with prefill run eagerly);
+- pagedkv with its own decoder, CUDA-graph decode and full graphs for steps with prefill tokens
+  (the default);
+- the same with piecewise graphs for those steps (`mixed_step_graphs="piecewise"`), and with
+  decode graphs only (`mixed_step_graphs="off"`);
 - pagedkv with its own decoder, eager (`enforce_eager=True`);
 - pagedkv on HF's modules through the `pagedkv` attention function (`model_impl="hf"`);
 - transformers' own continuous batching (`generate_batch`'s manager, per-request max_new_tokens),
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--hf-time-limit", type=float, default=240.0)
     parser.add_argument("--skip-hf", action="store_true", help="skip transformers' continuous batching")
-    parser.add_argument("--skip", default="", help="comma-separated variants to skip: pagedkv_decode_graphs_only,pagedkv_eager,"
-                             "pagedkv_hf_modules")
+    parser.add_argument("--skip", default="", help="comma-separated variants to skip: pagedkv_piecewise,pagedkv_decode_graphs_only,"
+                             "pagedkv_eager,pagedkv_hf_modules")
     parser.add_argument("--calibration-requests", type=int, default=96)
     add_out_argument(parser, "engine.json, engine.md, engine_run.json and cost_model.json")
     args = parser.parse_args(argv)
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
                   f"({result['pagedkv']['elapsed_s']:.1f} s)")
     del llm, engine
     torch.cuda.empty_cache()
-    variants = (("pagedkv_decode_graphs_only", {"piecewise_cuda_graphs": False}), ("pagedkv_eager", {"enforce_eager": True}),
+    variants = (("pagedkv_piecewise", {"mixed_step_graphs": "piecewise"}),
+                ("pagedkv_decode_graphs_only", {"mixed_step_graphs": "off"}), ("pagedkv_eager", {"enforce_eager": True}),
                 ("pagedkv_hf_modules", {"model_impl": "hf"}))
     for name, options in variants:
         if name in args.skip:

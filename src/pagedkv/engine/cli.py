@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
     llm = LLM(args.model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, device=args.device,
               dtype=args.dtype, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-              enforce_eager=args.enforce_eager, piecewise_cuda_graphs=args.piecewise_cuda_graphs)
+              enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs)
     use_tqdm = len(prompts) > 1 and not args.no_progress
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pagedkv.core.memory import check_kv_cache_dtype
 from pagedkv.errors import ConfigError, require_positive_int
 
+#: How steps with prefill tokens use CUDA graphs (see `EngineConfig.mixed_step_graphs`).
+MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -43,8 +46,10 @@ class EngineConfig:
     seed: int = 0
     model_impl: str = "auto"  # "auto": pagedkv's own decoder where it covers the family, else HF modules
     enforce_eager: bool = False  # True: no CUDA graphs at all
-    # Steps with prefill tokens replay graphs of everything but attention, per token bucket (own decoders, CUDA).
-    piecewise_cuda_graphs: bool = True
+    # Steps with prefill tokens (own decoders, CUDA), per token bucket: "full" replays one graph with the
+    # unified attention kernel inside; "piecewise" replays graphs of everything but attention, which runs
+    # eagerly between them; "off" runs them eagerly. Decode-only steps replay decode graphs unless enforce_eager.
+    mixed_step_graphs: str = "full"
     # Schedule and launch step k+1 while the device runs step k (its tokens feed k+1 on the device).
     # Requests with n > 1 or penalties run without overlap while they are live.
     async_scheduling: bool = True
@@ -70,6 +75,9 @@ class EngineConfig:
                 raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
             if isinstance(memory, int) and memory <= 0:
                 raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {memory}")
+        if self.mixed_step_graphs not in MIXED_STEP_GRAPHS:
+            raise ConfigError(f"mixed_step_graphs must be one of {', '.join(MIXED_STEP_GRAPHS)}, "
+                              f"got {self.mixed_step_graphs!r}")
         if self.model_impl not in ("auto", "pagedkv", "hf"):
             raise ConfigError(f"model_impl must be 'auto', 'pagedkv' or 'hf', got {self.model_impl!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):

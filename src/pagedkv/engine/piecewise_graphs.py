@@ -20,15 +20,24 @@ the step's bound attention. Its `forward` ends the current capture, records the 
 a static output buffer that the next graph reads. The decoders know nothing of it: any own
 decoder that calls `attn.forward` once per layer gets piecewise graphs.
 
+Where the unified attention kernel serves the step (`capture_attention`), attention is captured
+too and each bucket is ONE graph: the unified kernel's launch depends only on host ints fixed
+per shape (the padded token count and `max_num_seqs`), every sequence is a chunk (a decode row
+a chunk of one token), padding sequences have no query tokens and length 0, and the graph
+begins by gathering the step's table rows, lengths and query offsets on the device. A step then
+costs its staging copy and one replay.
+
 On CPU there is nothing to capture; `PiecewiseGraphs(..., capture=False)` runs the same padded
-layout eagerly (the forward once per step, attention on the real rows into the static buffer),
-so the padding and row bookkeeping are testable without a GPU.
+layout eagerly (the forward once per step; attention on the real rows into the static buffer,
+or the unified call over the padded metadata), so the padding and row bookkeeping are testable
+without a GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +76,8 @@ class SplitAttention:
 
     mode "capture": each `forward` closes the graph in progress and opens the next;
     mode "warm": each `forward` only returns the buffer (the uncaptured warm-up pass);
-    mode "emulate" (CPU): each `forward` runs the step's attention on the real rows, into the buffer.
+    mode "emulate" (CPU): each `forward` runs the step's attention on the real rows, into the buffer;
+    mode "unified": each `forward` runs the unified attention over the padded step (captured or not).
     """
 
     def __init__(self, owner: PiecewiseGraphs, num_tokens: int, mode: str, meta: AttentionMetadata | None = None,
@@ -82,13 +92,22 @@ class SplitAttention:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        if self.mode == "unified":
+            return self.owner.backend.forward_unified(self.meta, layer_idx, q, k, v, scale=scale,
+                                                      sliding_window=sliding_window)
         out = self.owner.output_buffer(q)[:self.num_tokens]
-        call = AttentionCall(layer_idx, q, k, v, scale, sliding_window)
         if self.mode == "emulate":
-            self.owner.attend(call, self.meta, self.num_real_tokens)
+            self.owner.attend(AttentionCall(layer_idx, q, k, v, scale, sliding_window), self.meta,
+                              self.num_real_tokens)
+        elif self.mode == "warm":
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                self.owner.allocate_static(name, x)
         elif self.mode == "capture":
+            # The graph ends by copying q (and k, v) into buffers shared by every layer and bucket, so the
+            # projections' outputs go back to the pool instead of staying alive per layer and bucket.
+            q, k, v = (self.owner.static_copy(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
             self.owner.split_capture()
-            self.calls.append(call)
+            self.calls.append(AttentionCall(layer_idx, q, k, v, scale, sliding_window))
         return out
 
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +136,15 @@ class PiecewiseGraphs:
     """
 
     def __init__(self, model, backend: AttentionBackend, *, input_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, logits_indices: torch.Tensor, buckets: list[int], capture: bool = True):
+                 slot_mapping: torch.Tensor, logits_indices: torch.Tensor, buckets: list[int], capture: bool = True,
+                 capture_attention: bool = False, prepare_replay: Callable[[], None] | None = None,
+                 max_num_seqs: int = 0):
         self.model = model
+        # capture_attention: `prepare_replay()` gathers the step's metadata for all `max_num_seqs` rows on the
+        # device (the first op of each graph), and attention is the unified launch over them.
+        self.capture_attention = capture_attention
+        self.prepare_replay = prepare_replay
+        self.max_num_seqs = max_num_seqs
         self.backend = backend
         self.input_ids, self.positions = input_ids, positions
         self.slot_mapping, self.logits_indices = slot_mapping, logits_indices
@@ -127,6 +153,8 @@ class PiecewiseGraphs:
         self.max_logit_rows = logits_indices.shape[0]
         self.is_captured = capture
         self._out: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+        self._static: dict[str, torch.Tensor] = {}
         self._graphs: dict[int, BucketGraphs] = {}
         self._graph_in_progress: torch.cuda.CUDAGraph | None = None
         self._finished: list[torch.cuda.CUDAGraph] = []
@@ -152,6 +180,19 @@ class PiecewiseGraphs:
             self._out = torch.zeros((self.max_tokens, *q.shape[1:]), dtype=q.dtype, device=q.device)
         return self._out
 
+    def static_copy(self, name: str, x: torch.Tensor | None) -> torch.Tensor | None:
+        """`x` copied (inside the graph being captured) into the shared static buffer `name`: [:len(x)] of it."""
+        if x is None:
+            return None
+        view = self._static[name][:x.shape[0]]  # allocated by the warm-up pass, outside any capture
+        view.copy_(x)
+        return view
+
+    def allocate_static(self, name: str, x: torch.Tensor | None) -> None:
+        """The shared static buffer `name` for tensors shaped like `x` (the warm-up pass, before any capture)."""
+        if x is not None and name not in self._static:
+            self._static[name] = torch.empty((self.max_tokens, *x.shape[1:]), dtype=x.dtype, device=x.device)
+
     # ------------------------------------------------------------------ capture
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -174,15 +215,20 @@ class PiecewiseGraphs:
         for bucket in sorted(self.buckets, reverse=True):  # largest first: the shared pool settles at its peak
             rows = self.logit_rows(bucket)
             # Warm-up outside any capture: compiles the kernels at this shape and settles cuBLAS workspaces.
-            warm = SplitAttention(self, bucket, "warm")
-            self.model(self.input_ids[:bucket], self.positions[:bucket], warm, self.logits_indices[:rows])
+            warm_logits = self._forward(bucket, self._attention(bucket, "unified" if self.capture_attention else "warm"))
+            if self._logits is None:  # one logits buffer for every bucket, outside the graphs' pool
+                self._logits = torch.empty((self.max_logit_rows, warm_logits.shape[1]), dtype=warm_logits.dtype,
+                                           device=device)
+            del warm_logits
             torch.cuda.synchronize(device)
-            split = SplitAttention(self, bucket, "capture")
+            split = self._attention(bucket, "unified" if self.capture_attention else "capture")
             self._finished = []
             with torch.cuda.stream(stream):
                 self._begin()
-                logits = self.model(self.input_ids[:bucket], self.positions[:bucket], split,
-                                    self.logits_indices[:rows])
+                logits = self._logits[:rows]
+                # The copy lets the head's own output go back to the shared pool when the capture ends:
+                # a [max_num_seqs, vocab] tensor per bucket otherwise (~40 MiB each at 128 x 152k in bf16).
+                logits.copy_(self._forward(bucket, split))
                 self._graph_in_progress.capture_end()
             stream.synchronize()
             self._graphs[bucket] = BucketGraphs(self._finished + [self._graph_in_progress], split.calls, logits)
@@ -210,15 +256,27 @@ class PiecewiseGraphs:
         """
         bucket = self.bucket_for(num_tokens)
         if not self.is_captured:
-            split = SplitAttention(self, bucket, "emulate", meta, num_tokens)
-            return self.model(self.input_ids[:bucket], self.positions[:bucket], split,
-                              self.logits_indices[:self.logit_rows(bucket)])
+            if self.capture_attention:
+                return self._forward(bucket, self._attention(bucket, "unified"))
+            return self._forward(bucket, SplitAttention(self, bucket, "emulate", meta, num_tokens))
         pieces = self._graphs[bucket]
         for graph, call in zip(pieces.graphs, pieces.calls):
             graph.replay()
             self.attend(call, meta, num_tokens)
         pieces.graphs[-1].replay()
         return pieces.logits
+
+    def _attention(self, bucket: int, mode: str) -> SplitAttention:
+        if mode != "unified":
+            return SplitAttention(self, bucket, mode)
+        meta = self.backend.prepare_for_mixed_capture(bucket, self.max_num_seqs, self.slot_mapping)
+        return SplitAttention(self, bucket, mode, meta)
+
+    def _forward(self, bucket: int, attn: SplitAttention) -> torch.Tensor:
+        if self.capture_attention:
+            self.prepare_replay()
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], attn,
+                          self.logits_indices[:self.logit_rows(bucket)])
 
     def release(self) -> None:
         """Drop the graphs (before a tensor-parallel group is destroyed; see `ModelRunner.release_graphs`)."""

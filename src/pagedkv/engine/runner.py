@@ -102,7 +102,7 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool, *, is_own_model: bool, num_swap_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_blocks_per_seq: int, num_table_rows: int, max_model_len: int,
                  vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False,
-                 piecewise_cuda_graphs: bool = True, tp=None):
+                 mixed_step_graphs: str = "full", tp=None):
         self.tp = tp  # a TensorParallel group: rank 0 samples and broadcasts the tokens (see _sample)
         self.model = model if is_own_model else HFModelAdapter(model, pool)
         self.is_own_model = is_own_model
@@ -146,21 +146,30 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
         self.piecewise: PiecewiseGraphs | None = None
+        # Steps with prefill tokens: attention captured too (the unified kernel), or run eagerly between pieces.
+        self.capture_attention = mixed_step_graphs == "full"
         if is_own_model and self.device.type == "cuda" and not enforce_eager:
             self.capture_graphs(graph_batch_sizes(max_num_seqs))
-            if piecewise_cuda_graphs:
+            if mixed_step_graphs != "off":
                 self.piecewise = self._piecewise(capture=True)
-        elif not is_own_model and piecewise_cuda_graphs and not enforce_eager and self.device.type == "cuda":
+        elif not is_own_model and mixed_step_graphs != "off" and not enforce_eager and self.device.type == "cuda":
             logger.info("piecewise CUDA graphs: off for HF modules (mixed and prefill steps run eagerly)")
 
     def _piecewise(self, capture: bool) -> PiecewiseGraphs:
         """Piecewise graphs over this runner's staging views, one set per token bucket up to the step budget."""
         if capture:  # the captured passes read the staged inputs: padding tokens that store K/V to the scratch slot
-            self._stage(StepInput(), padded_tokens=self._max_tokens, logit_rows=self._max_seqs)
+            self._stage(StepInput(), padded_tokens=self._max_tokens, padded_seqs=self._max_seqs,
+                        logit_rows=self._max_seqs, all_chunks=self.capture_attention)
             torch.cuda.synchronize(self.device)
+
+        def prepare_replay():
+            self.backend.prepare_for_mixed_replay(self.rows, self.seq_lens, self.cu_seqlens_q, self._max_seqs)
+
         return PiecewiseGraphs(self.model, self.backend, input_ids=self.input_ids, positions=self.positions,
                                slot_mapping=self.slot_mapping, logits_indices=self.logits_indices,
-                               buckets=token_buckets(self._max_tokens), capture=capture)
+                               buckets=token_buckets(self._max_tokens), capture=capture,
+                               capture_attention=self.capture_attention, prepare_replay=prepare_replay,
+                               max_num_seqs=self._max_seqs)
 
     # ------------------------------------------------------------------ block movement
     def swap_out(self, copies: list[tuple[int, int]]) -> None:
@@ -190,11 +199,15 @@ class ModelRunner:
         self.pool.copy_blocks(src, dst)
 
     # ------------------------------------------------------------------ staging
-    def _stage(self, step: StepInput, padded_batch: int = 0, padded_tokens: int = 0, logit_rows: int = 0) -> int:
+    def _stage(self, step: StepInput, padded_tokens: int = 0, padded_seqs: int = 0, logit_rows: int = 0,
+               all_chunks: bool = False) -> int:
         """Pack `step` into the next pinned buffer and copy it to the device; returns the number of pending inputs.
 
-        `padded_batch` pads a decode graph's sequences; `padded_tokens` and `logit_rows` pad a
-        piecewise graph's token rows and the LM head's gathered rows (row 0: a real index).
+        Padding for captured graphs: `padded_tokens` token rows (token 0, position 0, K/V to the
+        scratch slot), `padded_seqs` sequence rows (the zero table, length 0, no query tokens) and
+        `logit_rows` rows for the LM head (row 0, a real index). `all_chunks`: cu_seqlens_q covers
+        every sequence, decode rows as one-token chunks (a captured mixed step's unified attention),
+        instead of the prefill chunks alone.
         """
         host = self._host_np[self._turn]
         o = self._offsets
@@ -204,16 +217,20 @@ class ModelRunner:
         host[o["slots"]:o["slots"] + n] = step.slot_mapping
         host[o["rows"]:o["rows"] + s] = step.table_rows
         host[o["lens"]:o["lens"] + s] = step.seq_lens
-        pad_to = max(padded_batch, padded_tokens)
-        if pad_to > n:  # padding tokens: token 0 at position 0, K/V to the scratch slot
-            host[o["ids"] + n:o["ids"] + pad_to] = 0
-            host[o["pos"] + n:o["pos"] + pad_to] = 0
-            host[o["slots"] + n:o["slots"] + pad_to] = self.scratch_slot
-        if padded_batch > s:  # decode graph padding rows also read the zero table with length 0
-            host[o["rows"] + s:o["rows"] + padded_batch] = self.backend.padding_row
-            host[o["lens"] + s:o["lens"] + padded_batch] = 0
+        if padded_tokens > n:
+            host[o["ids"] + n:o["ids"] + padded_tokens] = 0
+            host[o["pos"] + n:o["pos"] + padded_tokens] = 0
+            host[o["slots"] + n:o["slots"] + padded_tokens] = self.scratch_slot
+        if padded_seqs > s:
+            host[o["rows"] + s:o["rows"] + padded_seqs] = self.backend.padding_row
+            host[o["lens"] + s:o["lens"] + padded_seqs] = 0
+        if all_chunks:
+            cu = o["cu"]
+            host[cu] = 0
+            np.cumsum(step.query_lens, out=host[cu + 1:cu + 1 + s])
+            host[cu + 1 + s:cu + 1 + max(padded_seqs, s)] = n
         nd = step.num_decode_seqs
-        if s > nd:
+        if s > nd and not all_chunks:
             cu = o["cu"]
             host[cu] = 0
             np.cumsum(step.query_lens[nd:], out=host[cu + 1:cu + 1 + s - nd])
@@ -265,7 +282,7 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         padding = StepInput()
         for bs in sorted(sizes, reverse=True):
-            self._stage(padding, padded_batch=bs)
+            self._stage(padding, padded_tokens=bs, padded_seqs=bs)
             meta = self.backend.prepare_for_capture(bs, self.slot_mapping)
             attn = self.backend.bind(meta)
 
@@ -323,8 +340,10 @@ class ModelRunner:
         bucket = 0
         if not padded and self.piecewise is not None:
             bucket = self.piecewise.bucket_for(step.num_tokens)
-        num_fill = self._stage(step, padded_batch=padded, padded_tokens=bucket,
-                               logit_rows=self.piecewise.logit_rows(bucket) if bucket else 0)
+        unified = bool(bucket) and self.piecewise.capture_attention
+        num_fill = self._stage(step, padded_tokens=max(padded, bucket),
+                               padded_seqs=self._max_seqs if unified else padded,
+                               logit_rows=self.piecewise.logit_rows(bucket) if bucket else 0, all_chunks=unified)
         if num_fill:
             self._fill_pending(num_fill, previous_tokens)
         num_sample = len(step.sample_seqs)
@@ -334,6 +353,8 @@ class ModelRunner:
             logits = graph_logits[:step.num_seqs]
             if num_sample != step.num_seqs:
                 logits = logits.index_select(0, self.logits_indices[:num_sample])
+        elif unified:  # the graph gathers its own metadata
+            logits = self.piecewise.run(step.num_tokens, None)[:num_sample]
         else:
             nd = step.num_decode_seqs
             meta = self.backend.prepare(

@@ -146,7 +146,7 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
                          num_table_rows=num_table_rows(config), max_model_len=plan.max_model_len,
                          vocab_size=setup.vocab_size, eos_token_ids=setup.eos_token_ids,
                          scratch_slot=plan.num_blocks * config.block_size, enforce_eager=config.enforce_eager,
-                         piecewise_cuda_graphs=config.piecewise_cuda_graphs, tp=tp)
+                         mixed_step_graphs=config.mixed_step_graphs, tp=tp)
     return pool, runner
 
 

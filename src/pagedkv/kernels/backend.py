@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.kernels.ops import paged_decode_attention, paged_prefill_attention, write_kv
+from pagedkv.kernels.ops import paged_attention, paged_decode_attention, paged_prefill_attention, write_kv
 from pagedkv.kernels.pool import KVPool
 from pagedkv.kernels.tuning import choose_num_splits, num_sms
 
@@ -168,6 +168,25 @@ class AttentionBackend:
         """The device half of a decode step (captured in the graph): gather its table rows and lengths."""
         self._gather(rows[:batch_size], seq_lens[:batch_size], batch_size)
 
+    def prepare_for_mixed_capture(self, num_tokens: int, num_seqs: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """Metadata of any step padded to `num_tokens` tokens and `num_seqs` sequences, every sequence a chunk
+        (a decode row is a chunk of one token), over fixed buffer slices: what a captured mixed step reads.
+
+        Padding sequences have no query tokens and length 0; padding tokens belong to no sequence.
+        """
+        return AttentionMetadata(
+            num_tokens=num_tokens, slot_mapping=slot_mapping[:num_tokens], num_decode_tokens=0,
+            decode_block_tables=None, decode_seq_lens=None, decode_num_splits=1, max_decode_seq_len=0,
+            prefill_block_tables=self.block_tables[:num_seqs], prefill_seq_lens=self.seq_lens[:num_seqs],
+            cu_seqlens_q=self.cu_seqlens_q[:num_seqs + 1], max_seqlen_q=num_tokens,
+            max_prefill_seq_len=self.max_model_len)
+
+    def prepare_for_mixed_replay(self, rows: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 num_seqs: int) -> None:
+        """The device half of a captured mixed step: its table rows, lengths and query offsets (all sequences)."""
+        self._gather(rows[:num_seqs], seq_lens[:num_seqs], num_seqs)
+        self.cu_seqlens_q[:num_seqs + 1].copy_(cu_seqlens_q[:num_seqs + 1])
+
     def bind(self, meta: AttentionMetadata) -> BoundAttention:
         return BoundAttention(self, meta)
 
@@ -181,17 +200,7 @@ class AttentionBackend:
         buffer). `sliding_window` and `soft_cap` are the layer's (HF's window semantics; scores
         capped as cap * tanh(score / cap) before the mask).
         """
-        pool = self.pool
-        k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
-        k_scale, v_scale = pool.kv_scales(layer_idx)
-        if k is not None:
-            if k_scale is None:
-                num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-                k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-                v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-            else:
-                write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False, has_padding=False,
-                         k_scale=k_scale, v_scale=v_scale)
+        k_cache, v_cache, k_scale, v_scale = self._write(meta, layer_idx, k, v)
         if out is None:
             out = torch.empty_like(q)
         nd = meta.num_decode_tokens
@@ -206,3 +215,29 @@ class AttentionBackend:
                                     max_seq_len=meta.max_prefill_seq_len, sliding_window=sliding_window,
                                     soft_cap=soft_cap, out=out[nd:], validate=False, k_scale=k_scale, v_scale=v_scale)
         return out
+
+    def forward_unified(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
+                        v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` in one launch of the unified kernel over all rows (`prepare_for_mixed_capture`'s metadata):
+        its grid depends on host ints fixed per captured shape only, so the whole step captures."""
+        k_cache, v_cache, k_scale, v_scale = self._write(meta, layer_idx, k, v)
+        return paged_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                               meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
+                               sliding_window=sliding_window, out=out, validate=False, k_scale=k_scale,
+                               v_scale=v_scale)
+
+    def _write(self, meta: AttentionMetadata, layer_idx: int, k: torch.Tensor | None, v: torch.Tensor | None):
+        """Store this step's K/V (unless k is None: a fused kernel already did); the layer's caches and scales."""
+        pool = self.pool
+        k_cache, v_cache = pool.k_caches[layer_idx], pool.v_caches[layer_idx]
+        k_scale, v_scale = pool.kv_scales(layer_idx)
+        if k is not None:
+            if k_scale is None:
+                num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+                k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+                v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+            else:
+                write_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate=False, has_padding=False,
+                         k_scale=k_scale, v_scale=v_scale)
+        return k_cache, v_cache, k_scale, v_scale

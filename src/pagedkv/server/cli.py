@@ -109,7 +109,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption_mode=args.preemption_mode, swap_space=args.swap_space, watermark=args.watermark,
                         tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-                        enforce_eager=args.enforce_eager, piecewise_cuda_graphs=args.piecewise_cuda_graphs)
+                        enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
