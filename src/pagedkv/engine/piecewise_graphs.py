@@ -69,6 +69,7 @@ class AttentionCall:
     v: torch.Tensor | None
     scale: float
     sliding_window: int | None
+    soft_cap: float | None
 
 
 class SplitAttention:
@@ -91,13 +92,13 @@ class SplitAttention:
         self.calls: list[AttentionCall] = []
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
         if self.mode == "unified":
             return self.owner.backend.forward_unified(self.meta, layer_idx, q, k, v, scale=scale,
-                                                      sliding_window=sliding_window)
+                                                      sliding_window=sliding_window, soft_cap=soft_cap)
         out = self.owner.output_buffer(q)[:self.num_tokens]
         if self.mode == "emulate":
-            self.owner.attend(AttentionCall(layer_idx, q, k, v, scale, sliding_window), self.meta,
+            self.owner.attend(AttentionCall(layer_idx, q, k, v, scale, sliding_window, soft_cap), self.meta,
                               self.num_real_tokens)
         elif self.mode == "warm":
             for name, x in (("q", q), ("k", k), ("v", v)):
@@ -107,7 +108,7 @@ class SplitAttention:
             # projections' outputs go back to the pool instead of staying alive per layer and bucket.
             q, k, v = (self.owner.static_copy(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
             self.owner.split_capture()
-            self.calls.append(AttentionCall(layer_idx, q, k, v, scale, sliding_window))
+            self.calls.append(AttentionCall(layer_idx, q, k, v, scale, sliding_window, soft_cap))
         return out
 
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +247,7 @@ class PiecewiseGraphs:
         k = call.k[:num_tokens] if call.k is not None else None
         v = call.v[:num_tokens] if call.v is not None else None
         self.backend.forward(meta, call.layer_idx, call.q[:num_tokens], k, v, scale=call.scale,
-                             sliding_window=call.sliding_window, out=self._out[:num_tokens])
+                             sliding_window=call.sliding_window, soft_cap=call.soft_cap, out=self._out[:num_tokens])
 
     @torch.inference_mode()
     def run(self, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -218,14 +218,14 @@ class AttentionBackend:
 
     def forward_unified(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
                         v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        soft_cap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` in one launch of the unified kernel over all rows (`prepare_for_mixed_capture`'s metadata):
         its grid depends on host ints fixed per captured shape only, so the whole step captures."""
         k_cache, v_cache, k_scale, v_scale = self._write(meta, layer_idx, k, v)
         return paged_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                                meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
-                               sliding_window=sliding_window, out=out, validate=False, k_scale=k_scale,
-                               v_scale=v_scale)
+                               sliding_window=sliding_window, soft_cap=soft_cap, out=out, validate=False,
+                               k_scale=k_scale, v_scale=v_scale)
 
     def _write(self, meta: AttentionMetadata, layer_idx: int, k: torch.Tensor | None, v: torch.Tensor | None):
         """Store this step's K/V (unless k is None: a fused kernel already did); the layer's caches and scales."""
