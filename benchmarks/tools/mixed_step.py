@@ -5,7 +5,10 @@ Qwen3-0.6B shape, bf16, random weights. For each mode (its own engine, one after
   wall time (the engine's step timing, no profiler) and its GPU time (the kernels' summed device
   time under torch.profiler over a separate set of the same steps), and their ratio;
 - a prefill-only step: one 2,048-token prompt on an idle engine (TTFT in the engine, median of 5);
-- the 512-token prefill alone (no decodes).
+- the 512-token prefill alone (no decodes);
+- attention alone for mixed steps whose decode rows are long: the unified kernel (inside a full
+  graph) against split-KV decode + prefill (what a step with a decode row past
+  `runner.FULL_GRAPH_MAX_DECODE_LEN` runs).
 Prints a table and writes OUT_DIR/mixed_step.json. Usage: python benchmarks/tools/mixed_step.py OUT_DIR
 """
 
@@ -87,6 +90,48 @@ def measure(mode: str, options: dict) -> dict:
     return result
 
 
+def long_decode_kernels() -> list[dict]:
+    """Attention alone for a mixed step of D decode rows of length L plus a 512-token chunk (Qwen3-0.6B heads):
+    the unified kernel (what a full graph runs) against split-KV decode + prefill (two launches), graphed."""
+    from pagedkv.bench.kernel_common import _graphed, _time_ms, make_paged
+    from pagedkv.kernels import paged_attention, paged_decode_attention, paged_prefill_attention
+
+    device = torch.device("cuda")
+    rows = []
+    for num_decode, seq_len in ((64, 512), (64, 4096), (8, 8192), (8, 16384), (1, 32768)):
+        chunk = 512
+        _, k_cache, v_cache, tables, lens = make_paged(num_decode + 1, seq_len, 16, True, device, torch.bfloat16,
+                                                       heads=(16, 8, 128))
+        num_tokens = num_decode + chunk
+        q = torch.randn(num_tokens, 16, 128, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(q)
+        q_lens = [1] * num_decode + [chunk]
+        cu_all = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        cu_prefill = torch.tensor([0, chunk], dtype=torch.int32, device=device)
+        scale = 128 ** -0.5
+
+        def unified():
+            paged_attention(q, k_cache, v_cache, tables, lens, cu_all, scale=scale, max_seqlen_q=chunk, out=out,
+                            validate=False)
+
+        def split():
+            paged_decode_attention(q[:num_decode], k_cache, v_cache, tables[:num_decode], lens[:num_decode],
+                                   scale=scale, max_seq_len=seq_len, out=out[:num_decode], validate=False)
+            paged_prefill_attention(q[num_decode:], k_cache, v_cache, tables[num_decode:], lens[num_decode:],
+                                    cu_prefill, scale=scale, max_seqlen_q=chunk, max_seq_len=seq_len,
+                                    out=out[num_decode:], validate=False)
+
+        row = {"decode_rows": num_decode, "decode_len": seq_len, "chunk": chunk,
+               "unified_ms": _time_ms(_graphed(unified), device), "split_ms": _time_ms(_graphed(split), device)}
+        row["unified_over_split"] = row["unified_ms"] / row["split_ms"]
+        rows.append(row)
+        print(f"attention only, {num_decode} decode rows x {seq_len} + a {chunk}-token chunk: unified "
+              f"{row['unified_ms'] * 1e3:.0f} us, decode + prefill {row['split_ms'] * 1e3:.0f} us "
+              f"({row['unified_over_split']:.2f}x)")
+        del k_cache, v_cache
+    return rows
+
+
 def main() -> None:
     import logging
 
@@ -97,7 +142,8 @@ def main() -> None:
     commit = os.environ.get("PAGEDKV_COMMIT", "unknown")
     report = {"benchmark": "mixed_step", "gpu": torch.cuda.get_device_name(), "commit": commit,
               "date": time.strftime("%Y-%m-%d"), "model": "random:qwen3-0.6b (bf16)",
-              "target": "mixed step (64 decodes + a 512-token chunk) <= 1.2x its GPU time", "modes": rows}
+              "target": "mixed step (64 decodes + a 512-token chunk) <= 1.2x its GPU time", "modes": rows,
+              "attention_long_decode": long_decode_kernels()}
     print(f"{'mode':<20} {'mixed ms':>9} {'GPU ms':>8} {'ratio':>6} {'launch ms':>10} {'prefill2048 ms':>15} "
           f"{'prefill512 ms':>14}")
     for r in rows:
