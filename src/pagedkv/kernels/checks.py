@@ -113,6 +113,16 @@ def check_out(out: object, like: torch.Tensor) -> None:
         _fail(f"out must be {tuple(like.shape)} {like.dtype} on {like.device}, got {got}")
 
 
+def check_chunk_kv(query: torch.Tensor, key: object, value: object, k_cache: torch.Tensor) -> None:
+    """The chunks' own `key`/`value`: `[num_tokens, num_kv_heads, head_dim]` like the query's rows, both given."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for name, tensor in (("key", key), ("value", value)):
+        check_tensor(name, tensor, 3, (query.dtype,), query.device)
+        if tuple(tensor.shape) != (query.shape[0], num_kv_heads, head_dim):
+            _fail(f"{name} is {tuple(tensor.shape)}; expected [num_tokens = {query.shape[0]}, {num_kv_heads}, "
+                  f"{head_dim}] (the chunks' own K/V, one row per query token)")
+
+
 def check_options(scale: object, sliding_window: object, soft_cap: object) -> None:
     """The softmax scale is a positive number; the window and soft cap are positive when given."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:

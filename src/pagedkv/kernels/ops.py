@@ -46,6 +46,7 @@ from pagedkv.kernels.tuning import (
     DECODE_SCHEDULES,
     DecodeTuning,
     PrefillTuning,
+    SplitPrefillTuning,
     UnifiedTuning,
     choose_num_splits,
     num_sms,
@@ -272,7 +273,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             sliding_window: int | None = None, soft_cap: float | None = None,
                             out: torch.Tensor | None = None, validate: bool = True, backend: str = "auto",
                             tuning: PrefillTuning | None = None, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                            value: torch.Tensor | None = None,
+                            split_tuning: SplitPrefillTuning | None = None) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves.
 
     query `[total_q_tokens, num_heads, head_dim]`; cu_seqlens_q `[num_seqs + 1]` int32; sequence b's
@@ -280,20 +283,25 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     own. Their K/V must already be in the cache (`write_kv` first). Returns `[total_q_tokens, num_heads,
     head_dim]`. `max_seqlen_q` is the host-side longest chunk, which sizes the launch grid.
     `k_scale`/`v_scale`: an FP8 cache's scales. `validate=False` trusts the caller and skips every check.
+    `key`/`value` `[total_q_tokens, num_kv_heads, head_dim]`, the chunks' own K/V (as written), let
+    Triton run the split kernel (`triton_prefill_split`: those read contiguously, only the prefix
+    paged) with `split_tuning`; shapes it does not cover run the all-paged kernel.
     """
     resolved = _varlen_backend(validate, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
                                max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend, k_scale, v_scale)
+    if resolved == "triton" and key is not None and validate:
+        checks.check_chunk_kv(query, key, value, k_cache)
     if resolved == "torch":
         return torch_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
                                        sliding_window=sliding_window, soft_cap=soft_cap, out=out, k_scale=k_scale,
                                        v_scale=v_scale)
-    from pagedkv.kernels.triton_prefill import triton_prefill_attention
+    from pagedkv.kernels.triton_prefill_split import triton_prefill
 
     out = torch.empty_like(query) if out is None else out
-    return triton_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-                                    scale=scale, max_seqlen_q=max_seqlen_q, sliding_window=sliding_window,
-                                    soft_cap=soft_cap, tuning=tuning or _DEFAULT_PREFILL, k_scale=k_scale,
-                                    v_scale=v_scale)
+    return triton_prefill(query, key, value, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
+                          max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
+                          tuning=tuning or _DEFAULT_PREFILL, split_tuning=split_tuning or _DEFAULT_SPLIT_PREFILL,
+                          k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -397,4 +405,5 @@ _SPLIT_DECODE = DecodeTuning()
 def _default_decode(k_scale: torch.Tensor | None) -> DecodeTuning:
     return _DEFAULT_DECODE if k_scale is None else _DEFAULT_FP8_DECODE
 _DEFAULT_PREFILL = PrefillTuning()
+_DEFAULT_SPLIT_PREFILL = SplitPrefillTuning()
 _DEFAULT_UNIFIED = UnifiedTuning()

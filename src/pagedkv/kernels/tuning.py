@@ -163,6 +163,35 @@ class PrefillTuning:
 
 
 @dataclass(frozen=True)
+class SplitPrefillTuning:
+    """Launch parameters of the split prefill kernel (`triton_prefill_split`: chunk K/V contiguous, prefix paged).
+
+    `block_m` must be a multiple of `block_n` (the causal loop's unmasked part ends on a
+    query tile's first row). None picks the default for the head dim.
+    """
+
+    block_m: int | None = None  # query rows per program; default 128 (64 for head_dim 256)
+    block_n: int | None = None  # kv tokens per loop iteration; default 64 (32 for head_dim 256)
+    num_warps: int | None = None  # default 8 for 128-row tiles, else 4
+    num_stages: int = 3
+    warp_specialize: bool = False  # producer/consumer warps in the unmasked loops (tl.range warp_specialize)
+
+    def __post_init__(self):
+        _check_tiles(self)
+        if not isinstance(self.warp_specialize, bool):
+            raise InvalidArgumentError(f"warp_specialize must be a bool, got {self.warp_specialize!r}")
+        if self.block_m is not None and self.block_n is not None and self.block_m % self.block_n:
+            raise InvalidArgumentError(f"block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
+
+    def tiles_for(self, head_dim: int) -> tuple[int, int, int]:
+        """(block_m, block_n, num_warps) for `head_dim`."""
+        block_m = self.block_m or (128 if head_dim <= 128 else 64)
+        block_n = self.block_n or (64 if head_dim <= 128 else 32)
+        num_warps = self.num_warps or (8 if block_m >= 128 else 4)
+        return block_m, block_n, num_warps
+
+
+@dataclass(frozen=True)
 class UnifiedTuning:
     """Launch parameters of the unified varlen kernel (decode rows and prefill chunks in one launch).
 

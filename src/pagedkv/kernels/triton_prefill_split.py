@@ -1,0 +1,261 @@
+"""Split prefill: the chunk's own K/V read contiguously from the step's QKV, only the cached prefix through pages.
+
+A prefill chunk's new tokens have their K and V in the step's projection output, one row per
+token, in the same order as the queries. Only the cached prefix lives solely in the pool:
+
+    kv positions   | 0 ............ ctx-1 | ctx ........ seq_len-1 |
+                   |   cached prefix      |   new (query) tokens   |
+                   |   paged: pool pages  |   contiguous: key/value rows cu_seqlens_q[b] ..
+
+so a program (one query tile of BLOCK_M rows, one query head, one sequence) folds both into
+one online softmax: first the prefix (every key visible to every row: no mask but on its
+ragged last tile), then the chunk's own keys, causal (unmasked below the diagonal, masked on
+it). One pass over both parts is the log-sum-exp merge of the two partial attentions done in
+registers, with nothing written in between.
+
+Hopper machinery, through Triton 3.6:
+- Q, the chunk's K/V and, when a page holds whole kv tiles (block_size % BLOCK_N == 0), the
+  pool's pages are read by TMA (host tensor descriptors): one bulk copy per tile, no address
+  arithmetic in the loop. With smaller pages (16 tokens against 64-128-token tiles) the
+  prefix is gathered row by row through the block table (`triton_common.load_kv_tile`),
+  which Triton pipelines as asynchronous copies over `num_stages` buffers.
+- Both dots go to wgmma (tl.dot on sm_90 with operands in shared memory); `num_stages`
+  deepens the load pipeline; `warp_specialize` splits the loops into producer (TMA) and
+  consumer (wgmma + softmax) warps.
+
+Rows past a sequence's chunk read the next sequence's rows (or TMA's zero fill past the
+tensor): they are never stored. Keys past a part's end are masked to -1e6 before the max
+(finite, so no row ever computes inf - inf) and their V rows zeroed, so stale pool slots
+(never-written memory may hold NaN bit patterns) cannot leak in.
+
+Covered: bf16/fp16 model-dtype caches, no sliding window, no soft cap, head_dim 64/128/256
+with TMA-aligned strides. `ops.paged_prefill_attention` sends anything else to the
+all-paged kernel (`triton_prefill`) and logs why, once per reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.env import env_choice
+from pagedkv.kernels.triton_common import LOG2E, load_kv_tile
+from pagedkv.kernels.triton_prefill import triton_prefill_attention
+from pagedkv.kernels.tuning import PrefillTuning, SplitPrefillTuning
+
+logger = logging.getLogger(__name__)
+PREFILL_KERNELS = ("split", "paged")
+
+
+@triton.jit
+def _fold(acc, l_i, m_i, q, k, v, qk_scale, visible, key_valid, MASKED: tl.constexpr):
+    """Fold one kv tile (k, v `[BLOCK_N, D]`) into the rows' running (acc, sum, max).
+
+    MASKED: `visible` `[BLOCK_M, BLOCK_N]` says which scores count; V rows of keys outside
+    `key_valid` `[BLOCK_N]` are zeroed (stale slots may hold NaN, and 0 * NaN is NaN).
+    """
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        qk = tl.where(visible, qk * qk_scale, -1.0e6)
+        v = tl.where(key_valid[:, None], v, 0.0)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        qk = qk - m_new[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_new[:, None]
+    p = tl.exp2(qk)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, start, ctx, kv_col,
+                 head_offset, stride_cache_b, stride_cache_o, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGED_TMA: tl.constexpr):
+    """K and V `[BLOCK_N, HEAD_DIM]` of prefix positions start .. start + BLOCK_N - 1."""
+    if PAGED_TMA:  # the tile lies inside one page: one bulk copy each
+        block = tl.load(table_row + (start // BLOCK_SIZE) * stride_bt_b).to(tl.int32)
+        row = block * BLOCK_SIZE + start % BLOCK_SIZE
+        k = kc_desc.load([row, kv_col])
+        v = vc_desc.load([row, kv_col])
+    else:
+        tokens = start + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, HEAD_DIM)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, tokens, tokens < ctx, head_offset, dims,
+                            dims < HEAD_DIM, stride_cache_b, stride_cache_o, BLOCK_SIZE)
+    return k, v
+
+
+@triton.jit
+def _split_prefill_kernel(
+    q_desc, k_desc, v_desc, kc_desc, vc_desc,
+    k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
+    qk_scale, stride_out_t, stride_out_h, stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s,
+    stride_bt_b, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    # Heads vary fastest, so a GQA group's programs run side by side and share K/V tiles in L2;
+    # the last (longest, under the causal mask) query tiles of every sequence launch first.
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32) - q_len
+    kv_head = head // GROUP
+    kv_col = kv_head * HEAD_DIM
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the chunk
+    cols = tl.arange(0, BLOCK_N)
+    q = q_desc.load([q_start + tile * BLOCK_M, head * HEAD_DIM])  # [BLOCK_M, HEAD_DIM]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Cached prefix, paged: whole tiles unmasked, then the ragged last tile masked.
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
+    head_offset = kv_head.to(tl.int64) * stride_cache_h
+    prefix_full = ctx // BLOCK_N * BLOCK_N
+    for start in tl.range(0, prefix_full, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        k, v = _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, start, ctx, kv_col,
+                            head_offset, stride_cache_b, stride_cache_o, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGED_TMA)
+        acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, None, None, False)
+    if prefix_full < ctx:
+        k, v = _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, prefix_full, ctx,
+                            kv_col, head_offset, stride_cache_b, stride_cache_o, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                            PAGED_TMA)
+        key_valid = prefix_full + cols < ctx
+        visible = key_valid[None, :] & (rows >= 0)[:, None]
+        acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, visible, key_valid, True)
+
+    # The chunk's own keys, contiguous: below the diagonal unmasked, then the diagonal tiles causal.
+    diagonal = tile * BLOCK_M
+    for start in tl.range(0, diagonal, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([q_start + start, kv_col])
+        v = v_desc.load([q_start + start, kv_col])
+        acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, None, None, False)
+    for start in tl.range(diagonal, tl.minimum(diagonal + BLOCK_M, q_len), BLOCK_N):
+        k = k_desc.load([q_start + start, kv_col])
+        v = v_desc.load([q_start + start, kv_col])
+        keys = start + cols
+        key_valid = keys < q_len
+        visible = (keys[None, :] <= rows[:, None]) & key_valid[None, :]
+        acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, visible, key_valid, True)
+
+    o = acc / l_i[:, None]
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = (q_start + rows).to(tl.int64)[:, None] * stride_out_t + head * stride_out_h + dims[None, :]
+    tl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+def _rows_2d(tensor: torch.Tensor) -> torch.Tensor:
+    """A `[rows, heads, dim]` view (unit stride in dim, heads packed) as `[rows, heads * dim]`."""
+    return tensor.as_strided((tensor.shape[0], tensor.shape[1] * tensor.shape[2]), (tensor.stride(0), 1))
+
+
+def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, out: torch.Tensor, *, sliding_window: int | None,
+                       soft_cap: float | None, k_scale: torch.Tensor | None) -> str | None:
+    """Why the split kernel cannot run these inputs (None when it can): the fallback's log line."""
+    if k_scale is not None:
+        return "an FP8 cache (the chunk's K/V would skip the cache's quantization)"
+    if sliding_window is not None or soft_cap is not None:
+        return "a sliding window or soft cap"
+    if query.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != query.dtype:
+        return f"dtype {query.dtype} over a {k_cache.dtype} cache (bf16/fp16 only)"
+    head_dim = query.shape[2]
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim} (64, 128 or 256)"
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("out", out)):
+        if tensor.stride(2) != 1 or tensor.stride(1) != head_dim:
+            return f"{name} strides {tuple(tensor.stride())} (heads must be packed rows of unit stride)"
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.data_ptr() % 16 or tensor.stride(0) * tensor.element_size() % 16:
+            return f"{name} not 16-byte aligned for TMA"
+    if key.shape != value.shape or key.shape[0] != query.shape[0] or key.shape[1:] != k_cache.shape[2:]:
+        return f"key/value {tuple(key.shape)} do not match query {tuple(query.shape)} and the cache"
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != head_dim or k_cache.stride(3) != 1:
+        return f"cache strides {tuple(k_cache.stride())}"
+    return None
+
+
+def triton_split_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                   k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                   seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor, *,
+                                   scale: float, max_seqlen_q: int, tuning: SplitPrefillTuning) -> torch.Tensor:
+    """Launch the split prefill kernel into `out` (inputs passed `unsupported_reason`); see the module docstring."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        return out
+    block_m, block_n, num_warps = tuning.tiles_for(head_dim)
+    block_m = min(block_m, max(block_n, triton.next_power_of_2(max_seqlen_q)))
+    # TMA on pages needs whole tiles per page and pages that tile one 2-D array (no gap between blocks).
+    paged_tma = block_size % block_n == 0 and k_cache.stride(0) == block_size * k_cache.stride(1)
+    q_desc = TensorDescriptor.from_tensor(_rows_2d(query), [block_m, head_dim])
+    k_desc = TensorDescriptor.from_tensor(_rows_2d(key), [block_n, head_dim])
+    v_desc = TensorDescriptor.from_tensor(_rows_2d(value), [block_n, head_dim])
+    if paged_tma:
+        pool_rows = (num_blocks * block_size, num_kv_heads * head_dim)
+        kc_desc = TensorDescriptor(k_cache, list(pool_rows), [k_cache.stride(1), 1], [block_n, head_dim])
+        vc_desc = TensorDescriptor(v_cache, list(pool_rows), [v_cache.stride(1), 1], [block_n, head_dim])
+    else:
+        kc_desc, vc_desc = k_desc, v_desc  # unused (the gather path), any descriptor of the right block
+    grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
+    _split_prefill_kernel[grid](
+        q_desc, k_desc, v_desc, kc_desc, vc_desc, k_cache, v_cache, block_tables, seq_lens.contiguous(),
+        cu_seqlens_q.contiguous(), out,
+        scale * LOG2E, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, PAGED_TMA=paged_tma, NUM_STAGES=tuning.num_stages,
+        WARP_SPECIALIZE=tuning.warp_specialize, num_warps=num_warps, num_stages=tuning.num_stages)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _log_fallback(reason: str) -> None:
+    """Say once per distinct reason why a call given its chunk K/V still ran the all-paged kernel."""
+    logger.info("prefill: the split kernel does not cover %s; the paged prefill kernel runs instead", reason)
+
+
+def prefill_route(key: torch.Tensor | None) -> str:
+    """"split" or "paged": which prefill kernel a call with these chunk K/V asks for.
+
+    PAGEDKV_PREFILL_KERNEL=paged turns the split kernel off (an A/B switch, read per call).
+    """
+    if key is None:
+        return "paged"
+    return env_choice("PAGEDKV_PREFILL_KERNEL", PREFILL_KERNELS, "split")
+
+
+def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, out: torch.Tensor, *, scale: float, max_seqlen_q: int,
+                   sliding_window: int | None, soft_cap: float | None, tuning: PrefillTuning,
+                   split_tuning: SplitPrefillTuning, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None) -> torch.Tensor:
+    """The split kernel where the chunk K/V are given and covered, else the all-paged kernel (reason logged once)."""
+    if prefill_route(key) == "split":
+        reason = unsupported_reason(query, key, value, k_cache, v_cache, out, sliding_window=sliding_window,
+                                    soft_cap=soft_cap, k_scale=k_scale)
+        if reason is None:
+            return triton_split_prefill_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
+                                                  cu_seqlens_q, out, scale=scale, max_seqlen_q=max_seqlen_q,
+                                                  tuning=split_tuning)
+        _log_fallback(reason)
+    return triton_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
+                                    max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
+                                    tuning=tuning, k_scale=k_scale, v_scale=v_scale)
