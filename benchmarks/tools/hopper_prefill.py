@@ -38,15 +38,19 @@ if SMOKE:  # the tests' interpreter fix for NumPy >= 2.4 (runtime loop bounds)
     __import__("conftest")
 SCALE = D ** -0.5
 #: name -> SplitPrefillTuning fields.
+#: H200 at 7a4a96f: m128 n64 w8 s3 led 8 x 2048 (387 TFLOP/s), m128 n128 w8 s3 the chunk (337-362); s4, 4 warps,
+#: 64-row tiles and warp_specialize=True (no gain: 382 / 279) trailed. This sweep looks for two programs per SM.
 VARIANTS = {
     "m128 n64 w8 s3": dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    "m128 n64 w8 s4": dict(block_m=128, block_n=64, num_warps=8, num_stages=4),
-    "m128 n128 w8 s2": dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
     "m128 n128 w8 s3": dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
-    "m128 n64 w4 s3": dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
-    "m64 n64 w4 s3": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
-    "m128 n64 w8 s3 ws": dict(block_m=128, block_n=64, num_warps=8, num_stages=3, warp_specialize=True),
-    "m128 n128 w8 s2 ws": dict(block_m=128, block_n=128, num_warps=8, num_stages=2, warp_specialize=True),
+    "m128 n64 w8 s2": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "m128 n64 w8 s2 r128": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128),
+    "m128 n32 w8 s3": dict(block_m=128, block_n=32, num_warps=8, num_stages=3),
+    "m128 n32 w8 s4 r128": dict(block_m=128, block_n=32, num_warps=8, num_stages=4, maxnreg=128),
+    "m256 n64 w16 s2": dict(block_m=256, block_n=64, num_warps=16, num_stages=2),
+    "m256 n128 w16 s2": dict(block_m=256, block_n=128, num_warps=16, num_stages=2),
+    "m64 n64 w4 s2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    "m128 n128 w8 s2 r168": dict(block_m=128, block_n=128, num_warps=8, num_stages=2, maxnreg=168),
 }
 #: name -> (batch, chunk tokens, cached prefix tokens)
 CASES = {"prefill 8 x 2048": (8, 2048, 0), "chunk 512 on 4096": (1, 512, 4096)}
@@ -150,7 +154,20 @@ def reference(step):
                                        step["cu"], scale=SCALE, float64=True)
 
 
-def worker(variants: list[str], pages: list[int], out_dir: Path, index: int) -> None:
+def compiled_resources() -> list[dict]:
+    """Registers, spills and shared memory of every split-prefill kernel this process compiled."""
+    from pagedkv.kernels import triton_prefill_split
+
+    rows = []
+    for cache in getattr(triton_prefill_split._split_prefill_kernel, "device_caches", {}).values():
+        for kernel in cache[0].values():
+            meta = kernel.metadata
+            rows.append({"num_warps": meta.num_warps, "num_stages": meta.num_stages, "shared": meta.shared,
+                         "n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None)})
+    return rows
+
+
+def worker(variants: list[str], pages: list[int], work: Path, index: int) -> None:
     """Check each variant (and, in worker 0, the paged kernel) on the mixed step and every timed case."""
     steps = {("mixed", p): make_step(*MIXED, p, seed=11) for p in (16, pages[-1])}
     steps.update({(c, p): case_step(c, p, poison=True) for c in CASES for p in (pages if c.startswith("chunk")
@@ -166,7 +183,10 @@ def worker(variants: list[str], pages: list[int], out_dir: Path, index: int) -> 
                          **result})
             print(json.dumps(rows[-1]), flush=True)
         del expected
-    (out_dir / f"checks_{index}.json").write_text(json.dumps(rows, indent=1))
+    rows.append({"variant": variants[0], "case": "resources", "page": 0, "ok": True, "error": "",
+                 "kernels": compiled_resources()})
+    print(json.dumps(rows[-1]), flush=True)
+    (work / f"checks_{index}.json").write_text(json.dumps(rows, indent=1))
 
 
 def main() -> None:
@@ -205,6 +225,10 @@ def main() -> None:
     failed = {row["variant"] for row in checks if not row["ok"]}
     passed = {row["variant"] for row in checks} - failed  # a worker killed at its timeout left no rows: untimed
     missing = [variants[i] for i in range(len(variants)) if not (work / f"checks_{i}.json").exists()]
+    for row in checks:
+        if row["case"] == "resources":
+            print(f"  {row['variant']:22s} " + "; ".join(
+                f"regs {k['n_regs']} spills {k['n_spills']} smem {k['shared'] // 1024} KiB" for k in row["kernels"]))
     print(f"checks: {len(checks)} rows in {time.time() - start:.0f} s; failed: {sorted(failed) or 'none'}; "
           f"workers without results: {missing or 'none'}", flush=True)
     for row in checks:

@@ -214,6 +214,7 @@ def triton_split_prefill_attention(query: torch.Tensor, key: torch.Tensor, value
     else:
         kc_desc, vc_desc = k_desc, v_desc  # unused (the gather path), any descriptor of the right block
     grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
+    options = {} if tuning.maxnreg is None else {"maxnreg": tuning.maxnreg}
     _split_prefill_kernel[grid](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, k_cache, v_cache, block_tables, seq_lens.contiguous(),
         cu_seqlens_q.contiguous(), out,
@@ -221,7 +222,7 @@ def triton_split_prefill_attention(query: torch.Tensor, key: torch.Tensor, value
         block_tables.stride(0), block_tables.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGED_TMA=paged_tma, NUM_STAGES=tuning.num_stages,
-        WARP_SPECIALIZE=tuning.warp_specialize, num_warps=num_warps, num_stages=tuning.num_stages)
+        WARP_SPECIALIZE=tuning.warp_specialize, num_warps=num_warps, num_stages=tuning.num_stages, **options)
     return out
 
 

@@ -175,9 +175,12 @@ class SplitPrefillTuning:
     num_warps: int | None = None  # default 8 for 128-row tiles, else 4
     num_stages: int = 3
     warp_specialize: bool = False  # producer/consumer warps in the unmasked loops (tl.range warp_specialize)
+    maxnreg: int | None = None  # register cap per thread (ptxas), e.g. 128 so that two 8-warp programs share an SM
 
     def __post_init__(self):
         _check_tiles(self)
+        if self.maxnreg is not None:
+            require_positive_int("maxnreg", self.maxnreg)
         if not isinstance(self.warp_specialize, bool):
             raise InvalidArgumentError(f"warp_specialize must be a bool, got {self.warp_specialize!r}")
         if self.block_m is not None and self.block_n is not None and self.block_m % self.block_n:
