@@ -36,28 +36,30 @@ H, HKV, D = (4, 2, 64) if SMOKE else (32, 8, 128)
 if SMOKE:  # the tests' interpreter fix for NumPy >= 2.4 (runtime loop bounds)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     __import__("conftest")
-SCALE = D ** -0.5
 #: name -> SplitPrefillTuning fields.
-#: H200 at 7a4a96f: m128 n64 w8 s3 led 8 x 2048 (387 TFLOP/s), m128 n128 w8 s3 the chunk (337-362); s4, 4 warps,
-#: 64-row tiles and warp_specialize=True (no gain: 382 / 279) trailed. This sweep looks for two programs per SM.
+#: H200 sweeps at 7a4a96f and 89e3ca5 (results/hopper_prefill_h200.md): 128 x 64 tiles, 2 stages, 128 registers
+#: ("wide": two programs per SM) led 8 x 2048 causal at 404 TFLOP/s; 128 x 128 tiles, 3 stages ("deep": one per
+#: SM) led the chunk at 335-361. warp_specialize=True, 4 warps, 256-row tiles and 32-token kv tiles trailed.
+#: This run: the shipped default ("auto") and the chunk's kv range split 2-4 ways so that it fills two per SM.
+WIDE = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128)
+DEEP = dict(block_m=128, block_n=128, num_warps=8, num_stages=3, maxnreg=0)
 VARIANTS = {
-    "m128 n64 w8 s3": dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    "m128 n128 w8 s3": dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
-    "m128 n64 w8 s2": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    "m128 n64 w8 s2 r128": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128),
-    "m128 n32 w8 s3": dict(block_m=128, block_n=32, num_warps=8, num_stages=3),
-    "m128 n32 w8 s4 r128": dict(block_m=128, block_n=32, num_warps=8, num_stages=4, maxnreg=128),
-    "m256 n64 w16 s2": dict(block_m=256, block_n=64, num_warps=16, num_stages=2),
-    "m256 n128 w16 s2": dict(block_m=256, block_n=128, num_warps=16, num_stages=2),
-    "m64 n64 w4 s2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
-    "m128 n128 w8 s2 r168": dict(block_m=128, block_n=128, num_warps=8, num_stages=2, maxnreg=168),
+    "auto": {},
+    "wide": dict(WIDE, num_splits=1),
+    "deep": dict(DEEP, num_splits=1),
+    "wide split2": dict(WIDE, num_splits=2),
+    "wide split3": dict(WIDE, num_splits=3),
+    "wide split4": dict(WIDE, num_splits=4),
+    "deep split2": dict(DEEP, num_splits=2),
+    "m64 n64 w4 s2 split2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2, maxnreg=0, num_splits=2),
 }
 #: name -> (batch, chunk tokens, cached prefix tokens)
 CASES = {"prefill 8 x 2048": (8, 2048, 0), "chunk 512 on 4096": (1, 512, 4096)}
 #: A ragged mix for the checks: whole prompts, chunks on prefixes (ragged ones), a one-token chunk.
 MIXED = ([1000, 4608, 2048, 129, 17, 300, 77], [1000, 512, 2048, 64, 17, 1, 40])
 if SMOKE:
-    VARIANTS = {"m32 n16": dict(block_m=32, block_n=16, num_warps=4, num_stages=2)}
+    VARIANTS = {"m32 n16": dict(block_m=32, block_n=16, num_warps=4, num_stages=2),
+                "m32 n16 split3": dict(block_m=32, block_n=16, num_warps=4, num_stages=2, num_splits=3)}
     CASES = {"prefill 2 x 64": (2, 64, 0), "chunk 32 on 64": (1, 32, 64)}
     MIXED = ([40, 70, 5], [40, 30, 1])
 
@@ -66,9 +68,11 @@ def flops(batch: int, chunk: int, prefix: int) -> float:
     return batch * 2 * 2 * H * D * (chunk * prefix + chunk * (chunk + 1) / 2)
 
 
-def make_step(seq_lens, q_lens, page, seed, poison=True):
+def make_step(seq_lens, q_lens, page, seed, poison=True, heads=None):
     """A pool (NaN where nobody wrote) behind shuffled tables, and a QKV whose K/V rows were written to it."""
     from pagedkv.kernels import write_kv
+
+    nh, nkv, dim = heads or (H, HKV, D)
 
     gen = torch.Generator().manual_seed(seed)
     blocks = [math.ceil(n / page) for n in seq_lens]
@@ -83,17 +87,17 @@ def make_step(seq_lens, q_lens, page, seed, poison=True):
         pos = torch.arange(n)
         slots.append(table[b, pos // page] * page + pos % page)
     fill = float("nan") if poison else 0.0
-    k_cache = torch.full((num_blocks, page, HKV, D), fill, dtype=DTYPE, device=DEVICE)
+    k_cache = torch.full((num_blocks, page, nkv, dim), fill, dtype=DTYPE, device=DEVICE)
     v_cache = torch.full_like(k_cache, fill)
     total = sum(seq_lens)
-    keys = torch.randn(total, HKV, D, generator=gen).to(DEVICE, DTYPE)
-    values = torch.randn(total, HKV, D, generator=gen).to(DEVICE, DTYPE)
+    keys = torch.randn(total, nkv, dim, generator=gen).to(DEVICE, DTYPE)
+    values = torch.randn(total, nkv, dim, generator=gen).to(DEVICE, DTYPE)
     write_kv(keys, values, k_cache, v_cache, torch.cat(slots).to(DEVICE))
     num_tokens = sum(q_lens)
-    qkv = torch.randn(num_tokens, (H + 2 * HKV) * D, generator=gen).to(DEVICE, DTYPE)
-    q = qkv[:, :H * D].view(num_tokens, H, D)
-    k = qkv[:, H * D:(H + HKV) * D].view(num_tokens, HKV, D)
-    v = qkv[:, (H + HKV) * D:].view(num_tokens, HKV, D)
+    qkv = torch.randn(num_tokens, (nh + 2 * nkv) * dim, generator=gen).to(DEVICE, DTYPE)
+    q = qkv[:, :nh * dim].view(num_tokens, nh, dim)
+    k = qkv[:, nh * dim:(nh + nkv) * dim].view(num_tokens, nkv, dim)
+    v = qkv[:, (nh + nkv) * dim:].view(num_tokens, nkv, dim)
     offset = row = 0
     for n, ql in zip(seq_lens, q_lens):  # the chunk's K/V rows are what the pool holds for its positions
         k[row:row + ql] = keys[offset + n - ql:offset + n]
@@ -102,7 +106,7 @@ def make_step(seq_lens, q_lens, page, seed, poison=True):
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     return dict(query=q, key=k, value=v, k_cache=k_cache, v_cache=v_cache, table=table.to(DEVICE, torch.int32),
-                lens=lens, cu=cu, max_q=max(q_lens))
+                lens=lens, cu=cu, max_q=max(q_lens), max_seq_len=max(seq_lens), scale=dim ** -0.5)
 
 
 def case_step(case: str, page: int, poison: bool):
@@ -121,7 +125,8 @@ def split_call(step, variant):
         raise RuntimeError(reason)
     return functools.partial(triton_split_prefill_attention, step["query"], step["key"], step["value"],
                              step["k_cache"], step["v_cache"], step["table"], step["lens"], step["cu"], out,
-                             scale=SCALE, max_seqlen_q=step["max_q"], tuning=SplitPrefillTuning(**VARIANTS[variant]))
+                             scale=step["scale"], max_seqlen_q=step["max_q"], max_seq_len=step["max_seq_len"],
+                             tuning=SplitPrefillTuning(**VARIANTS[variant]))
 
 
 def paged_call(step):
@@ -129,8 +134,8 @@ def paged_call(step):
 
     out = torch.empty_like(step["query"])
     return functools.partial(paged_prefill_attention, step["query"], step["k_cache"], step["v_cache"], step["table"],
-                             step["lens"], step["cu"], scale=SCALE, max_seqlen_q=step["max_q"], out=out,
-                             validate=False, backend="triton")
+                             step["lens"], step["cu"], scale=step["scale"], max_seqlen_q=step["max_q"], out=out,
+                             validate=False, backend="triton", max_seq_len=step["max_seq_len"])
 
 
 def check(call, step, expected) -> dict:
@@ -151,7 +156,7 @@ def reference(step):
     from pagedkv.kernels import reference_prefill_attention
 
     return reference_prefill_attention(step["query"], step["k_cache"], step["v_cache"], step["table"], step["lens"],
-                                       step["cu"], scale=SCALE, float64=True)
+                                       step["cu"], scale=step["scale"], float64=True)
 
 
 def compiled_resources() -> list[dict]:
@@ -170,6 +175,9 @@ def compiled_resources() -> list[dict]:
 def worker(variants: list[str], pages: list[int], work: Path, index: int) -> None:
     """Check each variant (and, in worker 0, the paged kernel) on the mixed step and every timed case."""
     steps = {("mixed", p): make_step(*MIXED, p, seed=11) for p in (16, pages[-1])}
+    if not SMOKE:  # other engine heads (Qwen3-0.6B; SmolLM2-135M's head_dim 64) on the mixed step
+        steps.update({(f"mixed heads {h}", p): make_step(*MIXED, p, seed=12, heads=h)
+                      for h in ((16, 8, 128), (9, 3, 64)) for p in (16, 64)})
     steps.update({(c, p): case_step(c, p, poison=True) for c in CASES for p in (pages if c.startswith("chunk")
                                                                                  else [16])})
     rows = []

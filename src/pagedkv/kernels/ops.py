@@ -301,7 +301,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return triton_prefill(query, key, value, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
                           max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
                           tuning=tuning or _DEFAULT_PREFILL, split_tuning=split_tuning or _DEFAULT_SPLIT_PREFILL,
-                          k_scale=k_scale, v_scale=v_scale)
+                          k_scale=k_scale, v_scale=v_scale, max_seq_len=max_seq_len)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from pagedkv.env import env_choice
-from pagedkv.kernels.triton_common import LOG2E, load_kv_tile
+from pagedkv.kernels.triton_common import LOG2E, arrive, load_kv_tile
 from pagedkv.kernels.triton_prefill import triton_prefill_attention
-from pagedkv.kernels.tuning import PrefillTuning, SplitPrefillTuning
+from pagedkv.kernels.tuning import PrefillTuning, SplitPrefillTuning, num_sms
 
 logger = logging.getLogger(__name__)
 PREFILL_KERNELS = ("split", "paged")
@@ -94,18 +94,60 @@ def _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_b
 
 
 @triton.jit
+def _merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, counter_index, split, token_rows,
+                  row_mask, head, num_heads, num_tokens, stride_out_t, stride_out_h,
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Store this split's normalised rows and log2-sum-exp; the last split of the tile to arrive merges them all.
+
+    partial_out `[NUM_SPLITS, num_tokens, num_heads, HEAD_DIM]` fp32, partial_lse `[NUM_SPLITS,
+    num_tokens, num_heads]`; the counter goes back to 0 (see `triton_common.arrive`).
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    slot = token_rows * num_heads + head  # [BLOCK_M] int64
+    part = split.to(tl.int64) * num_tokens * num_heads
+    tl.store(partial_out_ptr + (part + slot)[:, None] * HEAD_DIM + dims[None, :], o, mask=row_mask[:, None])
+    tl.store(partial_lse_ptr + part + slot, lse, mask=row_mask)
+    counter = counters_ptr + counter_index
+    if arrive(counter) == NUM_SPLITS - 1:
+        tl.debug_barrier()
+        m = tl.zeros_like(lse) + float("-inf")
+        for s in tl.static_range(NUM_SPLITS):
+            part_lse = tl.load(partial_lse_ptr + s * num_tokens * num_heads + slot, mask=row_mask,
+                               other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, part_lse)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros_like(lse)
+        acc = tl.zeros_like(o)
+        for s in tl.static_range(NUM_SPLITS):
+            rows = s * num_tokens * num_heads + slot
+            weight = tl.exp2(tl.load(partial_lse_ptr + rows, mask=row_mask, other=float("-inf"),
+                                     cache_modifier=".cg") - m_safe)
+            part_o = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_mask[:, None],
+                             other=0.0, cache_modifier=".cg")
+            acc += part_o * weight[:, None]
+            total += weight
+        merged = acc / tl.where(total > 0, total, 1.0)[:, None]
+        offsets = token_rows[:, None] * stride_out_t + head * stride_out_h + dims[None, :]
+        tl.store(out_ptr + offsets, merged.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(counter, 0)
+
+
+@triton.jit
 def _split_prefill_kernel(
     q_desc, k_desc, v_desc, kc_desc, vc_desc,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
-    qk_scale, stride_out_t, stride_out_h, stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s,
+    partial_out_ptr, partial_lse_ptr, counters_ptr,
+    qk_scale, num_tokens, stride_out_t, stride_out_h, stride_cache_b, stride_cache_o, stride_cache_h, stride_bt_s,
     stride_bt_b, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     # Heads vary fastest, so a GQA group's programs run side by side and share K/V tiles in L2;
     # the last (longest, under the causal mask) query tiles of every sequence launch first.
     head = tl.program_id(0)
     seq = tl.program_id(1)
-    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    tile = tl.num_programs(2) // NUM_SPLITS - 1 - tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
     if tile * BLOCK_M >= q_len:
@@ -121,29 +163,43 @@ def _split_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    # The kv tiles this query tile sees, numbered prefix first, then the chunk's own:
+    #   | prefix: full tiles | ragged tail | chunk: below the diagonal | on the diagonal |
+    #   0               prefix_full    num_prefix                  diagonal           num_tiles
+    # and this split's share of them, [lo, hi).
+    prefix_full = ctx // BLOCK_N
+    num_prefix = tl.cdiv(ctx, BLOCK_N)
+    diagonal = num_prefix + tile * (BLOCK_M // BLOCK_N)
+    num_tiles = num_prefix + tl.cdiv(tl.minimum(q_len, (tile + 1) * BLOCK_M), BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    lo = tl.minimum(split * per_split, num_tiles)
+    hi = tl.minimum(lo + per_split, num_tiles)
+
     # Cached prefix, paged: whole tiles unmasked, then the ragged last tile masked.
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     head_offset = kv_head.to(tl.int64) * stride_cache_h
-    prefix_full = ctx // BLOCK_N * BLOCK_N
-    for start in tl.range(0, prefix_full, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
-        k, v = _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, start, ctx, kv_col,
-                            head_offset, stride_cache_b, stride_cache_o, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGED_TMA)
-        acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, None, None, False)
-    if prefix_full < ctx:
-        k, v = _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, prefix_full, ctx,
+    for t in tl.range(lo, tl.minimum(hi, prefix_full), num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        k, v = _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, t * BLOCK_N, ctx,
                             kv_col, head_offset, stride_cache_b, stride_cache_o, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
                             PAGED_TMA)
-        key_valid = prefix_full + cols < ctx
+        acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, None, None, False)
+    if (prefix_full < num_prefix) & (lo <= prefix_full) & (prefix_full < hi):
+        start = prefix_full * BLOCK_N
+        k, v = _prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt_b, start, ctx, kv_col,
+                            head_offset, stride_cache_b, stride_cache_o, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGED_TMA)
+        key_valid = start + cols < ctx
         visible = key_valid[None, :] & (rows >= 0)[:, None]
         acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, visible, key_valid, True)
 
-    # The chunk's own keys, contiguous: below the diagonal unmasked, then the diagonal tiles causal.
-    diagonal = tile * BLOCK_M
-    for start in tl.range(0, diagonal, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
-        k = k_desc.load([q_start + start, kv_col])
-        v = v_desc.load([q_start + start, kv_col])
+    # The chunk's own keys, contiguous rows of key/value: below the diagonal unmasked, on it causal.
+    for t in tl.range(tl.maximum(lo, num_prefix), tl.minimum(hi, diagonal), num_stages=NUM_STAGES,
+                      warp_specialize=WARP_SPECIALIZE):
+        row = q_start + (t - num_prefix) * BLOCK_N
+        k = k_desc.load([row, kv_col])
+        v = v_desc.load([row, kv_col])
         acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, None, None, False)
-    for start in tl.range(diagonal, tl.minimum(diagonal + BLOCK_M, q_len), BLOCK_N):
+    for t in tl.range(tl.maximum(lo, diagonal), hi):
+        start = (t - num_prefix) * BLOCK_N
         k = k_desc.load([q_start + start, kv_col])
         v = v_desc.load([q_start + start, kv_col])
         keys = start + cols
@@ -151,10 +207,21 @@ def _split_prefill_kernel(
         visible = (keys[None, :] <= rows[:, None]) & key_valid[None, :]
         acc, l_i, m_i = _fold(acc, l_i, m_i, q, k, v, qk_scale, visible, key_valid, True)
 
-    o = acc / l_i[:, None]
-    dims = tl.arange(0, HEAD_DIM)
-    offsets = (q_start + rows).to(tl.int64)[:, None] * stride_out_t + head * stride_out_h + dims[None, :]
-    tl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+    token_rows = (q_start + rows).to(tl.int64)
+    row_mask = rows < q_len
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        dims = tl.arange(0, HEAD_DIM)
+        offsets = token_rows[:, None] * stride_out_t + head * stride_out_h + dims[None, :]
+        tl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:  # a split that saw no tile has l = 0: weight 0 in the merge
+        has_any = l_i > 0
+        o = acc / tl.where(has_any, l_i, 1.0)[:, None]
+        lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
+        counter_index = (seq * (tl.num_programs(2) // NUM_SPLITS) + tile) * tl.num_programs(0) + head
+        _merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, counter_index, split,
+                      token_rows, row_mask, head, tl.num_programs(0), num_tokens, stride_out_t, stride_out_h,
+                      HEAD_DIM, NUM_SPLITS)
 
 
 def _rows_2d(tensor: torch.Tensor) -> torch.Tensor:
@@ -191,8 +258,13 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def triton_split_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor, *,
-                                   scale: float, max_seqlen_q: int, tuning: SplitPrefillTuning) -> torch.Tensor:
-    """Launch the split prefill kernel into `out` (inputs passed `unsupported_reason`); see the module docstring."""
+                                   scale: float, max_seqlen_q: int, tuning: SplitPrefillTuning,
+                                   max_seq_len: int | None = None) -> torch.Tensor:
+    """Launch the split prefill kernel into `out` (inputs passed `unsupported_reason`); see the module docstring.
+
+    `max_seq_len` (host int; default the tables' capacity) bounds every sequence's kv length:
+    with `tuning`'s defaults it decides whether a step of few programs splits its kv ranges.
+    """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_tokens, num_heads, head_dim = query.shape
@@ -200,8 +272,10 @@ def triton_split_prefill_attention(query: torch.Tensor, key: torch.Tensor, value
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out
-    block_m, block_n, num_warps = tuning.tiles_for(head_dim)
-    block_m = min(block_m, max(block_n, triton.next_power_of_2(max_seqlen_q)))
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    block_m, block_n, num_warps, num_stages, maxnreg, num_splits = tuning.resolve(
+        head_dim, num_heads, num_seqs, max_seqlen_q, max_seq_len, num_sms(query.device))
     # TMA on pages needs whole tiles per page and pages that tile one 2-D array (no gap between blocks).
     paged_tma = block_size % block_n == 0 and k_cache.stride(0) == block_size * k_cache.stride(1)
     q_desc = TensorDescriptor.from_tensor(_rows_2d(query), [block_m, head_dim])
@@ -213,16 +287,22 @@ def triton_split_prefill_attention(query: torch.Tensor, key: torch.Tensor, value
         vc_desc = TensorDescriptor(v_cache, list(pool_rows), [v_cache.stride(1), 1], [block_n, head_dim])
     else:
         kc_desc, vc_desc = k_desc, v_desc  # unused (the gather path), any descriptor of the right block
-    grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
-    options = {} if tuning.maxnreg is None else {"maxnreg": tuning.maxnreg}
-    _split_prefill_kernel[grid](
+    num_q_tiles = triton.cdiv(max_seqlen_q, block_m)
+    if num_splits > 1:  # fresh zeros: the counters reset themselves, but a per-call buffer starts clean
+        partial_out = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=out.device)
+        partial_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=out.device)
+        counters = torch.zeros(num_seqs * num_q_tiles * num_heads, dtype=torch.int32, device=out.device)
+    else:
+        partial_out = partial_lse = counters = out  # never touched with one split
+    options = {} if maxnreg is None else {"maxnreg": maxnreg}
+    _split_prefill_kernel[(num_heads, num_seqs, num_q_tiles * num_splits)](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, k_cache, v_cache, block_tables, seq_lens.contiguous(),
-        cu_seqlens_q.contiguous(), out,
-        scale * LOG2E, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), block_tables.stride(1),
+        cu_seqlens_q.contiguous(), out, partial_out, partial_lse, counters,
+        scale * LOG2E, num_tokens, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, PAGED_TMA=paged_tma, NUM_STAGES=tuning.num_stages,
-        WARP_SPECIALIZE=tuning.warp_specialize, num_warps=num_warps, num_stages=tuning.num_stages, **options)
+        BLOCK_N=block_n, PAGED_TMA=paged_tma, NUM_STAGES=num_stages, WARP_SPECIALIZE=tuning.warp_specialize,
+        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages, **options)
     return out
 
 
@@ -247,7 +327,7 @@ def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.T
                    cu_seqlens_q: torch.Tensor, out: torch.Tensor, *, scale: float, max_seqlen_q: int,
                    sliding_window: int | None, soft_cap: float | None, tuning: PrefillTuning,
                    split_tuning: SplitPrefillTuning, k_scale: torch.Tensor | None,
-                   v_scale: torch.Tensor | None) -> torch.Tensor:
+                   v_scale: torch.Tensor | None, max_seq_len: int | None = None) -> torch.Tensor:
     """The split kernel where the chunk K/V are given and covered, else the all-paged kernel (reason logged once)."""
     if prefill_route(key) == "split":
         reason = unsupported_reason(query, key, value, k_cache, v_cache, out, sliding_window=sliding_window,
@@ -255,7 +335,7 @@ def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.T
         if reason is None:
             return triton_split_prefill_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
                                                   cu_seqlens_q, out, scale=scale, max_seqlen_q=max_seqlen_q,
-                                                  tuning=split_tuning)
+                                                  tuning=split_tuning, max_seq_len=max_seq_len)
         _log_fallback(reason)
     return triton_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
                                     max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,

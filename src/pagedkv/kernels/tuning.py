@@ -130,14 +130,14 @@ class DecodeTuning:
 
 
 def _check_tiles(tuning) -> None:
-    """block_m / block_n are powers of 2 >= 16 (or None), num_warps / num_stages positive."""
+    """block_m / block_n are powers of 2 >= 16 (or None), num_warps / num_stages positive (or None)."""
     for name in ("block_m", "block_n"):
         value = getattr(tuning, name)
         if value is not None and (value < 16 or value & (value - 1)):
             raise InvalidArgumentError(f"{name} must be a power of 2 >= 16, got {value}")
-    if tuning.num_warps is not None:
-        require_positive_int("num_warps", tuning.num_warps)
-    require_positive_int("num_stages", tuning.num_stages)
+    for name in ("num_warps", "num_stages"):
+        if getattr(tuning, name) is not None:
+            require_positive_int(name, getattr(tuning, name))
 
 
 @dataclass(frozen=True)
@@ -166,32 +166,58 @@ class PrefillTuning:
 class SplitPrefillTuning:
     """Launch parameters of the split prefill kernel (`triton_prefill_split`: chunk K/V contiguous, prefix paged).
 
+    Fields left None follow the step's shape (`resolve`). H200, Llama-3-8B heads, bf16: with
+    at least `wide_programs_per_sm` programs per SM, 128 x 64 tiles, 2 stages and 128
+    registers let two 8-warp programs share an SM (8 x 2048 causal: 404 TFLOP/s against
+    389 for one program per SM); with fewer, 128 x 128 tiles and 3 stages, one per SM (a
+    512-token chunk on a 4,096 prefix: 335-361 against 244-250). A step with under one
+    program per SM splits each program's kv range `num_splits` ways (None: 2 when its keys
+    are long enough to pay for the merge), merged in the launch by the last split to finish.
     `block_m` must be a multiple of `block_n` (the causal loop's unmasked part ends on a
-    query tile's first row). None picks the default for the head dim.
+    query tile's first row).
     """
 
-    block_m: int | None = None  # query rows per program; default 128 (64 for head_dim 256)
-    block_n: int | None = None  # kv tokens per loop iteration; default 64 (32 for head_dim 256)
-    num_warps: int | None = None  # default 8 for 128-row tiles, else 4
-    num_stages: int = 3
-    warp_specialize: bool = False  # producer/consumer warps in the unmasked loops (tl.range warp_specialize)
-    maxnreg: int | None = None  # register cap per thread (ptxas), e.g. 128 so that two 8-warp programs share an SM
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    maxnreg: int | None = None  # register cap per thread (ptxas); 0 means none even where the default sets one
+    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked loops (no gain measured)
+    num_splits: int | None = None
+    wide_programs_per_sm: float = 1.5
+    min_split_tokens: int = 1024  # kv tokens per program below which a step is not split
 
     def __post_init__(self):
         _check_tiles(self)
-        if self.maxnreg is not None:
-            require_positive_int("maxnreg", self.maxnreg)
+        if self.num_splits is not None:
+            require_positive_int("num_splits", self.num_splits)
+        if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
+                                         or self.maxnreg < 0):
+            raise InvalidArgumentError(f"maxnreg must be an int >= 0 or None, got {self.maxnreg!r}")
         if not isinstance(self.warp_specialize, bool):
             raise InvalidArgumentError(f"warp_specialize must be a bool, got {self.warp_specialize!r}")
         if self.block_m is not None and self.block_n is not None and self.block_m % self.block_n:
             raise InvalidArgumentError(f"block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
 
-    def tiles_for(self, head_dim: int) -> tuple[int, int, int]:
-        """(block_m, block_n, num_warps) for `head_dim`."""
+    def resolve(self, head_dim: int, num_heads: int, num_seqs: int, max_seqlen_q: int, max_seq_len: int,
+                sm_count: int) -> tuple[int, int, int, int, int | None, int]:
+        """(block_m, block_n, num_warps, num_stages, maxnreg, num_splits) for a step of this shape (host ints)."""
         block_m = self.block_m or (128 if head_dim <= 128 else 64)
-        block_n = self.block_n or (64 if head_dim <= 128 else 32)
+        block_m = min(block_m, max(16, 1 << max(0, max_seqlen_q - 1).bit_length()))
+        programs = num_heads * num_seqs * -(-max_seqlen_q // block_m)
+        num_splits = self.num_splits
+        if num_splits is None:
+            num_splits = 2 if programs <= sm_count and max_seq_len >= 2 * self.min_split_tokens else 1
+        wide = programs * num_splits >= self.wide_programs_per_sm * sm_count and head_dim <= 128
+        if self.block_n is not None:
+            block_n = self.block_n
+            block_m = max(block_m, block_n)
+        else:  # never taller than the query tile (a short chunk keeps a short tile)
+            block_n = min(32 if head_dim > 128 else 64 if wide else 128, block_m)
         num_warps = self.num_warps or (8 if block_m >= 128 else 4)
-        return block_m, block_n, num_warps
+        num_stages = self.num_stages or (2 if wide or head_dim > 128 else 3)
+        maxnreg = self.maxnreg if self.maxnreg is not None else (128 if wide and num_warps == 8 else None)
+        return block_m, block_n, num_warps, num_stages, maxnreg or None, num_splits
 
 
 @dataclass(frozen=True)
