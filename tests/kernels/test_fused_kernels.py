@@ -53,12 +53,16 @@ def test_qk_norm_rope_write_kv(dtype, heads, qk_norm):
     exp_q, exp_k = layer_ops.qk_norm_rope_reference(q.reshape(num_tokens, num_heads, head_dim),
                                                 k.reshape(num_tokens, num_kv_heads, head_dim), positions, cos, sin,
                                                 q_norm, k_norm, 1e-6)
-    got_q = layer_ops.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache,
+    rotated = qkv.clone()
+    got_q = layer_ops.qk_norm_rope_write_kv(rotated, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache,
                                         slots, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     torch.testing.assert_close(got_q, exp_q, **TOL[dtype])
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     torch.testing.assert_close(flat_k[slots], exp_k, **TOL[dtype])
+    # K is rotated in place as well, to the very values stored (prefill reads a chunk's K/V from qkv); V stays.
+    assert torch.equal(rotated[:, q_size:q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim), flat_k[slots])
+    assert torch.equal(rotated[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
     assert torch.equal(flat_v[slots], v.reshape(num_tokens, num_kv_heads, head_dim))
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots] = False

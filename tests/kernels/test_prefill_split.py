@@ -20,7 +20,7 @@ from pagedkv.kernels.tuning import SplitPrefillTuning
 
 #: Whole prompts, chunks on ragged and page-aligned prefixes, a one-token chunk.
 SEQ_LENS, Q_LENS = [5, 40, 37, 70, 33], [5, 17, 37, 30, 1]
-SMALL = dict(block_m=32, block_n=16, num_warps=4, num_stages=2)  # interpreter-sized tiles
+SMALL = dict(block_m=32, block_n=16, num_warps=4, num_stages=2, min_query_tokens=1)  # interpreter-sized tiles
 
 
 def chunk_step(scenario, seq_lens, q_lens, num_heads, seed=5):
@@ -90,7 +90,8 @@ def test_a_shape_the_split_kernel_does_not_cover_falls_back_and_says_why_once(ca
     scenario = Scenario(SEQ_LENS[:3], 16, 2, 64, torch.float16, seed=4)
     query, key, value, cu = chunk_step(scenario, SEQ_LENS[:3], Q_LENS[:3], 4)
     kv = (scenario.k_cache, scenario.v_cache, scenario.block_tables, scenario.seq_lens)
-    options = {"scale": 0.125, "max_seqlen_q": max(Q_LENS[:3]), "sliding_window": 9, "backend": "triton"}
+    options = {"scale": 0.125, "max_seqlen_q": max(Q_LENS[:3]), "sliding_window": 9, "backend": "triton",
+               "split_tuning": SplitPrefillTuning(**SMALL)}
     expected = reference_prefill_attention(query, *kv, cu, scale=0.125, sliding_window=9, float64=True)
     with caplog.at_level(logging.INFO, logger="pagedkv.kernels.triton_prefill_split"):
         for _ in range(2):

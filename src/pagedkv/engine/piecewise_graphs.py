@@ -92,7 +92,10 @@ class SplitAttention:
         self.calls: list[AttentionCall] = []
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
-                scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                written_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # `written_kv` (the fused kernel's K/V rows in QKV, for the eager split prefill kernel) is not kept:
+        # graphed steps read every key from the pool.
         if self.mode == "unified":
             return self.owner.backend.forward_unified(self.meta, layer_idx, q, k, v, scale=scale,
                                                       sliding_window=sliding_window, soft_cap=soft_cap)

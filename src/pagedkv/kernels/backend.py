@@ -68,10 +68,11 @@ class BoundAttention:
         self.meta = meta
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
-                scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                written_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Layer `layer_idx`'s paged attention (see `AttentionBackend.forward`)."""
         return self.backend.forward(self.meta, layer_idx, q, k, v, scale=scale, sliding_window=sliding_window,
-                                    soft_cap=soft_cap)
+                                    soft_cap=soft_cap, written_kv=written_kv)
 
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (k_cache, v_cache), for a fused kernel that writes K/V itself."""
@@ -193,12 +194,15 @@ class AttentionBackend:
     # ------------------------------------------------------------------ per layer
     def forward(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, *, scale: float, sliding_window: int | None = None,
-                soft_cap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, out: torch.Tensor | None = None,
+                written_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Write this step's K/V (unless k is None: a fused kernel already did), then attend.
 
         q [T, H, D], k/v [T, Hkv, D] -> [T, H, D] (into `out` when given: a piecewise graph's static
         buffer). `sliding_window` and `soft_cap` are the layer's (HF's window semantics; scores
-        capped as cap * tanh(score / cap) before the mask).
+        capped as cap * tanh(score / cap) before the mask). `written_kv`: with k None, the step's
+        K/V that the fused kernel already stored (views of its QKV). Prefill chunks read their own
+        K/V from k/v or these (the split prefill kernel) rather than from the pool.
         """
         k_cache, v_cache, k_scale, v_scale = self._write(meta, layer_idx, k, v)
         if out is None:
@@ -210,10 +214,13 @@ class AttentionBackend:
                                    soft_cap=soft_cap, num_splits=meta.decode_num_splits if q.is_cuda else None,
                                    out=out[:nd], validate=False, k_scale=k_scale, v_scale=v_scale)
         if nd < meta.num_tokens:
+            chunk_k, chunk_v = (k, v) if k is not None else written_kv or (None, None)
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                                     meta.cu_seqlens_q, scale=scale, max_seqlen_q=meta.max_seqlen_q,
                                     max_seq_len=meta.max_prefill_seq_len, sliding_window=sliding_window,
-                                    soft_cap=soft_cap, out=out[nd:], validate=False, k_scale=k_scale, v_scale=v_scale)
+                                    soft_cap=soft_cap, out=out[nd:], validate=False, k_scale=k_scale, v_scale=v_scale,
+                                    key=chunk_k[nd:] if chunk_k is not None else None,
+                                    value=chunk_v[nd:] if chunk_v is not None else None)
         return out
 
     def forward_unified(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,

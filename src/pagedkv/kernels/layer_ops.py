@@ -172,6 +172,9 @@ def _qk_norm_rope_write_kernel(
         if QK_NORM:
             x1, x2 = _head_norm(x1, x2, k_norm_ptr, half, halves, mask, eps, HEAD_DIM, dtype, ROUND)
         o1, o2 = _rope_half(x1, x2, c, s, dtype, ROUND)
+        # The rotated K back in place too: prefill reads a chunk's K/V from qkv (`triton_prefill_split`).
+        tl.store(k_base + halves, o1.to(dtype), mask=mask)
+        tl.store(k_base + half + halves, o2.to(dtype), mask=mask)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         dst = slot * stride_cache_slot + kv_head * stride_cache_head
         v1 = tl.load(v_base + halves, mask=mask, other=0.0)
@@ -198,7 +201,7 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                           num_heads: int, num_kv_heads: int, head_dim: int, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate q in place in `qkv` [T, (H + 2 Hkv) D] and store rotated K and V at their slots; returns q [T, H, D].
+    """Rotate q and k in place in `qkv` [T, (H + 2 Hkv) D] and store rotated K and V at their slots; returns q [T, H, D].
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous per slot); slot_mapping [T] int64, all >= 0.
     An FP8 cache takes its layer's `k_scale`/`v_scale` ([Hkv] float32) and stores quantized K/V.

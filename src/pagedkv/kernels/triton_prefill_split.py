@@ -329,7 +329,7 @@ def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.T
                    split_tuning: SplitPrefillTuning, k_scale: torch.Tensor | None,
                    v_scale: torch.Tensor | None, max_seq_len: int | None = None) -> torch.Tensor:
     """The split kernel where the chunk K/V are given and covered, else the all-paged kernel (reason logged once)."""
-    if prefill_route(key) == "split":
+    if prefill_route(key) == "split" and max_seqlen_q >= split_tuning.min_query_tokens:
         reason = unsupported_reason(query, key, value, k_cache, v_cache, out, sliding_window=sliding_window,
                                     soft_cap=soft_cap, k_scale=k_scale)
         if reason is None:

@@ -186,11 +186,15 @@ class SplitPrefillTuning:
     num_splits: int | None = None
     wide_programs_per_sm: float = 1.5
     min_split_tokens: int = 1024  # kv tokens per program below which a step is not split
+    # Steps whose longest chunk is shorter take the all-paged kernel: its launch is bound (a few us of host
+    # time), while this one goes through Triton's own launch (~60 us with its tensor descriptors).
+    min_query_tokens: int = 64
 
     def __post_init__(self):
         _check_tiles(self)
         if self.num_splits is not None:
             require_positive_int("num_splits", self.num_splits)
+        require_positive_int("min_query_tokens", self.min_query_tokens)
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
                                          or self.maxnreg < 0):
             raise InvalidArgumentError(f"maxnreg must be an int >= 0 or None, got {self.maxnreg!r}")

@@ -157,7 +157,12 @@ class DecoderLayer(nn.Module):
                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, k_scale=k_scale,
                 v_scale=v_scale)
             k = v = None
+            # The kernel rotated K in place: the step's K/V stay readable as rows of qkv (prefill reads them there).
+            kv_shape = (num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            written_kv = (qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(kv_shape),
+                          qkv[:, cfg.q_size + cfg.kv_size:].view(kv_shape))
         else:
+            written_kv = None
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -165,7 +170,8 @@ class DecoderLayer(nn.Module):
             if cfg.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
-        out = attn.forward(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        out = attn.forward(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window,
+                           written_kv=written_kv)
         hidden = row_parallel_reduce(self.o_proj(out.view(num_tokens, cfg.q_size)), self.o_bias, tp)
         normed, residual = add_norm(hidden, residual, self.post_norm.weight, cfg.rms_norm_eps)
         gate_up = self.gate_up_proj(normed)
