@@ -37,7 +37,7 @@ if SMOKE:  # the tests' interpreter fix for NumPy >= 2.4 (runtime loop bounds)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     __import__("conftest")
 #: name -> SplitPrefillTuning fields.
-#: H200 sweeps at 7a4a96f and 89e3ca5 (results/hopper_prefill_h200.md): 128 x 64 tiles, 2 stages, 128 registers
+#: H200 sweeps at 7a4a96f and 89e3ca5 (results/hopper_prefill_e92b14e/): 128 x 64 tiles, 2 stages, 128 registers
 #: ("wide": two programs per SM) led 8 x 2048 causal at 404 TFLOP/s; 128 x 128 tiles, 3 stages ("deep": one per
 #: SM) led the chunk at 335-361. warp_specialize=True, 4 warps, 256-row tiles and 32-token kv tiles trailed.
 #: This run: the shipped default ("auto") and the chunk's kv range split 2-4 ways so that it fills two per SM.
@@ -266,7 +266,8 @@ def main() -> None:
                       + (f"{row['tflops']:6.1f} TFLOP/s  {ms * 1e3:8.1f} us" if ms else f"failed: {error}"),
                       flush=True)
             del step
-    meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke)", "torch": torch.__version__,
+    meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke)",
+            "torch": torch.__version__,
             "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": os.environ.get("PAGEDKV_COMMIT", "")}
     (args.out / "hopper_prefill.json").write_text(json.dumps({"meta": meta, "checks": checks, "timings": results},

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedkv.bench.engine_kv_bound import kv_bound_workload
+from pagedkv.bench.engine_kv_bound import decode_share, kv_bound_workload
 from pagedkv.bench.kernel import main as kernel_main
 from pagedkv.cli import main
 
@@ -28,11 +28,18 @@ def test_kernel_bench_fp8_section(tmp_path, monkeypatch):
     assert all(t["target"].startswith("fp8 decode") for t in result["target_summary"])
 
 
-def test_kv_bound_workload_contexts():
+def test_kv_bound_workload_is_decode_dominated():
     prompts, outputs = kv_bound_workload(50, seed=0, vocab=128256)
     assert (prompts, outputs) == kv_bound_workload(50, seed=0, vocab=128256)
-    contexts = [len(p) + n for p, n in zip(prompts, outputs)]
-    assert 2000 <= min(contexts) and max(contexts) <= 8000
+    assert all(1000 <= len(p) <= 2000 for p in prompts) and all(1000 <= n <= 3000 for n in outputs)
+    assert sum(outputs) > sum(len(p) for p in prompts)  # more tokens decoded than prefilled
+
+
+def test_decode_share_counts_the_steps_without_prefill():
+    steps = [{"prefill_tokens": 512, "seconds": 0.3}, {"prefill_tokens": 0, "seconds": 0.5},
+             {"prefill_tokens": 0, "seconds": 0.2}]
+    assert decode_share(steps) == pytest.approx(0.7)
+    assert decode_share([]) == 0.0
 
 
 @pytest.mark.parametrize("argv", [["bench", "engine", "--preset", "kv-bound", "--kv-cache-dtype", "fp4"],

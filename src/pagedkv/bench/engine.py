@@ -22,8 +22,9 @@ It also:
 - writes the main run as a fidelity file (`engine_run.json`) for `pagedkv sim --fidelity`.
 
 `--kv-cache-dtype fp8_e4m3` runs every pagedkv variant on an FP8 KV pool. `--preset kv-bound`
-runs a different workload instead (`pagedkv.bench.engine_kv_bound`): Llama-3-8B shape, 2,000-8,000
-token contexts, a pool that limits concurrency, once per KV dtype (bf16 against FP8).
+runs a different workload instead (`pagedkv.bench.engine_kv_bound`): Llama-3-8B shape, prompts of
+1,000-2,000 tokens and outputs of 1,000-3,000 (decode-dominated), a pool that limits concurrency,
+once per KV dtype (bf16 against FP8).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="KV pool dtype: auto, fp8_e4m3 or fp8_e5m2 (nano-vllm preset, default auto); "
                              "comma-separated dtypes to compare (kv-bound preset, default auto,fp8_e4m3)")
-    parser.add_argument("--kv-budget-gib", type=float, default=10.0, help="kv-bound: KV pool bytes (default 10 GiB)")
+    parser.add_argument("--kv-budget-gib", type=float, default=None,
+                        help="kv-bound: KV pool GiB (default 7: about 16 full bf16 sequences of the workload)")
     parser.add_argument("--requests", type=int, default=None, help="requests (default 256; kv-bound: 64)")
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)

@@ -15,8 +15,10 @@ own data. A contender that fails is reported and not timed.
 
 Order of work: validation, the FP8 decode cases when `--kv-dtype` names an FP8 format
 (`kernel_fp8`: FP8 against bf16 caches in the same run; `--fp8-only` stops there), the decode
-grid (old and new decode schedules side by side), write_kv, prefill, the step cases, then
-`--variants` (launch configurations side by side, skipped past `--budget-s`). Timings are
+grid (old and new decode schedules side by side), write_kv, prefill, the step cases, FlashInfer
+beside pagedkv when `flashinfer` imports (`kernel_flashinfer`: decode, prefill and FP8 decode on
+the same pool; without it one line says so), then `--variants` (launch configurations side by
+side, skipped past `--budget-s`). Timings are
 medians of CUDA-graph replays under `triton.testing.do_bench`, which flushes L2 before every
 call. It never asserts: each target is printed as met or MISSED with its measured figure, and
 recorded in the JSON. Shared shapes, data and timing live in `bench.kernel_common`.
@@ -33,6 +35,7 @@ from pagedkv.bench.kernel_common import (
     HEAD_DIM,
     NUM_HEADS,
     NUM_KV_HEADS,
+    chunk_kv,
     contiguous_sdpa,
     copy_bandwidth_tbps,
     decode_contenders,
@@ -161,6 +164,10 @@ def validate(device, dtype, backend: str, decode_tunings: dict, prefill_tunings:
             record(kernel, name, case, functools.partial(call, query, k_cache, v_cache, table, lens, cu, scale=scale,
                                                          max_seqlen_q=max(q_lens), backend=backend, tuning=tuning),
                    expected)
+    key, value = chunk_kv(k_cache, v_cache, table, seq_lens, q_lens)  # the engine's call: the split kernel
+    record("prefill", "split", case, functools.partial(paged_prefill_attention, query, k_cache, v_cache, table, lens,
+                                                       cu, scale=scale, max_seqlen_q=max(q_lens), backend=backend,
+                                                       key=key, value=value), expected)
     workspace.check_integrity()
     return rows
 
@@ -312,7 +319,8 @@ def prefill_throughput(device, dtype, backend: str, batch: int, seq_len: int, tu
                        with_sdpa: bool = True) -> dict:
     """Paged causal prefill of `batch` fresh prompts of `seq_len` tokens, against contiguous causal SDPA (flash).
 
-    `kernel` is "prefill" (`paged_prefill_attention`) or "unified" (`paged_attention`).
+    `kernel` is "prefill" (`paged_prefill_attention`, the all-paged kernel), "split" (the same call given the
+    prompts' own K/V, as the engine makes it: the split kernel) or "unified" (`paged_attention`).
     """
     import torch
 
@@ -323,10 +331,13 @@ def prefill_throughput(device, dtype, backend: str, batch: int, seq_len: int, tu
     query = torch.randn(batch * seq_len, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     cu = torch.arange(0, batch * seq_len + 1, seq_len, dtype=torch.int32, device=device)
     flops = batch * 2 * 2 * NUM_HEADS * HEAD_DIM * seq_len**2 / 2
-    call = paged_prefill_attention if kernel == "prefill" else paged_attention
+    call = paged_attention if kernel == "unified" else paged_prefill_attention
+    extra = {}
+    if kernel == "split":
+        extra = dict(zip(("key", "value"), chunk_kv(k_cache, v_cache, table, [seq_len] * batch, [seq_len] * batch)))
     ms, error = try_time(functools.partial(
         call, query, k_cache, v_cache, table, lens, cu, scale=HEAD_DIM ** -0.5,
-        max_seqlen_q=seq_len, validate=False, backend=backend, tuning=tuning), device)
+        max_seqlen_q=seq_len, validate=False, backend=backend, tuning=tuning, **extra), device)
     row = {"batch": batch, "seq_len": seq_len, "kernel": kernel, "ms": ms, "error": error,
            "tflops": flops / (ms * 1e-3) / 1e12 if ms else None}
     if with_sdpa:
@@ -519,6 +530,10 @@ def write_markdown(path: Path, result: dict) -> Path:
               (f"prefill, {p['batch']} x {p['seq_len']} causal: {fmt(p['tflops'], '.1f')} TFLOP/s "
                f"(contiguous causal SDPA, {p.get('sdpa_backend', '')}: {fmt(p['sdpa_causal_tflops'], '.1f')} "
                f"TFLOP/s)"), ""]
+    if result.get("flashinfer"):
+        from pagedkv.bench.kernel_flashinfer import markdown
+
+        lines += markdown(result["flashinfer"])
     for title, key in (("Engine shapes", "engine_shapes"), ("Chunked prefill", "chunked_prefill"),
                        ("Mixed step", "mixed_step")):
         section = result.get("steps", {}).get(key)
@@ -559,6 +574,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
                         help="check every contender vs the reference first (always on for a GPU run)")
     parser.add_argument("--variants", action="store_true", help="also time alternative launch configurations")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes ~30 s)")
+    parser.add_argument("--no-flashinfer", action="store_true",
+                        help="skip the FlashInfer anchor section (run when flashinfer imports; never required)")
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="variants still waiting after this many seconds of the run are skipped")
     parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
@@ -637,18 +654,29 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
     prefill_shape = (8, 2048) if not smoke else (1, 64)
     result["prefill"] = prefill_throughput(device, dtype, backend, *prefill_shape)
     unified_prefill = prefill_throughput(device, dtype, backend, *prefill_shape, kernel="unified", with_sdpa=False)
+    split_prefill = prefill_throughput(device, dtype, backend, *prefill_shape, kernel="split", with_sdpa=False)
     result["prefill_contenders"] = [{**result["prefill"], "label": "prefill kernel"},
-                                    {**unified_prefill, "label": "unified kernel"}]
+                                    {**unified_prefill, "label": "unified kernel"},
+                                    {**split_prefill, "label": "split kernel (engine)"}]
     w, p = result["write_kv"], result["prefill"]
     progress(f"write_kv {w['num_tokens']} tokens: {fmt(w['tbps'])} TB/s (read + write) {w['error']}")
     progress(f"prefill {p['batch']} x {p['seq_len']} causal: {fmt(p['tflops'], '.1f')} TFLOP/s (unified kernel "
-             f"{fmt(unified_prefill['tflops'], '.1f')}); contiguous causal SDPA ({p['sdpa_backend']}) "
+             f"{fmt(unified_prefill['tflops'], '.1f')}, split kernel {fmt(split_prefill['tflops'], '.1f')}); "
+             f"contiguous causal SDPA ({p['sdpa_backend']}) "
              f"{fmt(p['sdpa_causal_tflops'], '.1f')} TFLOP/s {p['error']}")
 
     result["steps"], result["step_targets"] = kernel_steps.run_steps(device, dtype, backend, smoke,
                                                                      result["copy_tbps"], invalid, progress)
     for title, section in result["steps"].items():
         _print_table(console, f"{title}: {section['note']}", section["header"], section["body"])
+
+    if not args.no_flashinfer:
+        from pagedkv.bench import kernel_flashinfer
+
+        result["flashinfer"] = kernel_flashinfer.anchor(device, dtype, backend, smoke, progress)
+        if result["flashinfer"]["rows"]:
+            _print_table(console, f"pagedkv beside FlashInfer {result['flashinfer']['version']} (same pool, "
+                                  f"same method)", *kernel_flashinfer.table_rows(result["flashinfer"]))
 
     if args.variants:
         result["variants"] = variants(device, dtype, backend, smoke, started + args.budget_s, invalid, progress)

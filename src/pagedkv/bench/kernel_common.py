@@ -135,6 +135,20 @@ def make_paged(batch: int, seq_len: int, page: int, shuffled: bool, device, dtyp
     return query, k_cache, v_cache, block_tables, seq_lens
 
 
+def chunk_kv(k_cache, v_cache, block_tables, seq_lens: list[int], q_lens: list[int]):
+    """(key, value) `[sum(q_lens), Hkv, D]`, contiguous: each chunk's own K/V rows as the pool holds them.
+
+    What the engine hands the split prefill kernel (the step's QKV rows), rebuilt here from the pool."""
+    import torch
+
+    keys, values = [], []
+    for row, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        blocks = block_tables[row].long()
+        keys.append(k_cache[blocks].flatten(0, 1)[seq_len - q_len:seq_len])
+        values.append(v_cache[blocks].flatten(0, 1)[seq_len - q_len:seq_len])
+    return torch.cat(keys).contiguous(), torch.cat(values).contiguous()
+
+
 def kv_bytes(batch: int, seq_len: int, element_size: int, heads: tuple[int, int, int] = LLAMA3) -> int:
     """K and V bytes one decode step reads."""
     return 2 * batch * seq_len * heads[1] * heads[2] * element_size

@@ -18,6 +18,7 @@ import functools
 from pagedkv.bench.kernel_common import (
     HEAD_DIM,
     LLAMA3,
+    chunk_kv,
     contiguous_sdpa,
     decode_contenders,
     describe,
@@ -177,7 +178,10 @@ def chunked_prefill(device, dtype, backend: str, smoke: bool, invalid: set, prog
     expected = reference_paged_attention(query, k_cache, v_cache, table, lens, cu, scale=scale, float64=True)
     common = (query, k_cache, v_cache, table, lens, cu)
     options = {"scale": scale, "max_seqlen_q": chunk, "max_seq_len": seq_len, "validate": False, "backend": backend}
-    contenders = {"prefill kernel": ("prefill", "default",
+    key, value = chunk_kv(k_cache, v_cache, table, [seq_len], [chunk])
+    contenders = {"split kernel (engine)": ("prefill", "split", functools.partial(
+                      paged_prefill_attention, *common, **options, key=key, value=value)),
+                  "prefill kernel": ("prefill", "default",
                                      functools.partial(paged_prefill_attention, *common, **options))}
     unified = unified_variant_tunings()
     for name in ("unified m64", "unified m128 w8", "unified m32"):

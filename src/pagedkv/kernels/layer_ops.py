@@ -201,7 +201,7 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                           num_heads: int, num_kv_heads: int, head_dim: int, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate q and k in place in `qkv` [T, (H + 2 Hkv) D] and store rotated K and V at their slots; returns q [T, H, D].
+    """Rotate q and k in place in `qkv` [T, (H + 2 Hkv) D], store rotated K and V at their slots; returns q [T, H, D].
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous per slot); slot_mapping [T] int64, all >= 0.
     An FP8 cache takes its layer's `k_scale`/`v_scale` ([Hkv] float32) and stores quantized K/V.

@@ -283,13 +283,12 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     own. Their K/V must already be in the cache (`write_kv` first). Returns `[total_q_tokens, num_heads,
     head_dim]`. `max_seqlen_q` is the host-side longest chunk, which sizes the launch grid.
     `k_scale`/`v_scale`: an FP8 cache's scales. `validate=False` trusts the caller and skips every check.
-    `key`/`value` `[total_q_tokens, num_kv_heads, head_dim]`, the chunks' own K/V (as written), let
-    Triton run the split kernel (`triton_prefill_split`: those read contiguously, only the prefix
-    paged) with `split_tuning`; shapes it does not cover run the all-paged kernel.
+    `key`/`value` `[total_q_tokens, num_kv_heads, head_dim]`, the chunks' own K/V as written, let Triton run
+    the split kernel (`triton_prefill_split`, `split_tuning`) where it covers the call.
     """
     resolved = _varlen_backend(validate, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
                                max_seqlen_q, max_seq_len, sliding_window, soft_cap, backend, k_scale, v_scale)
-    if resolved == "triton" and key is not None and validate:
+    if key is not None and validate:
         checks.check_chunk_kv(query, key, value, k_cache)
     if resolved == "torch":
         return torch_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
@@ -300,7 +299,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = torch.empty_like(query) if out is None else out
     return triton_prefill(query, key, value, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
                           max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
-                          tuning=tuning or _DEFAULT_PREFILL, split_tuning=split_tuning or _DEFAULT_SPLIT_PREFILL,
+                          tuning=tuning or _DEFAULT_PREFILL, split_tuning=split_tuning or SplitPrefillTuning(),
                           k_scale=k_scale, v_scale=v_scale, max_seq_len=max_seq_len)
 
 
@@ -405,5 +404,4 @@ _SPLIT_DECODE = DecodeTuning()
 def _default_decode(k_scale: torch.Tensor | None) -> DecodeTuning:
     return _DEFAULT_DECODE if k_scale is None else _DEFAULT_FP8_DECODE
 _DEFAULT_PREFILL = PrefillTuning()
-_DEFAULT_SPLIT_PREFILL = SplitPrefillTuning()
 _DEFAULT_UNIFIED = UnifiedTuning()

@@ -19,18 +19,24 @@ Hopper machinery, through Triton 3.6:
   arithmetic in the loop. With smaller pages (16 tokens against 64-128-token tiles) the
   prefix is gathered row by row through the block table (`triton_common.load_kv_tile`),
   which Triton pipelines as asynchronous copies over `num_stages` buffers.
-- Both dots go to wgmma (tl.dot on sm_90 with operands in shared memory); `num_stages`
-  deepens the load pipeline; `warp_specialize` splits the loops into producer (TMA) and
-  consumer (wgmma + softmax) warps.
+- Both dots are wgmma (tl.dot on sm_90, operands in shared memory). The launch follows the
+  step's shape (`SplitPrefillTuning.resolve`): enough programs for 1.5 per SM get 128 x 64
+  tiles, 2 stages and 128 registers, so that two programs share an SM and one's softmax
+  overlaps the other's matrix products (what FlashAttention-3's ping-pong does inside one
+  program); fewer get 128 x 128 tiles and 3 stages, one per SM.
+- A step of under one program per SM on long keys (a 512-token chunk is 128 programs)
+  splits each program's kv tiles `NUM_SPLITS` ways. Each split stores its normalised rows
+  and log2-sum-exp; the last to arrive (counted by an atomic, `triton_common.arrive`) merges
+  them by log-sum-exp and resets the counter.
 
 Rows past a sequence's chunk read the next sequence's rows (or TMA's zero fill past the
 tensor): they are never stored. Keys past a part's end are masked to -1e6 before the max
 (finite, so no row ever computes inf - inf) and their V rows zeroed, so stale pool slots
 (never-written memory may hold NaN bit patterns) cannot leak in.
 
-Covered: bf16/fp16 model-dtype caches, no sliding window, no soft cap, head_dim 64/128/256
-with TMA-aligned strides. `ops.paged_prefill_attention` sends anything else to the
-all-paged kernel (`triton_prefill`) and logs why, once per reason.
+Covered: bf16/fp16 model-dtype caches, no sliding window, no soft cap, head_dim 64 or 128,
+TMA-aligned rows. `triton_prefill` (below) sends anything else to the all-paged kernel
+(`triton_prefill.py`) and logs why, once per reason.
 """
 
 from __future__ import annotations
@@ -240,8 +246,8 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if query.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != query.dtype:
         return f"dtype {query.dtype} over a {k_cache.dtype} cache (bf16/fp16 only)"
     head_dim = query.shape[2]
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} (64, 128 or 256)"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim} (64 or 128)"
     for name, tensor in (("query", query), ("key", key), ("value", value), ("out", out)):
         if tensor.stride(2) != 1 or tensor.stride(1) != head_dim:
             return f"{name} strides {tuple(tensor.stride())} (heads must be packed rows of unit stride)"
