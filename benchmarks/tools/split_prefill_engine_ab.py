@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/tools/split_prefill_engine_ab.py [--layers 4] [--model llama3-8b] [--out DIR]
 
 A random-weight model of the named architecture (Llama-3-8B by default, cut to `--layers` so
-that it builds in seconds; attention per layer is the real model's) runs one engine. Each
+that it builds in seconds; attention per layer is the real model's) runs one engine with
+mixed-step graphs off (the split kernel serves eager prefill steps only). Each
 round sets PAGEDKV_PREFILL_KERNEL (read on every prefill call) to "paged" then "split" and
 times `generate(max_tokens=1)` of fresh 2,048-token prompts (fresh, so the prefix cache never
 hits): the engine's time to first token, wall clock. It counts the split kernel's launches
@@ -47,8 +48,9 @@ def main() -> None:
 
     triton_prefill_split.triton_split_prefill_attention = counted
     model = random_model(args.model, torch.bfloat16, "cuda", num_hidden_layers=args.layers)
+    # Eager steps: a step captured in a mixed-step graph runs the unified kernel, never paged_prefill_attention.
     llm = LLM(hf_model=model, kv_cache_memory=8 * 2**30, max_model_len=4096,
-              max_num_batched_tokens=args.prompt_tokens, max_num_seqs=16)
+              max_num_batched_tokens=args.prompt_tokens, max_num_seqs=16, mixed_step_graphs="off")
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
