@@ -37,7 +37,7 @@ if SMOKE:  # the tests' interpreter fix for NumPy >= 2.4 (runtime loop bounds)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     __import__("conftest")
 #: name -> SplitPrefillTuning fields.
-#: H200 sweeps at 7a4a96f and 89e3ca5 (results/hopper_prefill_e92b14e/): 128 x 64 tiles, 2 stages, 128 registers
+#: H200 sweeps at 03feb2d and 29af838 (results/hopper_prefill_b947abe/): 128 x 64 tiles, 2 stages, 128 registers
 #: ("wide": two programs per SM) led 8 x 2048 causal at 404 TFLOP/s; 128 x 128 tiles, 3 stages ("deep": one per
 #: SM) led the chunk at 335-361. warp_specialize=True, 4 warps, 256-row tiles and 32-token kv tiles trailed.
 #: This run: the shipped default ("auto") and the chunk's kv range split 2-4 ways so that it fills two per SM.
