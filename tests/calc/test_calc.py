@@ -97,7 +97,31 @@ PRESET_BYTES_PER_TOKEN = {
     "qwen3-0.6b": 2 * 28 * 8 * 128 * 2,  # head_dim 128 is explicit (hidden 1024 / 16 heads would be 64)
     "gpt2": 2 * 12 * 12 * (768 // 12) * 2,  # no dtype in config: served in fp16
     "smollm2-135m": 2 * 30 * 3 * (576 // 9) * 2,
+    "llama3.2-1b": 2 * 16 * 8 * 64 * 2,
+    "mistral-7b": 2 * 32 * 8 * (4096 // 32) * 2,  # every layer slides (window 4,096)
+    "gemma3-1b": 2 * 26 * 1 * 256 * 2,
+    "gemma3-4b": 2 * 34 * 4 * 256 * 2,
+    "gemma3-12b": 2 * 48 * 8 * 256 * 2,
+    "gemma3-27b": 2 * 62 * 16 * 128 * 2,
+    "gemma2-2b": 2 * 26 * 4 * 256 * 2,
+    "gemma2-9b": 2 * 42 * 8 * 256 * 2,
+    "gemma2-27b": 2 * 46 * 16 * 128 * 2,
+    "phi3-mini": 2 * 32 * 32 * (3072 // 32) * 2,  # MHA; every layer slides (window 2,047)
+    "phi3.5-mini": 2 * 32 * 32 * (3072 // 32) * 2,
 }
+#: preset -> (full layers, sliding layers, window): Gemma 3 every 6th layer global, Gemma 2 every 2nd.
+PRESET_WINDOWS = {
+    "mistral-7b": (0, 32, 4096), "gemma3-1b": (4, 22, 512), "gemma3-4b": (5, 29, 1024),
+    "gemma3-12b": (8, 40, 1024), "gemma3-27b": (10, 52, 1024), "gemma2-2b": (13, 13, 4096),
+    "gemma2-9b": (21, 21, 4096), "gemma2-27b": (23, 23, 4096), "phi3-mini": (0, 32, 2047),
+    "phi3.5-mini": (0, 32, 262144),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_WINDOWS))
+def test_preset_sliding_layers(name):
+    sizing = preset_sizing(name)
+    assert (sizing.num_full_layers, sizing.num_sliding_layers, sizing.sliding_window_tokens) == PRESET_WINDOWS[name]
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_BYTES_PER_TOKEN))
@@ -334,3 +358,36 @@ def test_invalid_api_arguments():
         budget_capacity(sizing, GB, max_len=100, mean_len=200)
     with pytest.raises(InvalidArgumentError, match="budget_bytes"):
         budget_capacity(sizing, 0, max_len=100, mean_len=50)
+
+
+def test_layer_groups_of_gemma3_match_a_hand_count_of_bytes():
+    """Per-group sizing at 32K tokens against the bytes counted by hand from the published config."""
+    from pagedkv.calc.cli import build_parser, compute
+
+    result = compute(build_parser().parse_args(["--model", "gemma3-12b", "--max-len", "32768", "--budget-gb", "80"]))
+    groups = result["groups"]
+    per_layer = 2 * 8 * 256 * 2  # K and V, 8 KV heads of 256, bf16: 8,192 B per token per layer
+    # 48 layers, every 6th global: 8 full, 40 sliding (window 1,024) -> 1 full group and 5 sliding groups of 8.
+    assert [(g["type"], g["num_layers"], g["num_slots"]) for g in groups["groups"]] == \
+        [("full_attention", 8, 8)] + [("sliding_attention", 8, 8)] * 5
+    full_blocks, window_blocks = 32768 // 16, 1023 // 16 + 1 + 1  # ceil(1023 / 16) + 1 = 65
+    grouped = (8 * full_blocks + 40 * window_blocks) * 16 * per_layer
+    full_length = 48 * full_blocks * 16 * per_layer
+    assert groups["bytes_per_seq"] == {"naive_full_length": 32768 * 48 * per_layer,
+                                       "paged_full_length": full_length, "paged_per_group": grouped}
+    assert grouped == 2_488_270_848 and full_length == 12_884_901_888
+    assert groups["num_seqs"] == {"naive_full_length": 80 * 10**9 // full_length,
+                                  "paged_full_length": 80 * 10**9 // full_length,
+                                  "paged_per_group": 80 * 10**9 // grouped}
+    assert groups["gain_over_paged_full_length"] > 5
+
+
+def test_layer_groups_count_padding_slots():
+    """Gemma 3 27B: 10 full and 52 sliding layers; blocks of 10 layers leave 8 padding slots in one group."""
+    from pagedkv.calc.groups import groups_section
+
+    section = groups_section(preset_sizing("gemma3-27b"), 32768, 16)
+    per_layer = 2 * 16 * 128 * 2
+    assert [g["num_layers"] for g in section["groups"]] == [10, 10, 10, 10, 10, 10, 2]
+    assert section["bytes_per_seq"]["paged_per_group"] == (2048 + 6 * 65) * 16 * 10 * per_layer
+    assert preset_sizing("mistral-7b").kv_layout().num_groups == 1  # every layer slides: one sliding group

@@ -180,6 +180,8 @@ def test_cli_sweep_writes_json_and_png(tmp_path, capsys):
     (["--watermark", "-0.1"], "--watermark"),
     (["--jobs", "many"], "--jobs"),
     (["--no-such-flag"], "unrecognized"),
+    (["--model", "llama3-8b"], "no sliding-window layers"),
+    (["--model", "gemma3-1b", "--sweep"], "--model applies only"),
 ])
 def test_bad_input_is_one_line_exit_2(bad, needle, capsys):
     assert main(["sim", *bad]) == 2
@@ -192,3 +194,14 @@ def _default_cost(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text(json.dumps({"constants": COST.constants()}))
     return path
+
+
+def test_model_with_sliding_layers_adds_a_grouped_run_in_the_same_memory(tmp_path, capsys):
+    """Gemma 3 1B (window 512): blocks of 4 of its 26 layers, so the same memory holds 26/4 the blocks, and
+    sliding groups keep only their window: more sequences decode at once than with full-length tables."""
+    args = ["--jobs", "48", "--clients", "24", "--blocks", "256", "--max-model-len", "2048"]
+    assert main(["sim", *args, "--json", "--model", "gemma3-1b", "--cost-model", str(_default_cost(tmp_path))]) == 0
+    rows = {row["mode"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    assert set(rows) == {"naive", "paged", "paged per group"}
+    assert rows["paged per group"]["mean_decoding_seqs"] > rows["paged"]["mean_decoding_seqs"]
+    assert rows["paged per group"]["num_preemptions"] < rows["paged"]["num_preemptions"]

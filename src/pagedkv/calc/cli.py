@@ -3,7 +3,8 @@
 Three sections, each printed when its arguments ask for it:
 
     no model args          the toy workload: naive vs paged, block-size sweep (PageFault's calculator)
-    --model / --config     KV sizing of a real model
+    --model / --config     KV sizing of a real model (with sliding-window layers: per layer group, and a
+                           sequence at --max-len against full-length reservation and full-length paging)
     + --budget-gb          concurrent sequences a KV budget holds, naive vs paged
     + --kv-dtype fp8       the same with an FP8 KV cache (1 byte per value), beside the model dtype's figures
 
@@ -35,6 +36,7 @@ from pagedkv.calc.capacity import (
     sizing_formulas,
     workload_formulas,
 )
+from pagedkv.calc.groups import groups_formulas, groups_section, render_groups
 from pagedkv.calc.sizing import DTYPE_BYTES, PRESETS, KVSizing, custom_sizing, preset_sizing, spec_from_config_file
 from pagedkv.core import DEFAULT_MIX, MemoryReport, generate_lengths, memory_report
 from pagedkv.cli import ArgumentParser
@@ -204,7 +206,8 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     _check_args(args)
     sizing = sizing_from_args(args)
     result: dict[str, Any] = {"model": None, "budget": None, "workload": None, "formulas": [], "notes": [],
-                              "kv_dtype": args.kv_dtype, "model_dtype": None, "model_dtype_budget": None}
+                              "kv_dtype": args.kv_dtype, "model_dtype": None, "model_dtype_budget": None,
+                              "groups": None}
     notes: list[str] = result["notes"]
     formulas: list[Formula] = []
     if sizing is None:
@@ -217,6 +220,10 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
                          f"{sizing.max_position_embeddings:,}")
         result["model"] = _sizing_dict(sizing, args.block_size, max_len)
         formulas = sizing_formulas(sizing, args.block_size)
+        if sizing.num_sliding_layers and max_len:
+            budget = round(args.budget_gb * GB) if args.budget_gb is not None else None
+            result["groups"] = groups_section(sizing, max_len, args.block_size, budget)
+            formulas += groups_formulas(result["groups"])
         baseline = sizing_from_args(args, model_dtype=True) if args.kv_dtype != "auto" else None
         if baseline is not None and baseline.dtype_bytes == sizing.dtype_bytes:
             baseline = None  # --kv-dtype names the model's own dtype: nothing to compare
@@ -358,6 +365,8 @@ def render(result: dict[str, Any]) -> None:
     base = result.get("model_dtype")
     if result["model"]:
         _print_model(console, result["model"], base)
+    if result["groups"]:
+        render_groups(console, result["groups"], _table)
     if result["budget"]:
         _print_budget(console, result["budget"], result["model"]["dtype_bytes"], result.get("model_dtype_budget"),
                       base["dtype_bytes"] if base else 0)

@@ -23,9 +23,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from pagedkv.core import ModelSpec, num_blocks_for
+from pagedkv.core.kv_groups import KVLayout, group_layers
 from pagedkv.errors import ConfigError, InvalidArgumentError, require_positive_int
 from pagedkv.models.config import (
     DEFAULT_DTYPE_BYTES,
@@ -40,6 +41,8 @@ from pagedkv.models.config import (
     required_int,
     text_part,
 )
+from pagedkv.models.shapes import MODEL_SHAPES, ModelShape
+
 
 @dataclass(frozen=True)
 class KVSizing:
@@ -60,6 +63,7 @@ class KVSizing:
     sliding_window_tokens: int | None = None
     max_position_embeddings: int | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
+    layer_types: tuple[str, ...] = ()  # per layer; empty: the full layers first, then the sliding ones
 
     def __post_init__(self):
         require_positive_int("num_layers", self.num_layers)
@@ -127,6 +131,13 @@ class KVSizing:
         sliding_blocks = min(num_blocks, self.window_blocks(block_size) or 0)
         return (self.num_full_layers * num_blocks + self.num_sliding_layers * sliding_blocks) \
             * block_size * self.bytes_per_token_per_layer
+
+    def kv_layout(self) -> KVLayout:
+        """The layer groups the engine would keep for this model (`pagedkv.core.kv_groups`)."""
+        layer_types = self.layer_types or \
+            (FULL_ATTENTION,) * self.num_full_layers + (SLIDING_ATTENTION,) * self.num_sliding_layers
+        return group_layers(layer_types, self.sliding_window_tokens,
+                            bytes_per_token_per_layer=self.bytes_per_token_per_layer)
 
     def to_model_spec(self) -> ModelSpec:
         """The core's `ModelSpec` (K and V in every layer, no window cap). MLA has none: raises ConfigError."""
@@ -233,7 +244,7 @@ def spec_from_hf_config(config: Mapping[str, Any], *, name: str | None = None, d
                      f"costs below are capped (bytes/token counts a token inside every window)")
     return KVSizing(name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     dtype_bytes=dtype_bytes, num_sliding_layers=num_sliding, sliding_window_tokens=window,
-                    max_position_embeddings=max_positions, notes=tuple(notes))
+                    max_position_embeddings=max_positions, notes=tuple(notes), layer_types=shape.layer_types)
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:
@@ -266,35 +277,11 @@ def spec_from_config_file(path: str | Path, *, dtype_bytes: int | None = None,
 
 
 # ---------------------------------------------------------------------- presets
-class Preset(NamedTuple):
-    """A published model: its name, Hugging Face id, and the KV-relevant part of its config.json."""
+#: A published model: its name, Hugging Face id, and its config.json fields (`pagedkv.models.shapes`).
+Preset = ModelShape
 
-    display_name: str
-    hf_id: str
-    config: Mapping[str, Any]
-
-
-#: The published config.json numbers (only the fields sizing reads).
-PRESETS: Mapping[str, Preset] = {
-    "llama2-7b": Preset("Llama-2-7B", "meta-llama/Llama-2-7b-hf", {
-        "model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "hidden_size": 4096, "max_position_embeddings": 4096, "torch_dtype": "float16"}),
-    "llama3-8b": Preset("Llama-3-8B", "meta-llama/Meta-Llama-3-8B", {
-        "model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "hidden_size": 4096, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}),
-    "llama3-70b": Preset("Llama-3-70B", "meta-llama/Meta-Llama-3-70B", {
-        "model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "hidden_size": 8192, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}),
-    "qwen3-0.6b": Preset("Qwen3-0.6B", "Qwen/Qwen3-0.6B", {
-        "model_type": "qwen3", "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "hidden_size": 1024, "max_position_embeddings": 40960, "sliding_window": None,
-        "use_sliding_window": False, "max_window_layers": 28, "torch_dtype": "bfloat16"}),
-    "gpt2": Preset("GPT-2", "openai-community/gpt2", {
-        "model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}),
-    "smollm2-135m": Preset("SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", {
-        "model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "hidden_size": 576, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}),
-}
+#: The named shapes calc knows: every published model of the one shapes table.
+PRESETS: Mapping[str, Preset] = {name: shape for name, shape in MODEL_SHAPES.items() if shape.hf_id}
 
 
 def preset_sizing(name: str, *, dtype_bytes: int | None = None, dtype_origin: str = "dtype_bytes") -> KVSizing:

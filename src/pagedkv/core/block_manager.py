@@ -21,34 +21,13 @@ from pagedkv.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
 
-class KVBlockManager:
-    """Block tables by sequence id, over a GPU pool and an optional CPU swap pool."""
+class PoolQueries:
+    """What every block manager answers the same way from its allocators and tables (`_tables`, `_swapped`)."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, max_num_tokens: int | None = None):
-        require_positive_int("block_size", block_size)
-        require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
-        self.block_size = block_size
-        self.max_num_tokens = max_num_tokens
-        self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
-        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
-        self._tables: dict[int, BlockTable] = {}
-        self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (CPU blocks, num tokens)
-        self._block_keys: dict[int, list[BlockHash]] = {}  # seq id -> keys of its full blocks so far
-        self.num_prefix_hit_tokens = 0
-
-    # ------------------------------------------------------------------ capacity
     @property
     def num_blocks(self) -> int:
-        """Blocks in the GPU pool."""
+        """Blocks in the GPU pool (shared by every table)."""
         return self.allocator.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation could get now: the free list plus evictable cached blocks."""
-        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
-        return self.allocator.num_free + evictable
 
     @property
     def num_used_blocks(self) -> int:
@@ -73,8 +52,48 @@ class KVBlockManager:
         """Whether `seq_id` holds GPU blocks."""
         return seq_id in self._tables
 
+    def can_admit(self, num_new_blocks: int, watermark: float) -> bool:
+        """Whether `num_new_blocks` fit while `watermark` of the pool stays free."""
+        return self.num_free_blocks - num_new_blocks >= self.watermark_blocks(watermark)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        """Whether the sequence's KV lives in the swap space."""
+        return seq_id in self._swapped
+
+
+class KVBlockManager(PoolQueries):
+    """Block tables by sequence id, over a GPU pool and an optional CPU swap pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0, max_num_tokens: int | None = None):
+        require_positive_int("block_size", block_size)
+        require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
+        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        self._tables: dict[int, BlockTable] = {}
+        self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (CPU blocks, num tokens)
+        self._block_keys: dict[int, list[BlockHash]] = {}  # seq id -> keys of its full blocks so far
+        self.num_prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could get now: the free list plus evictable cached blocks."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return self.allocator.num_free + evictable
+
     def table(self, seq_id: int) -> BlockTable:
         """The block table of a sequence on the GPU."""
+        return self._tables[seq_id]
+
+    #: One table per sequence: every layer is in group 0 (`HybridBlockManager` has one per layer group).
+    num_groups = 1
+
+    def group_table(self, seq_id: int, group: int) -> BlockTable:
+        """The sequence's table of `group` (only group 0 exists)."""
         return self._tables[seq_id]
 
     def num_tokens(self, seq_id: int) -> int:
@@ -102,10 +121,6 @@ class KVBlockManager:
         # Hit blocks that are evictable stop being free once shared.
         evictable_hits = sum(1 for b in hits if self.allocator.ref_count(b) == 1)
         return num_blocks_for(len(token_ids), self.block_size) - len(hits) + evictable_hits
-
-    def can_admit(self, num_new_blocks: int, watermark: float) -> bool:
-        """Whether `num_new_blocks` fit while `watermark` of the pool stays free."""
-        return self.num_free_blocks - num_new_blocks >= self.watermark_blocks(watermark)
 
     def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
         """Create the sequence's table, sharing cached prefix blocks; returns the cached token count.
@@ -157,6 +172,23 @@ class KVBlockManager:
                 return table.append_tokens(num_new_tokens)  # raises SequenceTooLongError before any eviction
             self._ensure_free(needed)
         return table.append_tokens(num_new_tokens)
+
+    def can_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """Whether tokens [num_computed, num_computed + num_new) can have slots now."""
+        slots_needed = num_computed_tokens + num_new_tokens - self._tables[seq_id].num_tokens
+        return slots_needed <= 0 or self.can_append(seq_id, slots_needed)
+
+    def schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy]:
+        """Slots for tokens [num_computed, num_computed + num_new) (`append_slots` of what is missing)."""
+        slots_needed = num_computed_tokens + num_new_tokens - self._tables[seq_id].num_tokens
+        return self.append_slots(seq_id, slots_needed) if slots_needed > 0 else []
+
+    def release_out_of_window(self, seq_id: int, num_computed_tokens: int) -> None:
+        """Nothing to release: every layer keeps every token (sliding groups are `HybridBlockManager`'s)."""
+
+    def blocks_to_resume(self, seq_id: int, num_tokens: int) -> int:
+        """Blocks a swapped sequence takes to come back and reach `num_tokens` tokens."""
+        return max(self.blocks_to_swap_in(seq_id), num_blocks_for(num_tokens, self.block_size))
 
     def block_ids(self, seq_id: int) -> list[int]:
         """The sequence's physical blocks in logical order."""
@@ -215,10 +247,6 @@ class KVBlockManager:
         self.free(seq_id)
         self._swapped[seq_id] = (cpu_blocks, num_tokens)
         return copies
-
-    def is_swapped(self, seq_id: int) -> bool:
-        """Whether the sequence's KV lives in the swap space."""
-        return seq_id in self._swapped
 
     def blocks_to_swap_in(self, seq_id: int) -> int:
         """GPU blocks a swap-in takes."""

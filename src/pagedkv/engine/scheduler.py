@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.core.block_table import BlockCopy, num_blocks_for
+from pagedkv.core.hybrid_block_manager import HybridBlockManager
+from pagedkv.core.kv_groups import KVLayout
 from pagedkv.engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from pagedkv.errors import ConfigError, RequestRejectedError, SchedulerStallError, require_positive_int
 
@@ -68,6 +70,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     num_swap_blocks: int = 0
     reservation: str = "paged"
+    kv_layout: KVLayout | None = None  # layer groups; None or no sliding group: one table per sequence
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -81,6 +84,21 @@ class SchedulerConfig:
             raise ConfigError(f"reservation must be 'paged' or 'naive', got {self.reservation!r}")
         if self.preemption_mode is PreemptionMode.SWAP and self.num_swap_blocks == 0:
             raise ConfigError("preemption_mode 'swap' needs num_swap_blocks > 0 (CPU swap space)")
+        if self.has_windows and self.reservation == "naive":
+            raise ConfigError("reservation 'naive' reserves one full-length table per sequence; a model with "
+                              "sliding-window layers is served paged only")
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether some layer group slides (then the hybrid block manager keeps a table per group)."""
+        return self.kv_layout is not None and self.kv_layout.is_hybrid
+
+    def blocks_for_request(self, num_tokens: int) -> int:
+        """The most pool blocks one request of `num_tokens` tokens holds at once."""
+        if not self.has_windows:
+            return num_blocks_for(num_tokens, self.block_size)
+        return self.kv_layout.max_blocks_per_seq(num_tokens, self.block_size,
+                                                 min(num_tokens, self.max_num_batched_tokens))
 
     @property
     def capacity_tokens(self) -> int:
@@ -185,13 +203,21 @@ class Scheduler:
         self.config = config
         self.seq_ids = seq_ids if seq_ids is not None else itertools.count()  # shared with whoever creates seqs
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = KVBlockManager(
-            config.num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching and config.reservation == "paged",
-            num_swap_blocks=config.num_swap_blocks,
-            max_num_tokens=max(config.max_model_len, config.block_size),
-        )
+        self._has_windows = config.has_windows
+        if self._has_windows:
+            self.block_manager = HybridBlockManager(
+                config.kv_layout, config.num_blocks, config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=config.num_swap_blocks,
+                max_num_tokens=max(config.max_model_len, config.block_size),
+                max_query_tokens=config.max_num_batched_tokens)
+        else:
+            self.block_manager = KVBlockManager(
+                config.num_blocks,
+                config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching and config.reservation == "paged",
+                num_swap_blocks=config.num_swap_blocks,
+                max_num_tokens=max(config.max_model_len, config.block_size),
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -214,9 +240,9 @@ class Scheduler:
                 f"max_model_len {cfg.max_model_len}"
             )
         reserve = cfg.max_model_len if cfg.reservation == "naive" else total
-        if num_blocks_for(reserve, cfg.block_size) > cfg.num_blocks:
+        if cfg.blocks_for_request(reserve) > cfg.num_blocks:
             raise RequestRejectedError(
-                f"a request of {reserve} tokens needs {num_blocks_for(reserve, cfg.block_size)} blocks, but the "
+                f"a request of {reserve} tokens needs {cfg.blocks_for_request(reserve)} blocks, but the "
                 f"whole KV pool has {cfg.num_blocks} blocks ({cfg.capacity_tokens} tokens)"
             )
         if n > cfg.max_num_seqs:
@@ -321,8 +347,7 @@ class Scheduler:
             if num_new == 0 or len(decodes) + len(prefills) >= cfg.max_num_seqs:
                 still_running.append(seq)
                 continue
-            slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
-            while slots_needed > 0 and not bm.can_append(seq.seq_id, slots_needed):
+            while not bm.can_schedule(seq.seq_id, seq.num_computed_tokens, num_new):
                 if candidates and not requester:
                     victim = candidates.pop()
                     queue.remove(victim)
@@ -333,8 +358,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            if slots_needed > 0:
-                out.block_copies.extend(bm.append_slots(seq.seq_id, slots_needed))
+            out.block_copies.extend(bm.schedule(seq.seq_id, seq.num_computed_tokens, num_new))
             item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
             (decodes if item.is_decode else prefills).append(item)
             budget -= num_new
@@ -353,17 +377,14 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             # Blocks for what comes back plus this step's new tokens (not "+1": a forked
             # sequence may have been swapped out holding the whole pool).
-            need = max(bm.blocks_to_swap_in(seq.seq_id),
-                       num_blocks_for(seq.num_computed_tokens + num_new, cfg.block_size))
+            need = bm.blocks_to_resume(seq.seq_id, seq.num_computed_tokens + num_new)
             watermark = cfg.watermark if self.running else 0.0
             if not bm.can_admit(need, watermark):
                 break
             self.swapped.popleft()
             out.swap_in.extend(bm.swap_in(seq.seq_id))
             self.stats.num_swap_ins += 1
-            slots_needed = seq.num_computed_tokens + num_new - bm.num_tokens(seq.seq_id)
-            if slots_needed > 0:
-                out.block_copies.extend(bm.append_slots(seq.seq_id, slots_needed))
+            out.block_copies.extend(bm.schedule(seq.seq_id, seq.num_computed_tokens, num_new))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
@@ -415,6 +436,8 @@ class Scheduler:
                 continue  # aborted or finished while the step ran
             seq.num_computed_tokens = item.end
             bm.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index))
+            if self._has_windows:
+                bm.release_out_of_window(seq.seq_id, item.end)
             if item.end != seq.num_tokens:
                 continue  # a prefill chunk short of the prompt's end samples nothing
             seq.token_ids.append(PENDING_TOKEN)
@@ -542,6 +565,7 @@ class Scheduler:
             num_new = budget
         # Slots for the whole uncomputed part now, so later chunks cannot run short.
         out.block_copies.extend(bm.append_slots(seq.seq_id, seq.num_tokens - bm.num_tokens(seq.seq_id)))
+        out.block_copies.extend(bm.schedule(seq.seq_id, num_cached, num_new))  # sliding groups: the first chunk
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
         seq.status = SequenceStatus.RUNNING

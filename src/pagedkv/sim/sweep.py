@@ -32,13 +32,13 @@ ALL_PREEMPTIONS: tuple[str, ...] = tuple(mode.value for mode in PreemptionMode)
 class Run:
     """One simulation to do: a label and the scheduler config it runs."""
 
-    mode: str  # "naive" or "paged"
+    mode: str  # "naive", "paged" or "paged per group" (a table per layer group)
     config: SchedulerConfig
 
     def row(self, result: SimResult) -> dict:
         """The run's table/JSON row: its settings, then its metrics."""
         cfg = self.config
-        paged = self.mode == "paged"
+        paged = self.mode != "naive"
         return {
             "mode": self.mode,
             "preemption": cfg.preemption_mode.value if paged else None,

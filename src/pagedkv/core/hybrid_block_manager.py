@@ -1,0 +1,377 @@
+"""The block manager of a model with sliding-window layers: one table per layer group, one pool.
+
+The scheduler talks to it exactly as to `KVBlockManager` (it has the same questions and
+answers, in blocks of the one shared pool). Inside, every sequence has one table per group
+(`pagedkv.core.kv_groups`):
+
+- **full groups** behave like the one-table manager: a prompt's blocks are claimed at
+  admission, and every token keeps its block until the sequence ends;
+- **sliding groups** claim blocks only for the tokens a step computes (`schedule`), and
+  give back the blocks that fell out of the window as soon as a step is launched
+  (`release_out_of_window`), so a sequence holds at most ceil((W - 1) / B) + 1 blocks of a
+  sliding group between steps and in a decode step; a prefill chunk of C tokens briefly
+  needs ceil((W + C - 2) / B) + 1.
+
+Prefix caching, per group. Every full block a sequence computes is cached in every group
+under the same hash-chain key (`pagedkv.core.prefix_cache`). A sliding group's block stays
+cached after it leaves its sequence's window (it becomes evictable, still valid KV). A new
+prompt hits k blocks when every full group has blocks 0..k-1 cached and every sliding group
+has the blocks its window needs at position k * B; the rest of a sliding group's hit
+prefix is the null block:
+
+    prefix blocks     |  0  |  1  |  2  |  3  |  4  |  5  |   (k = 6, W = 2 blocks)
+    full group        | hit | hit | hit | hit | hit | hit |
+    sliding group     |null |null |null |null | hit | hit |
+
+Eviction reclaims cached blocks of any group when the free list runs short (the group with
+the most evictable blocks first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.core.allocator import BlockAllocator
+from pagedkv.core.block_manager import PoolQueries
+from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
+from pagedkv.core.kv_groups import KVLayout
+from pagedkv.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
+from pagedkv.core.sliding_table import SlidingBlockTable
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
+
+
+class HybridBlockManager(PoolQueries):
+    """Per-group block tables over one GPU pool (and one CPU swap pool), with per-group prefix caches."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0, max_num_tokens: int | None = None, max_query_tokens: int = 2048):
+        require_positive_int("block_size", block_size)
+        require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
+        require_positive_int("max_query_tokens", max_query_tokens)
+        self.layout = layout
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.max_query_tokens = max_query_tokens  # the longest chunk a step schedules: admission counts one
+        self.allocator = BlockAllocator(num_blocks)
+        self.null_block = num_blocks  # the pool's scratch block: what dropped entries hold
+        self.groups = layout.groups
+        self.caches = [PrefixCache(self.allocator) for _ in self.groups] if enable_prefix_caching else None
+        # The hit-rate statistics live on one cache: a hit is decided for all groups at once.
+        self.prefix_cache = self.caches[0] if self.caches else None
+        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        self._tables: dict[int, list[BlockTable]] = {}
+        self._num_tokens: dict[int, int] = {}  # tokens with slots in the full groups (the scheduler's view)
+        # seq id -> (per group: table tokens, dropped entries, CPU blocks in logical order), tokens
+        self._swapped: dict[int, tuple[list[tuple[int, int, list[int]]], int]] = {}
+        self._block_keys: dict[int, list[BlockHash]] = {}
+        self.num_prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could get now: the free list plus every group's evictable cached blocks."""
+        evictable = sum(cache.num_evictable for cache in self.caches) if self.caches else 0
+        return self.allocator.num_free + evictable
+
+    def table(self, seq_id: int) -> BlockTable:
+        """The sequence's table of group 0."""
+        return self._tables[seq_id][0]
+
+    def group_table(self, seq_id: int, group: int) -> BlockTable:
+        """The sequence's table of `group`."""
+        return self._tables[seq_id][group]
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return self._tables[seq_id][0].block_ids
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens with slots (in the full groups; sliding groups claim theirs step by step)."""
+        return self._num_tokens[seq_id]
+
+    def num_held_blocks(self, seq_id: int, group: int) -> int:
+        """Blocks the sequence owns in `group` (dropped entries excluded)."""
+        table = self._tables[seq_id][group]
+        return table.num_held if isinstance(table, SlidingBlockTable) else table.num_blocks
+
+    # ------------------------------------------------------------------ admission
+    def _match(self, token_ids: Sequence[int]) -> tuple[int, list[BlockHash], list[list[int]]]:
+        """(hit blocks k, keys of the prompt's full blocks, each group's hit blocks for k)."""
+        if self.caches is None:
+            return 0, [], [[] for _ in self.groups]
+        keys = hash_blocks(token_ids, self.block_size)
+        num_hit = (len(token_ids) - 1) // self.block_size
+        for group, cache in zip(self.groups, self.caches):
+            if not group.is_sliding:
+                num_hit = min(num_hit, len(cache.match(keys[:num_hit])))
+        while num_hit:
+            hits = self._group_hits(keys, num_hit)
+            if hits is not None:
+                return num_hit, keys, hits
+            num_hit -= 1
+        return 0, keys, [[] for _ in self.groups]
+
+    def _group_hits(self, keys: list[BlockHash], num_hit: int) -> list[list[int]] | None:
+        """Each group's cached blocks for a hit of `num_hit` blocks, or None if a sliding group lacks its window."""
+        hits = []
+        for group, cache in zip(self.groups, self.caches):
+            first = group.first_live_block(num_hit * self.block_size, self.block_size)
+            blocks = cache.match(keys[first:num_hit])
+            if len(blocks) != num_hit - first:
+                return None
+            hits.append(blocks)
+        return hits
+
+    def blocks_to_admit(self, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+        """New blocks a prompt takes at admission: every full block of it, and a first chunk in sliding groups."""
+        if reserve_tokens is not None:
+            raise InvalidArgumentError("naive max-length reservation is for one-table models only")
+        num_hit, _, hits = self._match(token_ids)
+        total = num_blocks_for(len(token_ids), self.block_size)
+        chunk_blocks = num_blocks_for(min(len(token_ids), num_hit * self.block_size + self.max_query_tokens),
+                                      self.block_size)
+        new = 0
+        for group, group_hits in zip(self.groups, hits):
+            new += (chunk_blocks if group.is_sliding else total) - num_hit
+            new += sum(1 for b in group_hits if self.allocator.ref_count(b) == 1)  # evictable hits stop being free
+        return new
+
+    def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+        """Create the sequence's tables, sharing cached prefix blocks per group; returns the cached token count."""
+        if seq_id in self._tables or seq_id in self._swapped:
+            raise InvalidArgumentError(f"sequence {seq_id} already has blocks")
+        if reserve_tokens is not None:
+            raise InvalidArgumentError("naive max-length reservation is for one-table models only")
+        num_hit, keys, hits = self._match(token_ids)
+        if self.caches is not None:
+            self.prefix_cache.record_lookup(min(len(keys), (len(token_ids) - 1) // self.block_size), num_hit)
+        tables = []
+        for g, group in enumerate(self.groups):
+            if self.caches is not None:
+                self.caches[g].acquire(hits[g])
+            if group.is_sliding:
+                table = SlidingBlockTable(self.allocator, self.block_size, self.max_num_tokens)
+                table.extend_window(num_hit, hits[g])
+            else:
+                table = BlockTable(self.allocator, self.block_size, self.max_num_tokens)
+                table.extend_shared(hits[g])
+            tables.append(table)
+        self._tables[seq_id] = tables
+        self._num_tokens[seq_id] = num_hit * self.block_size
+        self._block_keys[seq_id] = keys[:num_hit]
+        self.num_prefix_hit_tokens += num_hit * self.block_size
+        return num_hit * self.block_size
+
+    # ------------------------------------------------------------------ growth
+    def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        """New blocks `append_slots(seq_id, num_new_tokens)` would take (full groups only)."""
+        return sum(t.num_blocks_needed(num_new_tokens) for t, g in zip(self._tables[seq_id], self.groups)
+                   if not g.is_sliding)
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq_id: int, num_new_tokens: int) -> list[BlockCopy]:
+        """Give the full groups slots for `num_new_tokens` more tokens; returns copy-on-write copies."""
+        new_total = self._num_tokens[seq_id] + num_new_tokens
+        if self.max_num_tokens is not None and new_total > self.max_num_tokens:
+            self._tables[seq_id][0].append_tokens(self.max_num_tokens + 1)  # raises SequenceTooLongError
+        self._ensure_free(self.blocks_needed(seq_id, num_new_tokens))
+        copies = []
+        for table, group in zip(self._tables[seq_id], self.groups):
+            if not group.is_sliding:
+                copies += table.append_tokens(num_new_tokens)
+        self._num_tokens[seq_id] = new_total
+        return copies
+
+    def _step_blocks(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> int:
+        end = num_computed_tokens + num_new_tokens
+        growth = end - self._num_tokens[seq_id]
+        needed = self.blocks_needed(seq_id, growth) if growth > 0 else 0
+        for table, group in zip(self._tables[seq_id], self.groups):
+            if group.is_sliding and end > table.num_tokens:
+                needed += table.num_blocks_needed(end - table.num_tokens)
+        return needed
+
+    def can_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """Whether tokens [num_computed, num_computed + num_new) can get slots in every group now."""
+        return self._step_blocks(seq_id, num_computed_tokens, num_new_tokens) <= self.num_free_blocks
+
+    def schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy]:
+        """Slots for tokens [num_computed, num_computed + num_new) in every group; returns copy-on-write copies.
+
+        Sliding groups first give back what the window left behind, then claim the chunk's blocks.
+        Raises `OutOfBlocksError` (no change) when the pool cannot give them.
+        """
+        self.release_out_of_window(seq_id, num_computed_tokens)
+        self._ensure_free(self._step_blocks(seq_id, num_computed_tokens, num_new_tokens))
+        end = num_computed_tokens + num_new_tokens
+        copies = self.append_slots(seq_id, end - self._num_tokens[seq_id]) if end > self._num_tokens[seq_id] else []
+        for table, group in zip(self._tables[seq_id], self.groups):
+            if group.is_sliding and end > table.num_tokens:
+                copies += table.append_tokens(end - table.num_tokens)
+        return copies
+
+    def blocks_to_resume(self, seq_id: int, num_tokens: int) -> int:
+        """Blocks a swapped sequence takes to come back and reach `num_tokens` tokens (an upper bound)."""
+        groups, _ = self._swapped[seq_id]
+        total = 0
+        for (table_tokens, _, cpu_blocks), group in zip(groups, self.groups):
+            grow = num_blocks_for(num_tokens, self.block_size) - num_blocks_for(table_tokens, self.block_size)
+            total += len(cpu_blocks) + max(0, grow)
+        return total
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Tokens up to `num_computed_tokens` have KV: cache the newly full blocks in every group."""
+        if self.caches is None:
+            return
+        keys = self._block_keys[seq_id]
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= len(keys):
+            return
+        new_keys = hash_blocks(token_ids[len(keys) * self.block_size:num_full * self.block_size],
+                               self.block_size, keys[-1] if keys else None)
+        for table, cache in zip(self._tables[seq_id], self.caches):
+            for offset, key in enumerate(new_keys):
+                index = len(keys) + offset
+                if index < len(table.block_ids) and table.block_ids[index] != self.null_block:
+                    cache.insert(key, table.block_ids[index])
+        keys.extend(new_keys)
+
+    def release_out_of_window(self, seq_id: int, num_computed_tokens: int) -> None:
+        """Every query left is at `num_computed_tokens` or later: sliding groups drop what no window reaches."""
+        tables = self._tables.get(seq_id)
+        if tables is None:
+            return
+        for g, (table, group) in enumerate(zip(tables, self.groups)):
+            if group.is_sliding:
+                dropped = table.drop_before(group.first_live_block(num_computed_tokens, self.block_size))
+                if dropped and self.caches is not None:
+                    self.caches[g].on_released(dropped)
+
+    # ------------------------------------------------------------------ release
+    def free(self, seq_id: int) -> None:
+        """Return all the sequence's blocks, GPU and swap (no-op for an unknown sequence)."""
+        tables = self._tables.pop(seq_id, None)
+        self._num_tokens.pop(seq_id, None)
+        self._block_keys.pop(seq_id, None)
+        for g, table in enumerate(tables or ()):
+            held = table.held_block_ids if isinstance(table, SlidingBlockTable) else list(table.block_ids)
+            table.free()
+            if self.caches is not None:
+                self.caches[g].on_released(held)
+        swapped = self._swapped.pop(seq_id, None)
+        if swapped is not None:
+            cpu = [b for _, _, blocks in swapped[0] for b in blocks]
+            if cpu:
+                self.swap_allocator.free(cpu)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent in every group (parallel sampling)."""
+        if child_id in self._tables:
+            raise InvalidArgumentError(f"sequence {child_id} already has blocks")
+        self._tables[child_id] = [table.fork() for table in self._tables[parent_id]]
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+        self._block_keys[child_id] = list(self._block_keys[parent_id])
+
+    # ------------------------------------------------------------------ swap
+    def _held(self, seq_id: int) -> list[list[int]]:
+        return [t.held_block_ids if isinstance(t, SlidingBlockTable) else list(t.block_ids)
+                for t in self._tables[seq_id]]
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        """Whether the swap space can take every held block of the sequence."""
+        return self.swap_allocator is not None and \
+            sum(map(len, self._held(seq_id))) <= self.swap_allocator.num_free
+
+    def swap_out(self, seq_id: int) -> list[BlockCopy]:
+        """Move the sequence's held blocks to CPU blocks; returns (GPU src, CPU dst) copies to run before reuse."""
+        held = self._held(seq_id)
+        num_held = sum(map(len, held))
+        if not self.can_swap_out(seq_id):
+            raise OutOfBlocksError(num_held, self.num_free_swap_blocks)
+        cpu_blocks = self.swap_allocator.allocate(num_held) if num_held else []
+        copies, groups, cursor = [], [], 0
+        for table, blocks in zip(self._tables[seq_id], held):
+            mine = cpu_blocks[cursor:cursor + len(blocks)]
+            cursor += len(blocks)
+            copies += [BlockCopy(gpu, cpu) for gpu, cpu in zip(blocks, mine)]
+            groups.append((table.num_tokens, getattr(table, "num_dropped", 0), mine))
+        num_tokens = self._num_tokens[seq_id]
+        self.free(seq_id)
+        self._swapped[seq_id] = (groups, num_tokens)
+        return copies
+
+    def blocks_to_swap_in(self, seq_id: int) -> int:
+        """GPU blocks a swap-in takes."""
+        return sum(len(blocks) for _, _, blocks in self._swapped[seq_id][0])
+
+    def swap_in(self, seq_id: int) -> list[BlockCopy]:
+        """Bring a swapped sequence back to fresh GPU blocks; returns (CPU src, GPU dst) copies."""
+        groups, num_tokens = self._swapped[seq_id]
+        num_blocks = self.blocks_to_swap_in(seq_id)
+        self._ensure_free(num_blocks)
+        gpu_blocks = self.allocator.allocate(num_blocks) if num_blocks else []
+        del self._swapped[seq_id]
+        tables, copies, cursor = [], [], 0
+        for (table_tokens, num_dropped, cpu), group in zip(groups, self.groups):
+            mine = gpu_blocks[cursor:cursor + len(cpu)]
+            cursor += len(cpu)
+            copies += [BlockCopy(c, g) for c, g in zip(cpu, mine)]
+            if group.is_sliding:
+                table = SlidingBlockTable(self.allocator, self.block_size, self.max_num_tokens)
+                table.restore(table_tokens, [self.null_block] * num_dropped + mine, num_dropped)
+            else:
+                table = BlockTable(self.allocator, self.block_size, self.max_num_tokens)
+                table.block_ids, table.num_tokens = mine, table_tokens
+            tables.append(table)
+        self._tables[seq_id] = tables
+        self._num_tokens[seq_id] = num_tokens
+        self._block_keys[seq_id] = []  # the next commit() re-hashes the full blocks, re-caching the held ones
+        cpu_all = [b for _, _, blocks in groups for b in blocks]
+        if cpu_all:
+            self.swap_allocator.free(cpu_all)
+        return copies
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_free(self, num_blocks: int) -> None:
+        shortfall = num_blocks - self.allocator.num_free
+        if shortfall <= 0:
+            return
+        if self.num_free_blocks < num_blocks:
+            raise OutOfBlocksError(num_blocks, self.num_free_blocks)
+        while shortfall > 0:
+            cache = max(self.caches, key=lambda c: c.num_evictable)
+            shortfall -= cache.evict(min(shortfall, max(1, cache.num_evictable // self.num_groups)))
+
+    def check_integrity(self) -> None:
+        """Assert tables, caches and allocators agree per group, and sliding groups hold at most their bound."""
+        self.allocator.check_integrity()
+        owners: dict[int, int] = {}
+        for seq_id, tables in self._tables.items():
+            for table, group in zip(tables, self.groups):
+                held = table.held_block_ids if isinstance(table, SlidingBlockTable) else table.block_ids
+                assert self.null_block not in held, f"seq {seq_id}: a held entry is the null block"
+                if group.is_sliding:
+                    assert all(b == self.null_block for b in table.block_ids[:table.num_dropped])
+                    bound = group.max_blocks_per_seq(table.num_tokens, self.block_size, self.max_query_tokens)
+                    assert table.num_held <= bound, f"seq {seq_id}: {table.num_held} blocks > bound {bound}"
+                else:
+                    assert table.num_tokens == self._num_tokens[seq_id], f"seq {seq_id}: full groups disagree"
+                for block_id in held:
+                    owners[block_id] = owners.get(block_id, 0) + 1
+        for cache in self.caches or ():
+            cache.check_integrity()
+            for block_id in cache._key_of:
+                owners[block_id] = owners.get(block_id, 0) + 1
+        for block_id in range(self.num_blocks):
+            count = self.allocator.ref_count(block_id)
+            assert count == owners.get(block_id, 0), (
+                f"block {block_id}: ref count {count}, but {owners.get(block_id, 0)} owners found")
+        if self.swap_allocator is not None:
+            self.swap_allocator.check_integrity()
+            swapped = sum(len(blocks) for groups, _ in self._swapped.values() for _, _, blocks in groups)
+            assert swapped == self.swap_allocator.num_used, "swap space leaked"
