@@ -576,6 +576,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes ~30 s)")
     parser.add_argument("--no-flashinfer", action="store_true",
                         help="skip the FlashInfer anchor section (run when flashinfer imports; never required)")
+    parser.add_argument("--flashinfer-only", action="store_true",
+                        help="run the FlashInfer anchor section alone (pagedkv beside FlashInfer: decode, prefill, "
+                             "FP8 decode) and write kernel_flashinfer.json")
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="variants still waiting after this many seconds of the run are skipped")
     parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
@@ -615,6 +618,16 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench kernel") -> i
     result: dict = {"benchmark": "kernel", "dtype": str(dtype).removeprefix("torch."), "backend": backend}
     result["provenance"] = provenance(device=device_name)
     smoke = args.smoke or device.type != "cuda"
+
+    if args.flashinfer_only:
+        from pagedkv.bench import kernel_flashinfer
+
+        result["flashinfer"] = kernel_flashinfer.anchor(device, dtype, backend, smoke, progress)
+        if result["flashinfer"]["rows"]:
+            _print_table(console, f"pagedkv beside FlashInfer {result['flashinfer']['version']}",
+                         *kernel_flashinfer.table_rows(result["flashinfer"]))
+        console.print(f"wrote {write_json(args.out, 'kernel_flashinfer', result)}")
+        return 0
 
     invalid: set = set()
     if args.validate or not smoke or backend == "triton":
