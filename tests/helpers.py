@@ -23,12 +23,66 @@ def tiny(name: str, attn: str = "pagedkv"):
     return random_model(name, attn_implementation=attn)
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: bool = False) -> list[int]:
-    """HF generate with DynamicCache and sdpa attention, one prompt: the reference output."""
+@functools.lru_cache(maxsize=None)
+def uncovered_model():
+    """A tiny random GPT-NeoX: a family pagedkv's own decoder does not cover (it runs on HF's modules)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_neox", num_hidden_layers=1, num_attention_heads=4, hidden_size=64,
+                                  intermediate_size=128, vocab_size=512, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def own_prefill_logits(hf_model, prompts: list[list[int]], block_size: int = 4) -> list[torch.Tensor]:
+    """Run pagedkv's own decoder for `hf_model` over `prompts` as one flat prefill step through the paged backend."""
+    from pagedkv.kernels import KVPool
+    from pagedkv.kernels.backend import AttentionBackend
+    from pagedkv.models import build_own_model
+
+    own = build_own_model(hf_model)
+    cfg = own.cfg
+    pool = KVPool(cfg.num_layers, 64, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    backend = AttentionBackend(pool, max_num_seqs=len(prompts), max_blocks_per_seq=16, num_table_rows=len(prompts),
+                               max_model_len=64)
+    ids, positions, slots, lens = [], [], [], []
+    next_block = 0
+    for row, prompt in enumerate(prompts):
+        blocks = list(range(next_block, next_block + -(-len(prompt) // block_size)))
+        next_block += len(blocks)
+        backend.table_rows[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        ids += prompt
+        positions += range(len(prompt))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(len(prompt))]
+        lens.append(len(prompt))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
+    meta = backend.prepare(torch.tensor(slots), torch.arange(len(prompts)), torch.tensor(lens), cu, num_decode=0,
+                           host_seq_lens=lens, host_query_lens=lens)
+    logits = own(torch.tensor(ids), torch.tensor(positions), backend.bind(meta))
+    return list(logits.split(lens))
+
+
+def max_logit_error_vs_hf(model, prompt_lens, attn: str = "sdpa", seed: int = 0) -> float:
+    """Largest |own decoder's prefill logit - HF's| over random prompts of `prompt_lens` (HF with `attn`)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in prompt_lens]
+    own = own_prefill_logits(model, prompts)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(attn)
+    try:
+        with torch.no_grad():
+            return max((logits - model(torch.tensor([prompt])).logits[0]).abs().max().item()
+                       for prompt, logits in zip(prompts, own))
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: bool = False, attn: str = "sdpa") -> list[int]:
+    """HF generate with DynamicCache and `attn` attention (sdpa; eager where sdpa lacks a soft cap), one prompt."""
     from transformers import DynamicCache
 
     previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(attn)
     try:
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

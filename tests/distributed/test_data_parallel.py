@@ -249,12 +249,12 @@ def test_replica_devices_give_each_tensor_parallel_group_its_own_gpus(monkeypatc
 # Data-parallel replicas on two GPUs: each replica on its own device, fp32 greedy tokens equal one engine's.
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])  # own decoder with graphs; HF's modules
-def test_two_replicas_on_two_gpus_equal_one_engine_fp32(name):
+@pytest.mark.parametrize("name, impl", [("tiny-llama", "pagedkv"), ("tiny-gpt2", "hf")])  # own decoder; HF's modules
+def test_two_replicas_on_two_gpus_equal_one_engine_fp32(name, impl):
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 30, 64, 5, 17)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    options = dict(dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=256, max_num_seqs=16)
+    options = dict(dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=256, max_num_seqs=16, model_impl=impl)
     single = [o.outputs[0].token_ids for o in LLM(f"random:{name}", **options).generate(prompts, params)]
     llm = LLM(f"random:{name}", data_parallel_size=2, **options)
     try:

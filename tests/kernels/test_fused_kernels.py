@@ -73,3 +73,38 @@ def test_qk_norm_rope_write_kv(dtype, heads, qk_norm):
 def test_silu_mul(dtype):
     gate_up = _randn(7, 2 * 80, dtype=dtype, seed=7)
     torch.testing.assert_close(layer_ops.silu_mul(gate_up), layer_ops.silu_mul_reference(gate_up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_offset_norms_and_gelu_tanh(dtype):
+    """Gemma's (1 + weight) RMSNorm, on the residual stream and on q/k heads, and gelu_pytorch_tanh(gate) * up."""
+    delta, residual = _randn(5, 96, dtype=dtype, seed=1), _randn(5, 96, dtype=dtype, seed=2)
+    weight = _randn(96, dtype=dtype, seed=3) * 0.1
+    expected, expected_residual = layer_ops.add_rms_norm_reference(delta, residual, weight, 1e-6, offset=True)
+    assert not torch.allclose(expected, layer_ops.add_rms_norm_reference(delta, residual, weight, 1e-6)[0])
+    got, got_residual = layer_ops.add_rms_norm(delta.clone(), residual.clone(), weight, 1e-6, offset=True)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+    torch.testing.assert_close(got_residual, expected_residual, **TOL[dtype])
+
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    qkv = _randn(3, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=4)
+    positions = torch.tensor([0, 7, 2], device=DEVICE)
+    freqs = torch.arange(8, dtype=torch.float32)[:, None] / (100 ** (torch.arange(0, head_dim, 2) / head_dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    q_norm, k_norm = _randn(head_dim, dtype=dtype, seed=5), _randn(head_dim, dtype=dtype, seed=6)
+    k_cache = torch.zeros((2, 4, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
+    slots = torch.tensor([1, 5, 6], device=DEVICE)
+    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    exp_q, exp_k = layer_ops.qk_norm_rope_reference(q.reshape(3, num_heads, head_dim),
+                                                    k.reshape(3, num_kv_heads, head_dim), positions, cos, sin,
+                                                    q_norm, k_norm, 1e-6, offset=True)
+    got_q = layer_ops.qk_norm_rope_write_kv(qkv.clone(), positions, cos, sin, q_norm, k_norm, 1e-6, k_cache,
+                                            k_cache.clone(), slots, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                            head_dim=head_dim, offset=True)
+    torch.testing.assert_close(got_q, exp_q, **TOL[dtype])
+    torch.testing.assert_close(k_cache.view(-1, num_kv_heads, head_dim)[slots], exp_k, **TOL[dtype])
+
+    gate_up = _randn(7, 2 * 80, dtype=dtype, seed=7) * 3
+    torch.testing.assert_close(layer_ops.silu_mul(gate_up, gelu_tanh=True), layer_ops.gelu_tanh_mul_reference(gate_up),
+                               **TOL[dtype])

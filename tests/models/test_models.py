@@ -3,63 +3,24 @@
 import pytest
 import torch
 
-from helpers import hf_greedy, tiny
+from helpers import hf_greedy, max_logit_error_vs_hf, tiny, uncovered_model
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ConfigError
 from pagedkv.hf import random_model
-from pagedkv.kernels import KVPool
-from pagedkv.kernels.backend import AttentionBackend
-from pagedkv.models import DecoderConfig, LlamaFamilyModel, is_supported
+from pagedkv.models import DecoderConfig, is_supported
 
 FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"]
 
 
-def _own_logits(hf_model, prompts: list[list[int]], block_size: int = 4) -> list[torch.Tensor]:
-    """Run the own decoder over `prompts` as one flat prefill step through the paged backend."""
-    own = LlamaFamilyModel.from_hf(hf_model)
-    cfg = own.cfg
-    num_blocks = 64
-    pool = KVPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    backend = AttentionBackend(pool, max_num_seqs=len(prompts), max_blocks_per_seq=16, num_table_rows=len(prompts),
-                               max_model_len=64)
-    ids, positions, slots, lens = [], [], [], []
-    next_block = 0
-    for row, prompt in enumerate(prompts):
-        blocks = list(range(next_block, next_block + -(-len(prompt) // block_size)))
-        next_block += len(blocks)
-        backend.table_rows[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        ids += prompt
-        positions += range(len(prompt))
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(len(prompt))]
-        lens.append(len(prompt))
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
-    meta = backend.prepare(torch.tensor(slots), torch.arange(len(prompts)), torch.tensor(lens), cu, num_decode=0,
-                           host_seq_lens=lens, host_query_lens=lens)
-    logits = own(torch.tensor(ids), torch.tensor(positions), backend.bind(meta))
-    return list(logits.split(lens))
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_own_decoder_logits_match_hf(name):
-    model = tiny(name)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (7, 13, 1)]
-    own = _own_logits(model, prompts)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        for prompt, logits in zip(prompts, own):
-            with torch.no_grad():
-                expected = model(torch.tensor([prompt])).logits[0]
-            assert (logits - expected).abs().max().item() <= 1e-4
-    finally:
-        model.set_attn_implementation(previous)
+    assert max_logit_error_vs_hf(tiny(name), (7, 13, 1)) <= 1e-4
 
 
 def test_own_decoder_refuses_other_families():
-    assert not is_supported(tiny("tiny-gpt2").config)
-    with pytest.raises(ConfigError, match="gpt2"):
-        DecoderConfig.from_hf(tiny("tiny-gpt2").config)
+    assert not is_supported(uncovered_model().config)
+    with pytest.raises(ConfigError, match="gpt_neox"):
+        DecoderConfig.from_hf(uncovered_model().config)
 
 
 @pytest.mark.parametrize("impl", ["pagedkv", "hf"])
@@ -77,12 +38,15 @@ def test_engine_paths_equal_hf_generate(impl):
 
 def test_model_impl_pagedkv_on_an_uncovered_family_is_a_clear_error():
     with pytest.raises(ConfigError, match="not covered"):
-        LLM(hf_model=tiny("tiny-gpt2"), block_size=4, num_blocks=64, model_impl="pagedkv", device="cpu")
+        LLM(hf_model=uncovered_model(), block_size=4, num_blocks=64, model_impl="pagedkv", device="cpu")
 
 
 # --------------------------------------------------------------------------- on CUDA
 # The engine on CUDA through the Triton kernels: own decoder with graphs, own eager, HF's modules.
-CUDA_FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-mistral", "tiny-qwen2"]
+CUDA_FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-mistral", "tiny-qwen2", "tiny-gemma3", "tiny-gemma2",
+                 "tiny-phi3"]
+#: HF's sdpa attention has no soft cap: these families' oracle runs eager attention.
+EAGER_ORACLE = ("tiny-gemma2",)
 PATHS = [{}, {"enforce_eager": True}, {"model_impl": "hf"}]  # own decoder + graphs, own eager, HF modules
 
 
@@ -95,12 +59,13 @@ def test_engine_on_cuda_equals_hf_generate_fp32(name, path):
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 40, 17, 64, 1, 100)]
     llm = LLM(hf_model=model, kv_cache_memory=64 * 2**20, max_model_len=256, max_num_batched_tokens=64,
               max_num_seqs=16, **path)
-    expected_impl = "hf" if name == "tiny-gpt2" or path.get("model_impl") == "hf" else "pagedkv"
+    expected_impl = "hf" if path.get("model_impl") == "hf" else "pagedkv"
     assert llm.engine.model_impl == expected_impl
     if expected_impl == "pagedkv" and not path:
         assert llm.engine.runner.graphs  # decode steps replay graphs
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 24) for p in prompts]
+    attn = "eager" if name in EAGER_ORACLE else "sdpa"
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 24, attn=attn) for p in prompts]
     assert llm.stats()["num_used_blocks"] == 0
 
 

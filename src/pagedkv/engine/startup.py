@@ -168,7 +168,7 @@ def log_pool(setup: ModelSetup, plan: PoolPlan) -> None:
 
 def _pick_model(config: EngineConfig, hf_model: torch.nn.Module, tp):
     """(model, "pagedkv" | "hf"): the own decoder where it covers the family (per `model_impl`), else HF's modules."""
-    from pagedkv.models import LlamaFamilyModel, is_supported
+    from pagedkv.models import build_own_model, is_supported
 
     wanted = config.model_impl
     hf_config = hf_model.config
@@ -180,7 +180,7 @@ def _pick_model(config: EngineConfig, hf_model: torch.nn.Module, tp):
         logger.info("model path: HF modules with pagedkv attention (model_type %r)", model_type)
         return hf_model, "hf"
     rotary_positions = config.max_model_len or max_positions(hf_config)
-    own = LlamaFamilyModel.from_hf(hf_model, max_positions=rotary_positions, tp=tp)  # ConfigError if not covered
+    own = build_own_model(hf_model, max_positions=rotary_positions, tp=tp)  # ConfigError if not covered
     logger.info("model path: pagedkv's own decoder (model_type %r)", model_type)
     return own, "pagedkv"
 

@@ -9,7 +9,11 @@ about ten nodes:
 - `add_rms_norm`: residual += delta, then RMSNorm of the result (one pass, one launch);
 - `qk_norm_rope_write_kv`: per (token, head): the optional Qwen3 q/k RMSNorm, rotary, and for
   kv heads the store of K and V straight into their paged-pool slots (no separate write);
-- `silu_mul`: silu(gate) * up of the fused gate-up projection.
+- `silu_mul`: silu(gate) * up of the fused gate-up projection (`gelu_tanh_mul`: Gemma's
+  gelu_pytorch_tanh(gate) * up, the same kernel).
+
+Gemma's RMSNorm scales by (1 + weight) in fp32 and rounds once (`offset=True` in the norms),
+where Llama's rounds the normalised value to the model dtype before the weight.
 
 Rounding follows HF's modules op by op (each torch op on bf16/fp16 rounds its result), so the
 fused path computes the same bits HF's eager modules do wherever fp32 arithmetic inside one
@@ -43,18 +47,23 @@ def _round(x, dtype: tl.constexpr, ROUND: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------- references
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in fp32, cast back, then scale in the input dtype."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """HF's RMSNorm: normalise in fp32, cast back, then scale in the input dtype.
+
+    `offset=True` is Gemma's: scale by (1 + weight) in fp32, then cast once.
+    """
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
 def add_rms_norm_reference(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + delta), residual + delta); with no residual, delta is the residual."""
     residual = delta if residual is None else residual + delta
-    return rms_norm_reference(residual, weight, eps), residual
+    return rms_norm_reference(residual, weight, eps, offset), residual
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -64,25 +73,41 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D]; cos/sin fp32 tables [max_pos, D]. HF's order: q/k norm, then rotary."""
     if q_norm is not None:
-        q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
+        q, k = rms_norm_reference(q, q_norm, eps, offset), rms_norm_reference(k, k_norm, eps, offset)
     c = cos.index_select(0, positions).to(q.dtype)[:, None, :]
     s = sin.index_select(0, positions).to(q.dtype)[:, None, :]
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [T, 2 I] gate-up output."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_pytorch_tanh(gate) * up of a fused [T, 2 I] gate-up output (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 # ---------------------------------------------------------------------------------------- add + RMSNorm
+@triton.jit
+def _scale_normed(x, rstd, w, dtype: tl.constexpr, ROUND: tl.constexpr, OFFSET: tl.constexpr):
+    # Llama: round(x * rstd) * w; Gemma (OFFSET): x * rstd * (1 + w) in fp32, rounded once by the store.
+    if OFFSET:
+        return x * rstd * (1.0 + w)
+    return _round(x * rstd, dtype, ROUND) * w
+
+
 @triton.jit
 def _add_rms_norm_kernel(delta_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
                          stride_delta, stride_residual, stride_out,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                         OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -94,7 +119,7 @@ def _add_rms_norm_kernel(delta_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, e
         tl.store(residual_ptr + row * stride_residual + cols, x.to(dtype), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _round(x * rstd, dtype, ROUND) * w
+    y = _scale_normed(x, rstd, w, dtype, ROUND, OFFSET)
     tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
 
 
@@ -102,13 +127,14 @@ _ADD_RMS_NORM = BoundKernel(_add_rms_norm_kernel)
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused `add_rms_norm_reference`. `residual` is updated in place (returned); with None, `delta` is it."""
     num_rows, n_cols = delta.shape
     out = torch.empty_like(delta)
     if num_rows:
         config = _ADD_RMS_NORM.config(HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-                                      ROUND=delta.dtype != torch.float32, num_warps=4 if n_cols <= 2048 else 8)
+                                      ROUND=delta.dtype != torch.float32, OFFSET=offset,
+                                      num_warps=4 if n_cols <= 2048 else 8)
         config.launch((num_rows, 1, 1), (delta, residual if residual is not None else delta, weight, out),
                       (n_cols, float(eps), delta.stride(0), residual.stride(0) if residual is not None else 0,
                        out.stride(0)))
@@ -127,12 +153,12 @@ def _rope_half(x1, x2, c, s, dtype: tl.constexpr, ROUND: tl.constexpr):
 
 @triton.jit
 def _head_norm(x1, x2, w_ptr, half, halves, mask, eps, HEAD_DIM: tl.constexpr, dtype: tl.constexpr,
-               ROUND: tl.constexpr):
+               ROUND: tl.constexpr, OFFSET: tl.constexpr):
     rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
     w1 = tl.load(w_ptr + halves, mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + half + halves, mask=mask, other=0.0).to(tl.float32)
-    x1 = _round(_round(x1 * rstd, dtype, ROUND) * w1, dtype, ROUND)
-    x2 = _round(_round(x2 * rstd, dtype, ROUND) * w2, dtype, ROUND)
+    x1 = _round(_scale_normed(x1, rstd, w1, dtype, ROUND, OFFSET), dtype, ROUND)
+    x2 = _round(_scale_normed(x2, rstd, w2, dtype, ROUND, OFFSET), dtype, ROUND)
     return x1, x2
 
 
@@ -141,7 +167,7 @@ def _qk_norm_rope_write_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     k_scale_ptr, v_scale_ptr, eps, stride_qkv, stride_table, stride_cache_slot, stride_cache_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-    QK_NORM: tl.constexpr, ROUND: tl.constexpr,
+    QK_NORM: tl.constexpr, ROUND: tl.constexpr, OFFSET: tl.constexpr,
     KV_FP8: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -159,7 +185,7 @@ def _qk_norm_rope_write_kernel(
         x1 = tl.load(base + halves, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + half + halves, mask=mask, other=0.0).to(tl.float32)
         if QK_NORM:
-            x1, x2 = _head_norm(x1, x2, q_norm_ptr, half, halves, mask, eps, HEAD_DIM, dtype, ROUND)
+            x1, x2 = _head_norm(x1, x2, q_norm_ptr, half, halves, mask, eps, HEAD_DIM, dtype, ROUND, OFFSET)
         o1, o2 = _rope_half(x1, x2, c, s, dtype, ROUND)
         tl.store(base + halves, o1.to(dtype), mask=mask)
         tl.store(base + half + halves, o2.to(dtype), mask=mask)
@@ -170,7 +196,7 @@ def _qk_norm_rope_write_kernel(
         x1 = tl.load(k_base + halves, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(k_base + half + halves, mask=mask, other=0.0).to(tl.float32)
         if QK_NORM:
-            x1, x2 = _head_norm(x1, x2, k_norm_ptr, half, halves, mask, eps, HEAD_DIM, dtype, ROUND)
+            x1, x2 = _head_norm(x1, x2, k_norm_ptr, half, halves, mask, eps, HEAD_DIM, dtype, ROUND, OFFSET)
         o1, o2 = _rope_half(x1, x2, c, s, dtype, ROUND)
         # The rotated K back in place too: prefill reads a chunk's K/V from qkv (`triton_prefill_split`).
         tl.store(k_base + halves, o1.to(dtype), mask=mask)
@@ -200,11 +226,12 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
                           q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                           num_heads: int, num_kv_heads: int, head_dim: int, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          v_scale: torch.Tensor | None = None, offset: bool = False) -> torch.Tensor:
     """Rotate q and k in place in `qkv` [T, (H + 2 Hkv) D], store rotated K and V at their slots; returns q [T, H, D].
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous per slot); slot_mapping [T] int64, all >= 0.
     An FP8 cache takes its layer's `k_scale`/`v_scale` ([Hkv] float32) and stores quantized K/V.
+    `offset=True`: the q/k norms are Gemma's (1 + weight).
     """
     num_tokens = qkv.shape[0]
     if num_tokens:
@@ -213,7 +240,7 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         config = _QK_NORM_ROPE_WRITE.config(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), QK_NORM=q_norm is not None,
-            ROUND=qkv.dtype != torch.float32, KV_FP8=kv_fp8, MANT_BITS=mant_bits, MIN_EXP=min_exp,
+            ROUND=qkv.dtype != torch.float32, OFFSET=offset, KV_FP8=kv_fp8, MANT_BITS=mant_bits, MIN_EXP=min_exp,
             FP8_MAX=fp8_max, num_warps=1)
         config.launch((num_tokens, num_heads + num_kv_heads, 1),
                       (qkv, positions, cos, sin, q_norm if q_norm is not None else qkv,
@@ -225,28 +252,34 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
 
 # ---------------------------------------------------------------------------------------- silu(gate) * up
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                     GELU_TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + row * stride_in + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = _round(g / (1.0 + tl.exp(-g)), dtype, ROUND)
+    if GELU_TANH:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), in fp32 as torch computes it
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = _round(0.5 * g * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))), dtype, ROUND)
+    else:
+        act = _round(g / (1.0 + tl.exp(-g)), dtype, ROUND)
     tl.store(out_ptr + row * stride_out + cols, (act * u).to(dtype), mask=mask)
 
 
 _SILU_MUL = BoundKernel(_silu_mul_kernel)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Fused `silu_mul_reference`: [T, 2 I] -> [T, I]."""
+def silu_mul(gate_up: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """Fused `silu_mul_reference` (`gelu_tanh_mul_reference` with `gelu_tanh`): [T, 2 I] -> [T, I]."""
     num_rows, width = gate_up.shape
     n_cols = width // 2
     out = torch.empty(num_rows, n_cols, dtype=gate_up.dtype, device=gate_up.device)
     if num_rows:
         block = min(1024, triton.next_power_of_2(n_cols))
-        config = _SILU_MUL.config(BLOCK=block, ROUND=gate_up.dtype != torch.float32, num_warps=4)
+        config = _SILU_MUL.config(BLOCK=block, ROUND=gate_up.dtype != torch.float32, GELU_TANH=gelu_tanh,
+                                  num_warps=4)
         config.launch((num_rows, triton.cdiv(n_cols, block), 1), (gate_up, out),
                       (n_cols, gate_up.stride(0), out.stride(0)))
     return out

@@ -1,19 +1,28 @@
 """pagedkv's own model forwards (the engine's fast path), the one HF-config reader and the model loader.
 
-    config.py   reads HF configs (dict or PretrainedConfig) for calc, the KV pool and the decoder (pure Python)
-    llama.py    the Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3, Mistral): fused QKV and gate-up
-    layers.py   the layers it is built from: parallel linear, vocab-parallel embedding, norm, rotary
+    config.py          reads HF configs (dict or PretrainedConfig) for calc, the KV pool and the decoders
+    decoder_config.py  the shape of an own decoder (`DecoderConfig`), per family (pure Python)
+    decoder.py         what every own decoder shares: embed, layers, final norm, LM head, soft cap
+    llama.py           Llama, SmolLM2, Qwen2, Qwen3, Mistral, Phi-3: fused QKV and gate-up
+    gemma.py           Gemma 2 and Gemma 3 text: sliding/global layers, sandwich norms, soft caps
+    gpt2.py            GPT-2: learned positions, LayerNorm, gelu_new
+    layers.py          the layers they are built from: parallel linear, vocab-parallel embedding, norm, rotary
 
-Importing the package imports no torch: `LlamaFamilyModel` and friends load on first use, so
-the calculator can read configs through `pagedkv.models.config` alone.
+Importing the package imports no torch: the models load on first use, so the calculator can read
+configs through `pagedkv.models.config` alone.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_LAZY = {"DecoderConfig": "pagedkv.models.llama", "LlamaFamilyModel": "pagedkv.models.llama",
-         "SUPPORTED_MODEL_TYPES": "pagedkv.models.llama"}
+_LAZY = {"DecoderConfig": "pagedkv.models.decoder_config", "SUPPORTED_MODEL_TYPES": "pagedkv.models.decoder_config",
+         "LlamaFamilyModel": "pagedkv.models.llama", "GemmaModel": "pagedkv.models.gemma",
+         "Gpt2Model": "pagedkv.models.gpt2"}
+#: The own decoder class of each family (module, class name).
+_FAMILY_MODELS = {"llama": ("pagedkv.models.llama", "LlamaFamilyModel"),
+                  "gemma": ("pagedkv.models.gemma", "GemmaModel"),
+                  "gpt2": ("pagedkv.models.gpt2", "Gpt2Model")}
 
 
 def __getattr__(name: str):
@@ -23,9 +32,9 @@ def __getattr__(name: str):
 
 
 def is_supported(hf_config) -> bool:
-    """Whether pagedkv's own decoder covers this HF config (family and activation)."""
+    """Whether pagedkv's own decoder covers this HF config (family, activation, RoPE variant)."""
     from pagedkv.errors import ConfigError
-    from pagedkv.models.llama import DecoderConfig
+    from pagedkv.models.decoder_config import DecoderConfig
 
     try:
         DecoderConfig.from_hf(hf_config)
@@ -34,4 +43,18 @@ def is_supported(hf_config) -> bool:
     return True
 
 
-__all__ = ["DecoderConfig", "LlamaFamilyModel", "SUPPORTED_MODEL_TYPES", "is_supported"]
+def build_own_model(hf_model, max_positions: int | None = None, tp=None):
+    """pagedkv's own decoder holding `hf_model`'s weights (this rank's shard under `tp`).
+
+    `max_positions` sizes rotary tables. Raises `ConfigError` when no own decoder covers the
+    model, or when its family has no tensor-parallel split.
+    """
+    from pagedkv.models.decoder_config import DecoderConfig
+
+    family = DecoderConfig.from_hf(hf_model.config).family
+    module, name = _FAMILY_MODELS[family]
+    return getattr(importlib.import_module(module), name).from_hf(hf_model, max_positions=max_positions, tp=tp)
+
+
+__all__ = ["DecoderConfig", "GemmaModel", "Gpt2Model", "LlamaFamilyModel", "SUPPORTED_MODEL_TYPES",
+           "build_own_model", "is_supported"]

@@ -1,6 +1,6 @@
 """The layers the own decoders are built from: norm, rotary, and the tensor-parallel pieces.
 
-    RMSNorm                 HF's RMSNorm (fp32 normalise, cast, scale); the decoder's fused path
+    RMSNorm                 HF's RMSNorm (fp32 normalise, cast, scale; Gemma's 1 + weight); the fused path
                             calls the Triton kernel with its weight instead of `forward`
     Rotary                  rotate-half rotary embedding from a cos/sin table indexed by position
     VocabParallelEmbedding  the embedding split by vocab rows over the TP ranks (all-reduced)
@@ -23,13 +23,16 @@ from pagedkv.kernels import layer_ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """RMSNorm with HF's rounding; `offset=True` is Gemma's, which scales by (1 + weight)."""
+
+    def __init__(self, size: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_ops.rms_norm_reference(x, self.weight, self.eps)
+        return layer_ops.rms_norm_reference(x, self.weight, self.eps, self.offset)
 
 
 class Rotary(nn.Module):
@@ -37,13 +40,18 @@ class Rotary(nn.Module):
 
     The table is computed once in fp32 from the model's own `inv_freq` and attention scaling
     (which carry any RoPE scaling the checkpoint asks for, e.g. Llama 3's) and cast to the model
-    dtype per step exactly where HF casts it.
+    dtype per step exactly where HF casts it. With `long_inv_freq`, rows from position
+    `long_from` on use it instead (Phi-3's longrope).
     """
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
+                 long_inv_freq: torch.Tensor | None = None, long_from: int | None = None):
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, D/2]
+        if long_inv_freq is not None:  # longrope: positions >= long_from take the long factors' rows
+            long_freqs = positions[:, None] * long_inv_freq.float()[None, :]
+            freqs = torch.where(positions[:, None] >= long_from, long_freqs, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)

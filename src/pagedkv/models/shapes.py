@@ -116,4 +116,22 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "tiny-gpt2": ModelShape("tiny GPT-2", None, dict(
         model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=512, vocab_size=512, bos_token_id=1,
         eos_token_id=2)),
+    # Windows of 8 tokens, so that short CPU tests run past them; soft caps small enough to bite.
+    "tiny-gemma3": ModelShape("tiny Gemma 3", None, dict(
+        model_type="gemma3_text", num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+        intermediate_size=128, head_dim=16, vocab_size=512, max_position_embeddings=512, sliding_window=8,
+        query_pre_attn_scalar=16, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)),
+    "tiny-gemma2": ModelShape("tiny Gemma 2", None, dict(
+        model_type="gemma2", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+        intermediate_size=128, head_dim=16, vocab_size=512, max_position_embeddings=512, sliding_window=8,
+        query_pre_attn_scalar=16, attn_logit_softcapping=0.5, final_logit_softcapping=0.3, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)),
+    "tiny-phi3": ModelShape("tiny Phi-3", None, dict(
+        model_type="phi3", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=512, original_max_position_embeddings=128,
+        sliding_window=8, rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
+                                        "long_factor": [2.0 + i / 4 for i in range(8)]},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
