@@ -182,3 +182,27 @@ def fail_in_resolve(monkeypatch, request_id: str, after_tokens: int) -> None:
         return original(self, seq, token, index)
 
     monkeypatch.setattr(Scheduler, "_token_stop", broken_for_one_request)
+
+
+def random_lifecycles(engine, rng: random.Random, num_requests: int, draw_prompt, max_tokens: int,
+                      quiet_limit: int = 3) -> None:
+    """Submit `num_requests` greedy requests a few per step, abort a fifth of steps' worth at random, step until
+    all are done; `check_integrity` after every step. A step that moves nothing `quiet_limit` times running
+    while work remains is a stall."""
+    submitted, live = 0, []
+    quiet_steps = 0
+    while submitted < num_requests or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 4)):
+            if submitted < num_requests:
+                params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, max_tokens), ignore_eos=True)
+                engine.add_request(f"q{submitted}", draw_prompt(rng), params)
+                live.append(f"q{submitted}")
+                submitted += 1
+        if live and rng.random() < 0.2:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        outputs = engine.step()
+        finished = {o.request_id for o in outputs if o.finished}
+        live = [r for r in live if r not in finished]
+        quiet_steps = 0 if outputs else quiet_steps + 1
+        assert quiet_steps < quiet_limit or not engine.has_unfinished_requests(), "engine stalled"
+        engine.check_integrity()

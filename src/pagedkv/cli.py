@@ -50,9 +50,16 @@ def parse_memory(text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"expected a fraction like 0.5 or a size like 512MiB, got {text!r}") from None
 
 
+def offload_options(args: argparse.Namespace) -> dict:
+    """The KV tiers' `EngineConfig` fields from `add_engine_arguments`' flags."""
+    return {"kv_offload_memory": args.kv_offload_memory, "kv_offload_dir": args.kv_offload_dir,
+            "kv_offload_disk_bytes": args.kv_offload_disk_size}
+
+
 def add_engine_arguments(group) -> None:
     """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
-    --max-model-len, --kv-cache-dtype, --enforce-eager, --mixed-step-graphs."""
+    --max-model-len, --kv-offload-memory, --kv-offload-dir, --kv-offload-disk-size, --kv-cache-dtype,
+    --enforce-eager, --mixed-step-graphs."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -65,6 +72,14 @@ def add_engine_arguments(group) -> None:
                             "(default: 0.5 on CUDA, 256MiB on CPU)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output (default: the model's limit, capped by the pool)")
+    group.add_argument("--kv-offload-memory", type=parse_size, default=0, metavar="SIZE",
+                       help="host memory for the KV tiers: prefixes the GPU evicts spill there and come back "
+                            "by copy instead of prefill, e.g. 4GiB (default: off; see docs/kv-tiers.md)")
+    group.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                       help="a disk tier behind the host tier (needs --kv-offload-memory); a restart on the same "
+                            "DIR finds its prefixes again (default: off)")
+    group.add_argument("--kv-offload-disk-size", type=parse_size, default=64 * 2**30, metavar="SIZE",
+                       help="the disk tier's size cap, LRU beyond it (default 64GiB)")
     from pagedkv.core.memory import KV_CACHE_DTYPES
 
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from fuzz_requests import random_lifecycles
 from helpers import hf_greedy, smollm2, tiny
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError, SamplingParamsError
@@ -170,26 +171,8 @@ def test_stop_strings_on_the_real_tokenizer():
 def test_thousand_random_lifecycles_with_aborts_end_clean():
     rng = random.Random(7)
     llm = _llm("tiny-llama", num_blocks=20, watermark=0.05, max_num_batched_tokens=32, max_num_seqs=16)
-    engine = llm.engine
-    submitted, live = 0, []
-    steps_without_progress = 0
-    while submitted < 1000 or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 4)):
-            if submitted < 1000:
-                prompt = [rng.randint(3, 499) for _ in range(rng.randint(1, 20))]
-                params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True)
-                engine.add_request(f"q{submitted}", prompt, params)
-                live.append(f"q{submitted}")
-                submitted += 1
-        if live and rng.random() < 0.2:
-            engine.abort(live.pop(rng.randrange(len(live))))
-        outputs = engine.step()
-        finished = {o.request_id for o in outputs if o.finished}
-        live = [r for r in live if r not in finished]
-        steps_without_progress = 0 if outputs else steps_without_progress + 1
-        assert steps_without_progress < 3 or not engine.has_unfinished_requests(), "engine stalled"
-        engine.check_integrity()
-    assert engine.scheduler.block_manager.num_used_blocks == 0
+    random_lifecycles(llm.engine, rng, 1000, lambda r: [r.randint(3, 499) for _ in range(r.randint(1, 20))], 12)
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("field, value", [

@@ -66,11 +66,14 @@ def test_fp8_output_is_deterministic_and_scales_stay_fixed(kv_cache_dtype):
 
 
 def test_fp8_swap_space_holds_fp8_blocks():
-    """Swap space stores the pool's dtype (the bytes, scales unchanged); preemption itself is covered by
-    test_engine.py's preemption and prefix-cache tests, parametrized over kv_cache_dtype."""
+    """The host pool (swap space) stores the pool's raw FP8 bytes, one per value (scales unchanged);
+    preemption itself is covered by test_engine.py's preemption and prefix-cache tests, parametrized
+    over kv_cache_dtype."""
     llm = _llm(num_blocks=24, preemption_mode="swap", swap_space=16 * 2**10)
-    swap = llm.engine.runner.swap_kv
-    assert swap.dtype == torch.float8_e4m3fn and swap.shape[2] == 16 * 2**10 // llm.engine.pool.bytes_per_block
+    host = llm.engine.runner.offload.host
+    bytes_per_block = llm.engine.pool.bytes_per_block
+    assert host.dtype == torch.uint8 and host.shape[0] == 16 * 2**10 // bytes_per_block
+    assert host[0].numel() == bytes_per_block
 
 
 def test_fp8_own_decoder_and_hf_modules_agree():

@@ -37,7 +37,8 @@ import torch
 
 from pagedkv.bench.common import require_cuda
 from pagedkv.bench.engine_timing import timed_generate
-from pagedkv.cli import ArgumentParser
+from pagedkv.cli import ArgumentParser, parse_size
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.results import add_out_argument, provenance, write_json
 
 
@@ -122,9 +123,15 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
 
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="random-weight architecture (pagedkv.hf.RANDOM_CONFIGS)")
-    parser.add_argument("--preset", default="nano-vllm", choices=("nano-vllm", "kv-bound"),
+    parser.add_argument("--preset", default="nano-vllm", choices=("nano-vllm", "kv-bound", "chat-tiers"),
                         help="nano-vllm: the offline workload above; kv-bound: FP8 vs bf16 KV where the pool limits "
-                             "concurrency (see pagedkv.bench.engine_kv_bound)")
+                             "concurrency (see pagedkv.bench.engine_kv_bound); chat-tiers: KV tiers on multi-turn "
+                             "chat, and a restart (see pagedkv.bench.engine_chat_tiers; --model may list several)")
+    parser.add_argument("--kv-offload-memory", type=parse_size, default=0, metavar="SIZE",
+                        help="host memory for the KV tiers (chat-tiers: its tiered configuration, default 16GiB)")
+    parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                        help="the KV tiers' disk directory (chat-tiers default: a temporary directory)")
+    parser.add_argument("--smoke", action="store_true", help="chat-tiers: toy size on the CPU (checks the code)")
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="KV pool dtype: auto, fp8_e4m3 or fp8_e5m2 (nano-vllm preset, default auto); "
                              "comma-separated dtypes to compare (kv-bound preset, default auto,fp8_e4m3)")
@@ -146,6 +153,12 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     args = parser.parse_args(argv)
     from pagedkv.core.memory import check_kv_cache_dtype
 
+    if args.preset == "chat-tiers":
+        from pagedkv.bench import engine_chat_tiers
+
+        return engine_chat_tiers.run(args)
+    if args.smoke:
+        raise InvalidArgumentError("--smoke applies only to --preset chat-tiers")
     if args.preset == "kv-bound":
         from pagedkv.bench import engine_kv_bound
 
@@ -165,7 +178,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     def make_llm(**options):
         return LLM(hf_model=model, kv_cache_memory=args.kv_cache_memory, max_model_len=4096,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_dtype=args.kv_cache_dtype, **options)
+                   kv_cache_dtype=args.kv_cache_dtype, kv_offload_memory=args.kv_offload_memory,
+                   kv_offload_dir=args.kv_offload_dir, **options)
 
     start = time.perf_counter()
     llm = make_llm()

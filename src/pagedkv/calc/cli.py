@@ -7,6 +7,7 @@ Three sections, each printed when its arguments ask for it:
                            sequence at --max-len against full-length reservation and full-length paging)
     + --budget-gb          concurrent sequences a KV budget holds, naive vs paged
     + --kv-dtype fp8       the same with an FP8 KV cache (1 byte per value), beside the model dtype's figures
+    + --kv-offload-memory  KV tiers: what a host (and --kv-offload-disk) tier holds, restore vs recompute
 
 Then the formulas used, with this run's numbers. `--json` prints one JSON object instead.
 Bad input raises `InvalidArgumentError` / `ConfigError` (argparse's own errors too), which
@@ -39,7 +40,8 @@ from pagedkv.calc.capacity import (
 from pagedkv.calc.groups import groups_formulas, groups_section, render_groups
 from pagedkv.calc.sizing import DTYPE_BYTES, PRESETS, KVSizing, custom_sizing, preset_sizing, spec_from_config_file
 from pagedkv.core import DEFAULT_MIX, MemoryReport, generate_lengths, memory_report
-from pagedkv.cli import ArgumentParser
+from pagedkv.calc.tiers import print_tiers, tiers_formulas, tiers_section
+from pagedkv.cli import ArgumentParser, parse_size
 from pagedkv.errors import InvalidArgumentError
 
 DEFAULT_NUM_SEQS = 32
@@ -81,6 +83,12 @@ def build_parser(prog: str = "pagedkv calc") -> argparse.ArgumentParser:
     budget.add_argument("--budget-gb", type=float, help="KV memory budget in GB (1e9 bytes)")
     budget.add_argument("--mean-len", type=int, help=f"mean sequence length for the paged estimate (default "
                         f"{DEFAULT_MEAN_LEN:,}, PageFault's example, or --max-len if that is shorter)")
+    tiers = parser.add_argument_group("KV tiers (docs/kv-tiers.md)")
+    tiers.add_argument("--kv-offload-memory", type=parse_size, default=None, metavar="SIZE",
+                       help="a host tier of SIZE (e.g. 64GiB): tokens it holds, and restoring a prompt against "
+                            "computing it, at the packaged cost model's bandwidths")
+    tiers.add_argument("--kv-offload-disk", type=parse_size, default=0, metavar="SIZE",
+                       help="with --kv-offload-memory: a disk tier of SIZE behind it")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
 
@@ -124,6 +132,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise InvalidArgumentError("--budget-gb needs a model: pass --model or --config")
     elif args.mean_len is not None:
         raise InvalidArgumentError("--mean-len applies only with --budget-gb")
+    if args.kv_offload_memory is not None and not has_model:
+        raise InvalidArgumentError("--kv-offload-memory needs a model: pass --model or --config")
+    if args.kv_offload_disk and args.kv_offload_memory is None:
+        raise InvalidArgumentError("--kv-offload-disk needs --kv-offload-memory (the disk tier stages through it)")
 
 
 #: --kv-dtype names (besides auto), shortest first.
@@ -207,7 +219,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     sizing = sizing_from_args(args)
     result: dict[str, Any] = {"model": None, "budget": None, "workload": None, "formulas": [], "notes": [],
                               "kv_dtype": args.kv_dtype, "model_dtype": None, "model_dtype_budget": None,
-                              "groups": None}
+                              "groups": None, "kv_tiers": None}
     notes: list[str] = result["notes"]
     formulas: list[Formula] = []
     if sizing is None:
@@ -253,6 +265,10 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
             if capacity.num_naive_seqs == 0:
                 notes.append("the budget cannot hold one sequence reserved at the max length")
             notes.append("the paged count assumes sequences average --mean-len; a batch of longer ones holds fewer")
+        if args.kv_offload_memory is not None:
+            tiers = tiers_section(sizing.bytes_per_token, args.block_size, args.kv_offload_memory, args.kv_offload_disk)
+            result["kv_tiers"] = tiers
+            formulas += tiers_formulas(tiers, sizing.bytes_per_token, args.block_size)
     result["formulas"] = [formula._asdict() for formula in formulas]
     return result
 
@@ -370,6 +386,8 @@ def render(result: dict[str, Any]) -> None:
     if result["budget"]:
         _print_budget(console, result["budget"], result["model"]["dtype_bytes"], result.get("model_dtype_budget"),
                       base["dtype_bytes"] if base else 0)
+    if result["kv_tiers"]:
+        print_tiers(console, result["kv_tiers"], _table)
     block_size = (result["workload"] or result["model"])["block_size"]
     console.print(f"Core formulas (B = block size = {block_size}, GB = 1e9 B, MB = 1e6 B):", highlight=False)
     width = max(len(f["name"]) for f in result["formulas"])

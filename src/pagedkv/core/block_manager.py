@@ -1,11 +1,15 @@
-"""The KV block manager: every sequence's block table over one pool, plus prefix cache and swap space.
+"""The KV block manager: every sequence's block table over one pool, plus prefix cache and KV tiers.
 
 This is the bookkeeping half of the KV cache; the tensors live elsewhere (the runner's
 `KVPool`). The scheduler asks it questions in blocks ("can this prompt be admitted and
 still leave the watermark free?") and tells it what happened ("these tokens were
 computed"). Everything it decides that touches K/V tensors comes back as a list of block
-copies for the runner: copy-on-write copies, swap-outs (GPU block -> CPU block) and
-swap-ins (CPU block -> GPU block).
+copies for the runner: copy-on-write copies, swap-outs (GPU block -> host block),
+swap-ins (host block -> GPU block), and the KV tiers' spills and restores (`kv_tiers.py`).
+
+With KV tiers a prompt's prefix is looked up on the GPU, in host memory (restored into fresh
+GPU blocks; the request computes from the next step, its copy running beside this one), then
+on disk (loaded into host blocks first). Swap preemption takes host blocks from the same pool.
 
 Free capacity counts evictable prefix-cache blocks: they hold valid KV that nobody uses,
 and are reclaimed (LRU) the moment an allocation needs them.
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
+from pagedkv.core.kv_tiers import KVTiers, TierCopies
 from pagedkv.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
@@ -60,23 +65,61 @@ class PoolQueries:
         """Whether the sequence's KV lives in the swap space."""
         return seq_id in self._swapped
 
+    tiers = None  # KV tiers: below is what a manager without them answers (`KVBlockManager` overrides it)
+
+    def begin_step(self) -> None:
+        """A new step begins (no KV tiers: nothing to do)."""
+
+    def is_restoring(self, seq_id: int) -> bool:
+        """Whether the sequence waits this step for restored blocks (never, without KV tiers)."""
+        return False
+
+    def prefetch(self, token_ids: Sequence[int]) -> bool:
+        """Whether the prompt waits for disk loads (never, without KV tiers)."""
+        return False
+
+    def pre_spill(self) -> None:
+        """Copy next evictions to the host tier ahead of time (no KV tiers: nothing to do)."""
+
+    def take_tier_copies(self) -> TierCopies:
+        """The KV tiers' copies for this step (none)."""
+        return TierCopies()
+
+
+#: Blocks per step the host tier copies ahead of their eviction (see `KVBlockManager.pre_spill`).
+PRE_SPILL_BLOCKS = 32
+
 
 class KVBlockManager(PoolQueries):
-    """Block tables by sequence id, over a GPU pool and an optional CPU swap pool."""
+    """Block tables by sequence id, over a GPU pool and a host pool of `num_swap_blocks` (swap preemption)
+    plus `num_offload_blocks` (the host tier); `disk_capacity_blocks` > 0 adds the disk tier."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, max_num_tokens: int | None = None):
+                 num_swap_blocks: int = 0, max_num_tokens: int | None = None, num_offload_blocks: int = 0,
+                 disk_capacity_blocks: int = 0):
         require_positive_int("block_size", block_size)
         require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
+        require_positive_int("num_offload_blocks", num_offload_blocks, allow_zero=True)
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
         self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
-        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        num_host_blocks = num_swap_blocks + num_offload_blocks
+        cache_on_host = bool(num_offload_blocks) and enable_prefix_caching
+        self.tiers = KVTiers(num_host_blocks, cache_on_host=cache_on_host,
+                             disk_capacity_blocks=disk_capacity_blocks) if num_host_blocks else None
+        on_evict = self.tiers.on_gpu_evict if self.tiers is not None and cache_on_host else None
+        self.prefix_cache = PrefixCache(self.allocator, on_evict) if enable_prefix_caching else None
         self._tables: dict[int, BlockTable] = {}
-        self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (CPU blocks, num tokens)
+        self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (host blocks, num tokens)
         self._block_keys: dict[int, list[BlockHash]] = {}  # seq id -> keys of its full blocks so far
+        self._restoring_blocks: set[int] = set()  # GPU blocks whose restore copy runs beside this step
+        self._restoring_seqs: set[int] = set()  # sequences that wait a step for those blocks
         self.num_prefix_hit_tokens = 0
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        """Host blocks a swap-out could get (0 without a host pool); blocks freed this step count as free."""
+        return self.tiers.host.num_available + self.tiers.host.num_releasing if self.tiers else 0
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -139,16 +182,78 @@ class KVBlockManager(PoolQueries):
             self._block_keys[seq_id] = []
             return 0
         hits, keys = self.match_prefix(token_ids)
+        max_hit_blocks = (len(token_ids) - 1) // self.block_size
         if self.prefix_cache is not None:
             # Only blocks that could hit count as queried (the last prompt token is never served).
-            self.prefix_cache.record_lookup(min(len(keys), (len(token_ids) - 1) // self.block_size), len(hits))
+            self.prefix_cache.record_lookup(min(len(keys), max_hit_blocks), len(hits))
             self.prefix_cache.acquire(hits)
+            if self._restoring_blocks and not self._restoring_blocks.isdisjoint(hits):
+                self._restoring_seqs.add(seq_id)  # another request's restore fills these this step
         table.extend_shared(hits)
+        if self.tiers is not None and self.prefix_cache is not None:
+            self.tiers.stats.gpu_hit_blocks += len(hits)
+            restored = self._restore(seq_id, keys[len(hits):max_hit_blocks])
+            table.extend_shared(restored)
+            hits = hits + restored
         self._tables[seq_id] = table
         self._block_keys[seq_id] = keys[:len(hits)]
         num_cached = len(hits) * self.block_size
         self.num_prefix_hit_tokens += num_cached
         return num_cached
+
+    def _restore(self, seq_id: int, keys: list[BlockHash]) -> list[int]:
+        """GPU blocks for the host-tier hits among `keys` (which continue the GPU hits), with their copies."""
+        host_blocks = self.tiers.match_host(keys)
+        for index, key in enumerate(keys[:len(host_blocks)]):
+            if self.prefix_cache.match([key]):
+                # the GPU lost an earlier block of this chain but holds this one: compute from here on
+                host_blocks = host_blocks[:index]
+                break
+        if not host_blocks:
+            return []
+        self._ensure_free(len(host_blocks))
+        gpu_blocks = self.allocator.allocate(len(host_blocks))
+        for key, block in zip(keys, gpu_blocks):
+            self.prefix_cache.adopt(key, block)  # the allocation's reference is the cache's
+        self.tiers.restore(host_blocks, gpu_blocks)
+        self._restoring_blocks.update(gpu_blocks)
+        self._restoring_seqs.add(seq_id)
+        return gpu_blocks
+
+    # ------------------------------------------------------------------ KV tiers
+    def begin_step(self) -> None:
+        """A new step: last step's restores are ordered before it, so their sequences may compute."""
+        self._restoring_blocks.clear()
+        self._restoring_seqs.clear()
+        if self.tiers is not None:
+            self.tiers.begin_step()
+
+    def is_restoring(self, seq_id: int) -> bool:
+        """Whether the sequence's blocks are being restored in this step (it computes from the next)."""
+        return seq_id in self._restoring_seqs
+
+    def prefetch(self, token_ids: Sequence[int]) -> bool:
+        """Start disk loads for the prompt's prefix beyond the GPU and host hits; whether the prompt must wait."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None or self.prefix_cache is None:
+            return False
+        hits, keys = self.match_prefix(token_ids)
+        return tiers.prefetch(keys[len(hits):(len(token_ids) - 1) // self.block_size])
+
+    def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
+        """Copy the GPU cache's next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""
+        if self.tiers is not None and self.prefix_cache is not None and self.prefix_cache.num_evictable:
+            self.tiers.pre_spill(self.prefix_cache.next_evicted(2 * max_blocks), max_blocks)
+
+    def take_tier_copies(self) -> TierCopies:
+        """The KV tiers' copies for this step (empty without tiers)."""
+        return self.tiers.take_copies() if self.tiers is not None else TierCopies()
+
+    def persist(self) -> tuple[list[tuple[BlockHash, int]], list[tuple[BlockHash, int]]]:
+        """Cached blocks to write to disk at shutdown, ((key, GPU block), (key, host block)) (see `KVTiers.persist`)."""
+        if self.tiers is None or self.prefix_cache is None:
+            return [], []
+        return self.tiers.persist(self.prefix_cache.cached_blocks())
 
     # ------------------------------------------------------------------ growth
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
@@ -221,7 +326,7 @@ class KVBlockManager(PoolQueries):
                 self.prefix_cache.on_released(held)
         swapped = self._swapped.pop(seq_id, None)
         if swapped is not None and swapped[0]:
-            self.swap_allocator.free(swapped[0])
+            self.tiers.free_swap(swapped[0])
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (parallel sampling)."""
@@ -232,16 +337,15 @@ class KVBlockManager(PoolQueries):
 
     # ------------------------------------------------------------------ swap
     def can_swap_out(self, seq_id: int) -> bool:
-        """Whether the swap space can take all the sequence's blocks."""
-        return self.swap_allocator is not None and self._tables[seq_id].num_blocks <= self.swap_allocator.num_free
+        """Whether the host pool can take all the sequence's blocks (evicting cached host blocks if need be)."""
+        return self.tiers is not None and self._tables[seq_id].num_blocks <= self.tiers.host.num_available
 
     def swap_out(self, seq_id: int) -> list[BlockCopy]:
-        """Move the sequence to CPU blocks; returns (GPU src, CPU dst) copies to run *before* reuse."""
+        """Move the sequence to host blocks; returns (GPU src, host dst) copies to run *before* reuse."""
         table = self._tables[seq_id]
         if not self.can_swap_out(seq_id):
-            free = self.swap_allocator.num_free if self.swap_allocator else 0
-            raise OutOfBlocksError(table.num_blocks, free)
-        cpu_blocks = self.swap_allocator.allocate(table.num_blocks) if table.num_blocks else []
+            raise OutOfBlocksError(table.num_blocks, self.tiers.host.num_available if self.tiers else 0)
+        cpu_blocks = self.tiers.allocate_swap(table.num_blocks)
         copies = [BlockCopy(gpu, cpu) for gpu, cpu in zip(table.block_ids, cpu_blocks)]
         num_tokens = table.num_tokens
         self.free(seq_id)
@@ -263,7 +367,7 @@ class KVBlockManager(PoolQueries):
         self._block_keys[seq_id] = []  # the next commit() re-hashes the full blocks, re-caching them
         copies = [BlockCopy(cpu, gpu) for cpu, gpu in zip(cpu_blocks, table.block_ids)]
         if cpu_blocks:
-            self.swap_allocator.free(cpu_blocks)
+            self.tiers.free_swap(cpu_blocks)  # reusable from the next step, once this step's copy has read them
         return copies
 
     # ------------------------------------------------------------------ internals
@@ -292,7 +396,5 @@ class KVBlockManager(PoolQueries):
             assert count == owners.get(block_id, 0), (
                 f"block {block_id}: ref count {count}, but {owners.get(block_id, 0)} owners found"
             )
-        if self.swap_allocator is not None:
-            self.swap_allocator.check_integrity()
-            swapped = sum(len(blocks) for blocks, _ in self._swapped.values())
-            assert swapped == self.swap_allocator.num_used, "swap space leaked"
+        if self.tiers is not None:
+            self.tiers.check_integrity(sum(len(blocks) for blocks, _ in self._swapped.values()))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pagedkv.core.allocator import BlockAllocator
 
@@ -46,8 +46,9 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
 class PrefixCache:
     """Maps block keys to physical blocks; holds one reference per cached block."""
 
-    def __init__(self, allocator: BlockAllocator):
+    def __init__(self, allocator: BlockAllocator, on_evict: Callable[[BlockHash, int], None] | None = None):
         self.allocator = allocator
+        self.on_evict = on_evict  # called as on_evict(key, block) before an evicted block is freed (KV tiers)
         self._block_of: dict[BlockHash, int] = {}
         self._key_of: dict[int, BlockHash] = {}
         # Cached blocks that only the cache references, least recently used first.
@@ -99,9 +100,22 @@ class PrefixCache:
         self._key_of[block_id] = key
         return True
 
+    def adopt(self, key: BlockHash, block_id: int) -> None:
+        """Cache a freshly allocated block under `key`, its allocation's reference becoming the cache's.
+
+        For blocks restored from a lower tier: the caller then shares them like any hit.
+        """
+        assert key not in self._block_of and block_id not in self._key_of, "adopting a cached key or block"
+        self._block_of[key] = block_id
+        self._key_of[block_id] = key
+
     def on_released(self, block_ids: Sequence[int]) -> None:
-        """Sequences dropped references to these blocks: those now held only by the cache become evictable."""
-        for block_id in block_ids:
+        """Sequences dropped references to these blocks: those now held only by the cache become evictable.
+
+        A table's blocks are queued tail first, so its head is evicted last: the hash chain
+        only ever reaches a tail through its head.
+        """
+        for block_id in reversed(block_ids):
             if block_id in self._key_of and self.allocator.ref_count(block_id) == 1:
                 self._evictable[block_id] = None
                 self._evictable.move_to_end(block_id)
@@ -111,10 +125,26 @@ class PrefixCache:
         freed = 0
         while freed < num_blocks and self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(block_id)]
+            key = self._key_of.pop(block_id)
+            del self._block_of[key]
+            if self.on_evict is not None:
+                self.on_evict(key, block_id)
             self.allocator.free_one(block_id)
             freed += 1
         return freed
+
+    def next_evicted(self, limit: int) -> list[tuple[BlockHash, int]]:
+        """(key, block) of up to `limit` evictable blocks, in the order `evict` would take them."""
+        found = []
+        for block_id in self._evictable:
+            if len(found) >= limit:
+                break
+            found.append((self._key_of[block_id], block_id))
+        return found
+
+    def cached_blocks(self) -> list[tuple[BlockHash, int]]:
+        """(key, block) of every cached block."""
+        return list(self._block_of.items())
 
     def check_integrity(self) -> None:
         """Assert the two maps agree and evictable blocks are referenced by the cache alone."""

@@ -194,6 +194,8 @@ def run_worker(config, rank: int, init_method: str) -> None:
         while (step_input := tp.broadcast_object()) is not None:
             previous = runner.execute(step_input, previous.device_tokens if previous is not None else None)
     finally:
+        if runner is not None and runner.offload is not None:
+            runner.offload.close()  # queued KV disk-tier writes
         close_group(tp, runner)
 
 

@@ -242,6 +242,14 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
+    def min_ints(self, values: list[int]) -> list[int]:
+        """The elementwise smallest of `values` over all ranks (every rank passes as many)."""
+        if not values:
+            return []
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return t.tolist()
+
     def abort(self) -> None:
         """Make every collective that waits on a dead peer fail now instead of at the timeout."""
         try:

@@ -18,7 +18,7 @@ import logging
 import sys
 import warnings
 
-from pagedkv.cli import ArgumentParser, add_engine_arguments
+from pagedkv.cli import ArgumentParser, add_engine_arguments, offload_options
 from pagedkv.errors import InvalidArgumentError
 
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
     llm = LLM(args.model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, device=args.device,
               dtype=args.dtype, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-              enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs)
+              enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs, **offload_options(args))
     use_tqdm = len(prompts) > 1 and not args.no_progress
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm)
@@ -156,4 +156,5 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv generate") -> int:
                 print(f"--- completion {number} of {len(output.outputs)}")
             body = " ".join(map(str, completion.token_ids)) if args.token_ids else completion.text
             print(body + f"\n[finish: {completion.finish_reason}, {len(completion.token_ids)} tokens]")
+    llm.shutdown()  # a KV disk tier writes its prefixes for the next run
     return 0

@@ -25,6 +25,12 @@ class EngineConfig:
     kv_cache_dtype: what the pool stores: "auto" (the model's dtype) or "fp8_e4m3" /
     "fp8_e5m2" (one byte per value, so the same budget holds twice the bf16 blocks; scales
     from the checkpoint or a startup calibration pass, see `pagedkv.hf.kv_scales`).
+
+    kv_offload_memory: bytes of (pinned) host memory for the KV tiers' host tier: prefixes the
+    GPU prefix cache evicts spill there and come back with a copy instead of a prefill. 0: off.
+    kv_offload_dir: a directory for the disk tier behind it (needs kv_offload_memory), which
+    a restarted engine finds again; kv_offload_disk_bytes caps its size (LRU beyond it).
+    See docs/kv-tiers.md.
     """
 
     model: str | None = None
@@ -55,6 +61,9 @@ class EngineConfig:
     async_scheduling: bool = True
     tensor_parallel_size: int = 1  # ranks that split heads and MLP width (NCCL on GPUs, gloo on CPU)
     distributed_timeout_s: float = 120.0  # a collective that waits longer fails the engine
+    kv_offload_memory: int = 0  # bytes of host memory for the KV tiers' host tier (0: no host tier)
+    kv_offload_dir: str | None = None  # the disk tier's directory (None: no disk tier)
+    kv_offload_disk_bytes: int = 64 * 2**30  # the disk tier's size cap
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
@@ -63,6 +72,18 @@ class EngineConfig:
         require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         require_positive_int("swap_space", self.swap_space, allow_zero=True)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        for name in ("kv_offload_memory", "kv_offload_disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a number of bytes >= 0 (such as 4 * 2**30), got {value!r}")
+        if self.kv_offload_dir is not None:
+            if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:
+                raise ConfigError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")
+            if not self.kv_offload_memory:
+                raise ConfigError(f"kv_offload_dir {self.kv_offload_dir!r} needs a host tier to stage blocks "
+                                  "through: set kv_offload_memory (--kv-offload-memory) > 0")
+            if not self.enable_prefix_caching:
+                raise ConfigError("kv_offload_dir keeps prefix-cache blocks: it needs enable_prefix_caching")
         if self.num_blocks is not None:
             require_positive_int("num_blocks", self.num_blocks)
         if self.max_model_len is not None:

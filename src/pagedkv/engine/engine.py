@@ -29,7 +29,7 @@ from pagedkv.engine.outputs import EngineStats, RequestOutput, StepTiming
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence import Sequence
-from pagedkv.engine.step_input import StepInputBuilder
+from pagedkv.engine.step_input import StepInput, StepInputBuilder
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, StepFailedError
 
 logger = logging.getLogger("pagedkv")
@@ -95,11 +95,13 @@ class LLMEngine:
                 watermark=config.watermark, preemption_mode=config.preemption_mode,
                 victim_policy=config.victim_policy, enable_chunked_prefill=config.enable_chunked_prefill,
                 enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=plan.num_swap_blocks,
+                num_offload_blocks=plan.num_offload_blocks, disk_capacity_blocks=plan.disk_capacity_blocks,
             ),
             eos_token_ids=setup.eos_token_ids,
             seq_ids=self._seq_ids,
         )
         self.pool, self.runner = startup.build_runner(config, setup, plan, self.device, self.tp)
+        self._index_disk()
         self.input_builder = StepInputBuilder(self.scheduler.block_manager, config.block_size,
                                               startup.num_table_rows(config))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.input_builder)
@@ -234,6 +236,7 @@ class LLMEngine:
                 raise  # the ranks are out of step: `step` stops the engine
             # The step still in flight fed this one its tokens on the device: its requests go down with it.
             raise self._step_failed(error, out, previous.out if previous is not None else None) from error
+        self._settle_tiers()
         current = _InFlight(out, step_input, result, self.scheduler.advance(out))
         launched = time.perf_counter()
         wait_s = 0.0
@@ -315,8 +318,47 @@ class LLMEngine:
             self.abort(request_id)
         self._in_flight = None
 
+    # ------------------------------------------------------------------ KV tiers
+    def _index_disk(self) -> None:
+        """Index the disk tier's files (a restart finds its prefixes), or turn the tier off if it cannot run."""
+        tiers = self.scheduler.block_manager.tiers
+        if tiers is not None and tiers.disk is not None:
+            if self.runner.offload is None:
+                tiers.disable_disk("no host pool")
+            else:
+                self.runner.offload.index_disk(tiers)
+
+    def _settle_tiers(self) -> None:
+        """Tell the KV tiers' bookkeeping what the runner's disk reads and writes found."""
+        tiers = self.scheduler.block_manager.tiers
+        if tiers is not None and self.runner.offload is not None:
+            self.runner.offload.settle(tiers)
+
+    def persist_kv(self) -> None:
+        """Write every cached block not on disk yet, so a restart on the same directory finds them (no-op
+        without a disk tier; `shutdown` calls it, and so does the server when it stops)."""
+        offload = self.runner.offload
+        if offload is None or offload.disk is None:
+            return
+        if self._in_flight is not None:
+            self._complete(self._in_flight)
+            self._in_flight = None
+        bm = self.scheduler.block_manager
+        from_device, from_host = bm.persist()
+        step = StepInput(persist=from_device, persist_host=from_host,
+                         disk_deletes=bm.take_tier_copies().disk_deletes)  # deletes: what the size cap evicted
+        if self.executor is not None:  # every rank writes its own shard of the same blocks
+            if self.executor.dead_worker() is not None:
+                return
+            self.executor.send(step)
+        self.runner.execute(step)
+        offload.close()
+
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers and leave the group (idempotent; nothing to do without TP)."""
+        """Write the KV tiers' blocks to disk (if a disk tier is on), stop tensor-parallel workers and leave
+        the group (idempotent)."""
+        if self._dead is None and getattr(self, "runner", None) is not None:
+            self.persist_kv()
         if self.executor is not None:
             self.executor.shutdown(self.runner, broken=self._dead is not None)
 
@@ -335,7 +377,14 @@ class LLMEngine:
             prefix_cache_queries=cache.num_queries if cache else 0, prefix_cache_hits=cache.num_hits if cache else 0,
             prefix_cache_hit_tokens=bm.num_prefix_hit_tokens, num_prompt_tokens=processor.num_prompt_tokens,
             num_generated_tokens=processor.num_generated_tokens, num_steps=st.num_steps, busy_seconds=self._busy,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        """The KV tiers' fields of `EngineStats` (none without a host pool)."""
+        tiers = self.scheduler.block_manager.tiers
+        offload = self.runner.offload
+        return offload.stats_fields(tiers) if tiers is not None and offload is not None else {}
 
     def latest_stats(self) -> EngineStats:
         """`stats()`: one engine's are always at hand."""

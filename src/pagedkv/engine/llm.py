@@ -185,8 +185,12 @@ class LLM:
         return self.engine.apply_chat_template(messages)
 
     def stats(self) -> dict:
-        """Blocks used/free, preemptions, swaps, prefix-cache hits, tokens/s (see `EngineStats`)."""
+        """Blocks used/free, preemptions, swaps, prefix-cache hits, KV tiers, tokens/s (see `EngineStats`)."""
         return self.engine.stats().as_dict()
+
+    def shutdown(self) -> None:
+        """Write the KV disk tier's prefixes (if one is on) and stop tensor-parallel workers (idempotent)."""
+        self.engine.shutdown()
 
 
 def _rejected(request_id: str, prompt: Prompt, message: str) -> RequestOutput:

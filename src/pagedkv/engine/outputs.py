@@ -85,6 +85,26 @@ class EngineStats:
     num_generated_tokens: int
     num_steps: int
     busy_seconds: float
+    # KV tiers (all 0 without a host pool): prefix blocks served per tier, blocks and bytes moved, and
+    # the time the copies took (device time on CUDA; wall time of the reads for disk)
+    kv_gpu_hit_blocks: int = 0
+    kv_host_hit_blocks: int = 0
+    kv_disk_hit_blocks: int = 0
+    kv_offloaded_blocks: int = 0  # spilled GPU -> host
+    kv_restored_blocks: int = 0  # host -> GPU (host and disk hits)
+    kv_disk_loaded_blocks: int = 0
+    kv_disk_load_misses: int = 0  # files indexed but missing, torn, corrupt or from another config
+    kv_disk_written_blocks: int = 0
+    kv_host_blocks: int = 0
+    kv_host_cached_blocks: int = 0
+    kv_disk_blocks: int = 0
+    kv_d2h_bytes: int = 0
+    kv_d2h_seconds: float = 0.0
+    kv_h2d_bytes: int = 0
+    kv_h2d_seconds: float = 0.0
+    kv_disk_read_bytes: int = 0
+    kv_disk_read_seconds: float = 0.0
+    kv_disk_write_bytes: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -1,9 +1,10 @@
 """The model runner: one `StepInput` in, the step's sampled tokens out.
 
-It owns the model, the KV pool's device tensors and CPU swap space, the attention backend and
-the sampler. A step is:
+It owns the model, the KV pool's device tensors, the host pool of the KV tiers (which swap
+preemption shares, `kv_offload.py`), the attention backend and the sampler. A step is:
 
-1. block moves (swap out, swap in, copy-on-write), before any K/V is written;
+1. block moves (spills and swap-outs to host memory, swap-ins and prefix restores from it on
+   a side stream; copy-on-write), ordered before any K/V is written;
 2. one host-to-device copy: the step's small metadata is packed into a pinned int64 staging
    buffer (two of them, used in turn) and copied as one transfer. Its fixed regions are
 
@@ -33,6 +34,7 @@ import time
 import numpy as np
 import torch
 
+from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.step_input import StepInput
@@ -103,7 +105,7 @@ class ReceivedTokens:
 class ModelRunner:
     """Owns the model, the pool tensors, the attention backend, the CUDA graphs and the sampler."""
 
-    def __init__(self, model, pool: KVPool, *, is_own_model: bool, num_swap_blocks: int, max_num_seqs: int,
+    def __init__(self, model, pool: KVPool, *, is_own_model: bool, offload: KVOffload | None, max_num_seqs: int,
                  max_num_batched_tokens: int, max_blocks_per_seq: int, num_table_rows: int, max_model_len: int,
                  vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False,
                  mixed_step_graphs: str = "full", tp=None):
@@ -118,10 +120,7 @@ class ModelRunner:
                                         num_table_rows=num_table_rows, max_model_len=max_model_len)
         self.max_blocks_per_seq = max_blocks_per_seq
         pin = self.device.type == "cuda"
-        self.swap_kv = None
-        if num_swap_blocks:
-            shape = (2, pool.num_layers, num_swap_blocks, pool.block_size, pool.num_kv_heads, pool.head_dim)
-            self.swap_kv = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
+        self.offload = offload  # the host pool and its copies (KV tiers and swap), or None
         # Staging: fixed regions (see the module docstring), then the changed table entries.
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
         max_seqs = max_num_seqs
@@ -177,24 +176,6 @@ class ModelRunner:
                                max_num_seqs=self._max_seqs)
 
     # ------------------------------------------------------------------ block movement
-    def swap_out(self, copies: list[tuple[int, int]]) -> None:
-        """Copy GPU blocks to CPU swap blocks (before the GPU blocks are reused)."""
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies])
-        k, v = self.pool.gather_blocks(src)
-        self.swap_kv[0][:, dst] = k.to("cpu")
-        self.swap_kv[1][:, dst] = v.to("cpu")
-
-    def swap_in(self, copies: list[tuple[int, int]]) -> None:
-        """Copy CPU swap blocks back into GPU blocks."""
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies])
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        self.pool.scatter_blocks(dst, self.swap_kv[0][:, src], self.swap_kv[1][:, src])
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before one of their sharers writes."""
         if not copies:
@@ -349,8 +330,10 @@ class ModelRunner:
         `previous_tokens` [rows] are the device-side first samples of the step before, which
         `step.pending_inputs` refers to (async scheduling). Nothing here waits for the device.
         """
-        self.swap_out(step.swap_out)
-        self.swap_in(step.swap_in)
+        if self.offload is not None:
+            self.offload.move(step)
+        elif step.swap_out or step.swap_in or step.restore or step.offload:
+            raise RuntimeError("a step moves blocks to or from host memory, but the runner has no host pool")
         self.copy_blocks(step.block_copies)
         if not step.num_seqs:
             return None

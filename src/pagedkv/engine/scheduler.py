@@ -14,6 +14,9 @@ One `schedule()` call, under a budget of `max_num_batched_tokens`:
 3. **Waiting sequences** are admitted in order while the pool keeps `watermark` of its
    blocks free after taking the whole prompt (chunked prefill then spends the token budget
    over several steps). A request that could never fit is refused by `add()`, never queued.
+   With KV tiers, a prompt whose prefix is on disk waits until it is loaded into host
+   memory, and one whose prefix is restored from host memory is admitted now and computes
+   from the next step, when its blocks have arrived.
 
 A step that schedules nothing while work remains is a bug, not a wait: it raises
 `SchedulerStallError` rather than letting a caller spin forever.
@@ -34,6 +37,7 @@ from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.core.block_table import BlockCopy, num_blocks_for
 from pagedkv.core.hybrid_block_manager import HybridBlockManager
 from pagedkv.core.kv_groups import KVLayout
+from pagedkv.core.kv_tiers import TierCopies
 from pagedkv.engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from pagedkv.errors import ConfigError, RequestRejectedError, SchedulerStallError, require_positive_int
 
@@ -71,11 +75,17 @@ class SchedulerConfig:
     num_swap_blocks: int = 0
     reservation: str = "paged"
     kv_layout: KVLayout | None = None  # layer groups; None or no sliding group: one table per sequence
+    num_offload_blocks: int = 0  # host blocks of the KV tiers' host tier (beside the swap blocks)
+    disk_capacity_blocks: int = 0  # blocks the disk tier may hold (0: no disk tier)
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             require_positive_int(name, getattr(self, name))
-        require_positive_int("num_swap_blocks", self.num_swap_blocks, allow_zero=True)
+        for name in ("num_swap_blocks", "num_offload_blocks", "disk_capacity_blocks"):
+            require_positive_int(name, getattr(self, name), allow_zero=True)
+        if self.disk_capacity_blocks and not self.num_offload_blocks:
+            raise ConfigError("a disk tier (disk_capacity_blocks > 0) needs a host tier to stage through "
+                              "(num_offload_blocks > 0)")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         object.__setattr__(self, "preemption_mode", _parse_enum(PreemptionMode, self.preemption_mode, "preemption_mode"))
@@ -87,6 +97,9 @@ class SchedulerConfig:
         if self.has_windows and self.reservation == "naive":
             raise ConfigError("reservation 'naive' reserves one full-length table per sequence; a model with "
                               "sliding-window layers is served paged only")
+        if self.has_windows and self.num_offload_blocks:
+            raise ConfigError("KV tiers (kv_offload_memory) keep one table's blocks per prefix; a model with "
+                              "sliding-window layers is served without them for now")
 
     @property
     def has_windows(self) -> bool:
@@ -146,6 +159,9 @@ class StepShape:
     decode_seqs: int  # sequences with exactly one query token
     kv_tokens: int  # K/V tokens attention reads: every scheduled sequence's length after the step
     swapped_blocks: int = 0  # blocks copied between the device and host swap space
+    offloaded_blocks: int = 0  # blocks the GPU prefix cache spilled to the host tier (device -> host)
+    restored_blocks: int = 0  # prefix hits copied back from the host tier (host -> device, beside the step)
+    pre_spilled_blocks: int = 0  # cached blocks copied to the host ahead of their eviction (beside the step)
 
 
 @dataclass
@@ -159,6 +175,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     forked: list[Sequence] = field(default_factory=list)  # children created by update() (n > 1)
     failed: dict[str, BaseException] = field(default_factory=dict)  # request id -> why resolve failed it
+    tier_copies: TierCopies = field(default_factory=TierCopies)  # KV tiers: spills, restores, disk I/O
 
     @property
     def shape(self) -> StepShape:
@@ -169,7 +186,9 @@ class SchedulerOutput:
             else:
                 prefill += item.num_new_tokens
             kv += item.start + item.num_new_tokens
-        return StepShape(prefill, decode, kv, len(self.swap_out) + len(self.swap_in))
+        tiers = self.tier_copies
+        return StepShape(prefill, decode, kv, len(self.swap_out) + len(self.swap_in), len(tiers.offload),
+                         len(tiers.restore), len(tiers.pre_offload))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -217,6 +236,8 @@ class Scheduler:
                 enable_prefix_caching=config.enable_prefix_caching and config.reservation == "paged",
                 num_swap_blocks=config.num_swap_blocks,
                 max_num_tokens=max(config.max_model_len, config.block_size),
+                num_offload_blocks=config.num_offload_blocks,
+                disk_capacity_blocks=config.disk_capacity_blocks,
             )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -308,6 +329,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring)."""
         out = SchedulerOutput()
+        self.block_manager.begin_step()
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         budget = self._schedule_running(out, decodes, prefills, self.config.max_num_batched_tokens)
@@ -316,8 +338,11 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             self._schedule_waiting(out, decodes, prefills, budget)
         out.scheduled = decodes + prefills
+        if out.scheduled:
+            self.block_manager.pre_spill()  # after every allocation of the step: none of these is written in it
+        out.tier_copies = self.block_manager.take_tier_copies()
         self.stats.num_steps += 1
-        if not out.scheduled and not out.preempted and self.has_unfinished():
+        if not out.scheduled and not out.preempted and not out.tier_copies and self.has_unfinished():
             bm = self.block_manager
             raise SchedulerStallError(
                 f"nothing could be scheduled with {len(self.waiting)} waiting, {len(self.running)} running and "
@@ -407,8 +432,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            (decodes if item.is_decode else prefills).append(item)
-            budget -= item.num_new_tokens
+            if item.num_new_tokens:  # else its blocks are being restored: it computes from the next step
+                (decodes if item.is_decode else prefills).append(item)
+                budget -= item.num_new_tokens
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
         """Record a finished step whose sampled tokens are known: `advance` then `resolve`.
@@ -551,6 +577,8 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         reserve = cfg.max_model_len if cfg.reservation == "naive" else None
+        if reserve is None and bm.prefetch(seq.token_ids):
+            return None  # its prefix is being loaded from disk: admitted once it is in host memory
         new_blocks = bm.blocks_to_admit(seq.token_ids, reserve)
         # Alone in the pool, a request may use the reserve: holding it back could only stall.
         watermark = cfg.watermark if self.running or self.swapped else 0.0
@@ -558,7 +586,9 @@ class Scheduler:
             return None
         num_cached = bm.admit(seq.seq_id, seq.token_ids, reserve)
         num_new = seq.num_tokens - num_cached
-        if num_new > budget:
+        if bm.is_restoring(seq.seq_id):
+            num_new = 0  # it waits for its restored blocks (see the module docstring)
+        elif num_new > budget:
             if not cfg.enable_chunked_prefill:
                 bm.free(seq.seq_id)
                 return None

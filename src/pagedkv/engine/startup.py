@@ -5,8 +5,8 @@ CUDA graphs, captured in lockstep); only the driver (rank 0, or the one process 
 builds a scheduler and a tokenizer on top of it.
 
     load_model_setup   HF model -> own decoder or HF modules; dtype, KV dtype, FP8 scales
-    plan_pool          memory budget -> num_blocks (the smallest rank's), max_model_len, swap blocks
-    build_runner       KVPool + ModelRunner (graph capture happens here)
+    plan_pool          memory budget -> num_blocks (the smallest rank's), max_model_len, host blocks
+    build_runner       KVPool + the host pool and disk tier (KVOffload) + ModelRunner (graph capture)
 
 The pool is sized from a memory budget, and a configuration where one max-length request
 could not fit is refused, naming the largest length that does. With an FP8 `kv_cache_dtype`
@@ -16,6 +16,7 @@ calibration, `pagedkv.hf.kv_scales`) before the model's HF copy is released.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ import torch
 from pagedkv.core.block_table import num_blocks_for
 from pagedkv.core.memory import ModelSpec
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.kv_disk import DiskStore, fingerprint
+from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.errors import ConfigError
 from pagedkv.models.config import kv_shape_of, max_positions
@@ -84,6 +87,13 @@ class PoolPlan:
     max_model_len: int
     num_swap_blocks: int
     bytes_per_block: int
+    num_offload_blocks: int = 0  # host blocks of the KV tiers' host tier (beside the swap blocks)
+    disk_capacity_blocks: int = 0  # blocks the disk tier may hold (0: none)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """The host pool: swap space plus the host tier."""
+        return self.num_swap_blocks + self.num_offload_blocks
 
     @property
     def capacity_tokens(self) -> int:
@@ -130,7 +140,18 @@ def plan_pool(config: EngineConfig, setup: ModelSetup, device: torch.device, tp=
     num_swap_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
     if config.preemption_mode == "swap" and num_swap_blocks == 0:
         raise ConfigError(f"swap_space {config.swap_space} bytes holds no block of {bytes_per_block} bytes")
-    return PoolPlan(num_blocks, config.block_size, max_model_len, num_swap_blocks, bytes_per_block)
+    num_offload_blocks = config.kv_offload_memory // bytes_per_block
+    if config.kv_offload_memory and num_offload_blocks == 0:
+        raise ConfigError(f"kv_offload_memory {config.kv_offload_memory} bytes holds no block of "
+                          f"{bytes_per_block} bytes")
+    disk_capacity_blocks = config.kv_offload_disk_bytes // bytes_per_block if config.kv_offload_dir else 0
+    if config.kv_offload_dir and disk_capacity_blocks == 0:
+        raise ConfigError(f"kv_offload_disk_bytes {config.kv_offload_disk_bytes} holds no block of "
+                          f"{bytes_per_block} bytes")
+    if tp is not None:
+        num_offload_blocks = tp.min_int(num_offload_blocks)  # rank 0's host block ids address every rank's pool
+    return PoolPlan(num_blocks, config.block_size, max_model_len, num_swap_blocks, bytes_per_block,
+                    num_offload_blocks, disk_capacity_blocks)
 
 
 def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device: torch.device, tp=None):
@@ -139,8 +160,15 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
     # One block more than the allocator hands out: CUDA-graph padding rows write their K/V there.
     pool = KVPool(spec.num_layers, plan.num_blocks + 1, config.block_size, spec.num_kv_heads, spec.head_dim,
                   setup.dtype, device, kv_cache_dtype=config.kv_cache_dtype, scales=setup.kv_scales)
+    offload = None
+    if plan.num_host_blocks:
+        disk = None
+        if plan.disk_capacity_blocks:
+            fields = disk_fingerprint_fields(config, setup, tp)
+            disk = DiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block)
+        offload = KVOffload(pool, plan.num_host_blocks, disk=disk, tp=tp)
     runner = ModelRunner(setup.model, pool, is_own_model=setup.model_impl == "pagedkv",
-                         num_swap_blocks=plan.num_swap_blocks, max_num_seqs=config.max_num_seqs,
+                         offload=offload, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          max_blocks_per_seq=num_blocks_for(plan.max_model_len, config.block_size),
                          num_table_rows=num_table_rows(config), max_model_len=plan.max_model_len,
@@ -148,6 +176,29 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
                          scratch_slot=plan.num_blocks * config.block_size, enforce_eager=config.enforce_eager,
                          mixed_step_graphs=config.mixed_step_graphs, tp=tp)
     return pool, runner
+
+
+def disk_fingerprint_fields(config: EngineConfig, setup: ModelSetup, tp=None) -> dict:
+    """What decides the meaning of a KV block's bytes; the disk tier keys its files by their hash."""
+    spec = setup.kv_spec
+    scales = setup.kv_scales
+    return {
+        "format": 1, "weights": weights_id(setup.model), "dtype": str(setup.dtype), "kv_dtype": str(setup.kv_dtype),
+        "block_size": config.block_size, "kv_shape": (spec.num_layers, spec.num_kv_heads, spec.head_dim),
+        "tp_rank": tp.rank if tp is not None else 0, "tp_size": config.tensor_parallel_size,
+        "kv_scales": None if scales is None else hashlib.sha256(
+            b"".join(t.float().cpu().numpy().tobytes() for t in (scales.k_scale, scales.v_scale))).hexdigest(),
+    }
+
+
+def weights_id(model: torch.nn.Module) -> str:
+    """A hash of the model's parameter names, shapes and a sample of each one's values (its first 64)."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+        sample = param.detach().reshape(-1)[:64].float().cpu()
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def num_table_rows(config: EngineConfig) -> int:

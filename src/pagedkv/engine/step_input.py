@@ -47,6 +47,16 @@ class StepInput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
+    # KV tiers (see pagedkv.core.kv_tiers): spills, prefix restores, disk reads/writes/deletes
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
+    pre_offload: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block), beside the step
+    restore: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    disk_loads: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host block)
+    disk_writes: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host block)
+    disk_deletes: list[bytes] = field(default_factory=list)  # keys
+    # shutdown: write these cached blocks to disk now, (key, GPU block) and (key, host block), on every rank
+    persist: list[tuple[bytes, int]] = field(default_factory=list)
+    persist_host: list[tuple[bytes, int]] = field(default_factory=list)
 
     def for_workers(self) -> StepInput:
         """This step as tensor-parallel workers need it: without the sampling rows (rank 0 samples).
@@ -136,10 +146,15 @@ class StepInputBuilder:
         """
         for seq in out.preempted:
             self.rows.release(seq.seq_id)
+        tiers = out.tier_copies
         step = StepInput(
             swap_out=[(c.src, c.dst) for c in out.swap_out],
             swap_in=[(c.src, c.dst) for c in out.swap_in],
             block_copies=[(c.src, c.dst) for c in out.block_copies],
+            offload=[(c.src, c.dst) for c in tiers.offload],
+            pre_offload=[(c.src, c.dst) for c in tiers.pre_offload],
+            restore=[(c.src, c.dst) for c in tiers.restore],
+            disk_loads=tiers.disk_loads, disk_writes=tiers.disk_writes, disk_deletes=tiers.disk_deletes,
         )
         bm = self.block_manager
         block_size = self.block_size

@@ -276,6 +276,9 @@ class AsyncEngine:
                 # NOTE: block only when idle; with work in flight, take what is queued and step.
                 if not self._drain_commands(block=not engine.has_unfinished_requests()):
                     self._die(ShuttingDownError("the server is shutting down"))
+                    persist = getattr(engine, "persist_kv", None)  # a KV disk tier keeps its prefixes
+                    if persist is not None:
+                        persist()
                     return
                 outputs = self._step() if engine.has_unfinished_requests() else []
                 # NOTE: metrics first, so a client that has its answer also sees it counted.

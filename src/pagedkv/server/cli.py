@@ -21,7 +21,7 @@ import math
 import os
 import socket
 
-from pagedkv.cli import ArgumentParser, add_engine_arguments, parse_memory, parse_size
+from pagedkv.cli import ArgumentParser, add_engine_arguments, offload_options, parse_memory, parse_size
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError
 from pagedkv.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
@@ -109,7 +109,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption_mode=args.preemption_mode, swap_space=args.swap_space, watermark=args.watermark,
                         tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-                        enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs)
+                        enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs,
+                        **offload_options(args))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -19,6 +19,9 @@ event; prometheus_client's counters are thread-safe.
     pagedkv_prompt_tokens_total                         counter (prompt tokens computed)
     pagedkv_generation_tokens_total                     counter
     pagedkv_request_failures_total                      counter: requests the engine failed alone
+    pagedkv_kv_{gpu,host,disk}_hit_blocks_total         counters: prompt blocks served per KV tier
+    pagedkv_kv_offloaded_blocks_total, _disk_*          counters: spills, disk writes and bad files
+    pagedkv_kv_{device_to_host,host_to_device}_{bytes,seconds}_total, pagedkv_kv_disk_{read,write}_*
     pagedkv_request_success_total{finished_reason}      counter
     pagedkv_time_to_first_token_seconds                 histogram
     pagedkv_time_per_output_token_seconds               histogram
@@ -50,6 +53,20 @@ _MIRRORED = {
     "pagedkv_generation_tokens": ("num_generated_tokens", "Tokens generated."),
     "pagedkv_request_failures": ("num_request_failures", "Requests that failed alone inside the engine "
                                                          "(resolve, sampling, detokenization); their step-mates went on."),
+    # KV tiers (docs/kv-tiers.md): prefix blocks served per tier, blocks and bytes moved, copy time
+    "pagedkv_kv_gpu_hit_blocks": ("kv_gpu_hit_blocks", "Prompt blocks served by the GPU prefix cache (KV tiers on)."),
+    "pagedkv_kv_host_hit_blocks": ("kv_host_hit_blocks", "Prompt blocks restored from the host tier."),
+    "pagedkv_kv_disk_hit_blocks": ("kv_disk_hit_blocks", "Prompt blocks restored from the disk tier."),
+    "pagedkv_kv_offloaded_blocks": ("kv_offloaded_blocks", "Blocks the GPU prefix cache spilled to the host tier."),
+    "pagedkv_kv_disk_load_misses": ("kv_disk_load_misses", "Disk-tier files found torn, corrupt or foreign."),
+    "pagedkv_kv_disk_written_blocks": ("kv_disk_written_blocks", "Blocks written to the disk tier."),
+    "pagedkv_kv_device_to_host_bytes": ("kv_d2h_bytes", "Bytes copied device to host (spills, swap-outs)."),
+    "pagedkv_kv_host_to_device_bytes": ("kv_h2d_bytes", "Bytes copied host to device (restores, swap-ins)."),
+    "pagedkv_kv_device_to_host_seconds": ("kv_d2h_seconds", "Device time of device-to-host KV copies."),
+    "pagedkv_kv_host_to_device_seconds": ("kv_h2d_seconds", "Device time of host-to-device KV copies."),
+    "pagedkv_kv_disk_read_bytes": ("kv_disk_read_bytes", "Bytes read from the disk tier."),
+    "pagedkv_kv_disk_read_seconds": ("kv_disk_read_seconds", "Time spent reading the disk tier."),
+    "pagedkv_kv_disk_write_bytes": ("kv_disk_write_bytes", "Bytes queued for writing to the disk tier."),
 }
 
 

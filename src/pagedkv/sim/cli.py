@@ -8,6 +8,7 @@
     pagedkv sim --cluster               replicas behind the data-parallel router (see sim.cluster_cli)
     pagedkv sim --model gemma3-12b      adds a run with a block table per layer group (sliding-window
                                         layers keep only their window), in the same memory
+    pagedkv sim --chat-tiers            multi-turn chat: TTFT against host-tier size (see sim.chat_tiers_cli)
     pagedkv sim --kv-cache-dtype fp8_e4m3
                                         the same memory as --blocks bf16 blocks holds twice the FP8
                                         blocks, and the cost model's KV-read and swap terms halve
@@ -30,6 +31,7 @@ from pagedkv.core.memory import KV_CACHE_DTYPES, kv_cache_dtype_bytes
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError, require_positive_int
 from pagedkv.results import add_out_argument
+from pagedkv.sim.chat_tiers_cli import add_chat_tiers_arguments, run_chat_tiers
 from pagedkv.sim.cluster_cli import add_cluster_arguments, run_cluster
 from pagedkv.sim.cost_model import CostModel, resolve_cost_model
 from pagedkv.sim.fidelity import TARGET_RELATIVE_ERROR, load_engine_run, predict
@@ -109,9 +111,10 @@ def build_parser(prog: str = "pagedkv sim") -> argparse.ArgumentParser:
                           "model shipped in the package)")
     run.add_argument("--workers", type=int, default=None, help="processes for a sweep (default: the CPUs available)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    add_out_argument(run, "what --sweep, --fidelity and --cluster write")
+    add_out_argument(run, "what --sweep, --fidelity, --cluster and --chat-tiers write")
     run.add_argument("--tag", default="", help="suffix of the written file names: sim_sweep_TAG.json (default none)")
     add_cluster_arguments(parser)
+    add_chat_tiers_arguments(parser)
     return parser
 
 
@@ -288,6 +291,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv sim") -> int:
     cost_model = apply_kv_cache_dtype(args, resolve_cost_model(args.cost_model))
     if args.cluster:
         return run_cluster(args, cost_model)
+    if args.chat_tiers:
+        return run_chat_tiers(args, cost_model)
     if args.fidelity:
         return _run_fidelity(args, cost_model)
 

@@ -25,6 +25,15 @@ uncalibrated constants below, of a plausible order for a ~0.6B model (Qwen3-0.6B
 `c_swap` is not fitted (engine step measurements carry no swaps); a cost-model file may
 set it.
 
+KV tiers add what their copies cost, from pinned copy bandwidths and the KV bytes per token:
+a spill (device -> host) is waited for by the step that reuses the block, so it adds
+`offloaded_tokens * kv_bytes_per_token / d2h_bytes_per_s`; a restore (host -> device) runs
+beside the step, so it adds only what it takes beyond the step's own time. A file's
+`"kv_tiers"` object sets them (the packaged file's say whether they were measured):
+
+    "kv_tiers": {"h2d_bytes_per_s": 5.0e10, "d2h_bytes_per_s": 5.0e10, "disk_read_bytes_per_s": 3.0e9,
+                 "kv_bytes_per_token": 114688, "measured": false, "note": "..."}
+
 Cost-model file (`cost_model.json`, written by `pagedkv bench engine` into its --out):
 
     {
@@ -87,8 +96,18 @@ class CostModel:
     kv_s_per_token: float = 25e-9
     swap_s_per_token: float = 2.3e-6
     source: str = "default constants (~0.6B model on an H200; not calibrated)"
+    # KV tiers (see the module docstring): pinned copy bandwidths and what one token's KV weighs
+    h2d_bytes_per_s: float = 50e9
+    d2h_bytes_per_s: float = 50e9
+    disk_read_bytes_per_s: float = 3e9
+    kv_bytes_per_token: float = 114_688
+    tiers_measured: bool = False  # whether the bandwidths above were measured (else placeholders)
 
     def __post_init__(self):
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "disk_read_bytes_per_s", "kv_bytes_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"cost model {name} must be a finite number > 0, got {value!r}")
         for name in (*_FITTED, "swap_s_per_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -101,6 +120,15 @@ class CostModel:
         return (self.c0_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
                 + self.kv_s_per_token * kv_tokens + self.swap_s_per_token * swapped_tokens)
 
+    def tier_copy_s(self, step_s: float, offloaded_tokens: int, restored_tokens: int, disk_tokens: int = 0,
+                    pre_spilled_tokens: int = 0) -> float:
+        """What a step's KV-tier copies add to its `step_s`: spills and disk reads in full; restores and
+        pre-spills (one copy stream, beside the step) only beyond it."""
+        kv = self.kv_bytes_per_token
+        restore_s = restored_tokens * kv / self.h2d_bytes_per_s + pre_spilled_tokens * kv / self.d2h_bytes_per_s
+        return (offloaded_tokens * kv / self.d2h_bytes_per_s + disk_tokens * kv / self.disk_read_bytes_per_s
+                + max(0.0, restore_s - step_s))
+
     def with_kv_bytes(self, ratio: float, what: str) -> CostModel:
         """This model for a KV cache of `ratio` times the bytes per token (FP8 over bf16: 0.5).
 
@@ -110,11 +138,12 @@ class CostModel:
         if not ratio > 0:
             raise InvalidArgumentError(f"the KV bytes ratio must be > 0, got {ratio}")
         return replace(self, kv_s_per_token=self.kv_s_per_token * ratio,
-                       swap_s_per_token=self.swap_s_per_token * ratio, source=f"{self.source}, {what}")
+                       swap_s_per_token=self.swap_s_per_token * ratio,
+                       kv_bytes_per_token=self.kv_bytes_per_token * ratio, source=f"{self.source}, {what}")
 
     def constants(self) -> dict[str, float]:
         """The constants under their file names."""
-        return {k: v for k, v in asdict(self).items() if k != "source"}
+        return {k: v for k, v in asdict(self).items() if k not in ("source", "tiers_measured")}
 
     def describe(self) -> str:
         """One line: where the constants come from, and their values."""
@@ -173,12 +202,14 @@ def load_cost_model(path: str | Path, *, name: str | None = None) -> CostModel:
         raise ConfigError(f"cost model {path}: expected a JSON object, got {type(data).__name__}")
     what = " ".join(str(data[k]) for k in ("model", "gpu") if data.get(k)) or "unnamed"
     label = name or str(path)
+    tiers = _tier_fields(data.get("kv_tiers"), path)
     constants = data.get("constants")
     swap = CostModel.swap_s_per_token
     if isinstance(constants, dict) and constants.get("swap_s_per_token") is not None:
         swap = constants["swap_s_per_token"]
     if isinstance(constants, dict) and all(constants.get(k) is not None for k in _FITTED):
-        return CostModel(*(constants[k] for k in _FITTED), swap_s_per_token=swap, source=f"{label} ({what})")
+        return CostModel(*(constants[k] for k in _FITTED), swap_s_per_token=swap, source=f"{label} ({what})",
+                         **tiers)
     rows = data.get("measurements")
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"cost model {path}: needs 'constants' ({', '.join(_FITTED)}) or a 'measurements' list")
@@ -188,7 +219,19 @@ def load_cost_model(path: str | Path, *, name: str | None = None) -> CostModel:
     except (KeyError, TypeError) as error:
         raise ConfigError(f"cost model {path}: each measurement needs prefill_tokens, decode_seqs, kv_tokens, "
                           f"seconds ({error!r})") from None
-    return fit(measurements, swap_s_per_token=swap, source=f"{label} ({what}), fitted")
+    return replace(fit(measurements, swap_s_per_token=swap, source=f"{label} ({what}), fitted"), **tiers)
+
+
+def _tier_fields(section, path) -> dict:
+    """`CostModel` fields from a file's optional "kv_tiers" object."""
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"cost model {path}: 'kv_tiers' must be an object, got {type(section).__name__}")
+    fields = {name: section[name] for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "disk_read_bytes_per_s",
+                                               "kv_bytes_per_token") if section.get(name) is not None}
+    fields["tiers_measured"] = section.get("measured") is True
+    return fields
 
 
 def packaged_cost_model() -> CostModel:

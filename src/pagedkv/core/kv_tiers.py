@@ -1,0 +1,395 @@
+"""KV tiers, the bookkeeping: which block hashes live in host memory and on disk, and what moves.
+
+The GPU prefix cache (`prefix_cache.py`) holds full blocks by their hash-chain key. When it
+evicts one, the block's contents spill to a host tier (a pool of host blocks), and from the
+host tier to an optional disk tier (one file per key). A new prompt is looked up GPU first,
+then host, then disk:
+
+    prompt keys    | h0  | h1  | h2  | h3  | h4  |
+    GPU cache      | hit | hit |     |     |     |   shared, as before
+    host tier      |     |     | hit | hit |     |   restored: one batched host -> GPU copy
+    disk tier      |     |     |     |     | hit |   loaded into a host block first, then as above
+
+Nothing here touches a tensor. Each step the scheduler collects a `TierCopies` of what the
+runner must move (GPU -> host offloads, host -> GPU restores, disk loads and writes), the same
+way it hands out swap and copy-on-write copies.
+
+So that an eviction rarely has to wait for its copy, each step also pre-spills: it copies the
+GPU cache's next few evictions into free host blocks beside the step (`pre_spill`).
+
+Eviction inside a tier is LRU over keys, and a prefix's tail goes before its head: a prefix
+touched as a whole is queued tail first, so its head ends up most recently used. Evicting a
+head first would strand the tail, which a hash-chain lookup can never reach again.
+
+A host block read by a copy of this step (a restore or a swap-in) is busy until the next step
+begins: the runner's copies of one step run device-to-host first, so reusing it for an offload
+in the same step would overwrite it before it is read. Blocks freed in a step go back to the
+free list at the next step for the same reason. The same host pool backs swap preemption:
+a swapped sequence owns host blocks, and may evict cached ones to get them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedkv.core.allocator import BlockAllocator
+from pagedkv.core.block_table import BlockCopy
+from pagedkv.core.prefix_cache import BlockHash
+from pagedkv.errors import require_positive_int
+
+
+class HostTier:
+    """A pool of host blocks: cached ones by key (LRU, evictable) and owned ones (swapped sequences)."""
+
+    def __init__(self, num_blocks: int):
+        self.allocator = BlockAllocator(num_blocks)
+        self._block_of: dict[BlockHash, int] = {}
+        self._key_of: dict[int, BlockHash] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
+        self._busy: set[int] = set()  # read by this step's copies
+        self._release_later: list[int] = []  # freed this step, free from the next
+        self.last_evicted: list[int] = []  # cached blocks the last `allocate` evicted
+
+    @property
+    def num_blocks(self) -> int:
+        """Host blocks in the pool."""
+        return self.allocator.num_blocks
+
+    @property
+    def num_cached(self) -> int:
+        """Host blocks holding a cached key."""
+        return len(self._key_of)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation could get now: free ones plus cached ones not busy."""
+        busy_cached = sum(1 for block in self._busy if block in self._key_of)
+        return self.allocator.num_free + len(self._lru) - busy_cached
+
+    @property
+    def num_releasing(self) -> int:
+        """Blocks freed this step, free from the next."""
+        return len(self._release_later)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._block_of
+
+    def begin_step(self) -> None:
+        """A new step: last step's copies are ordered before this one's, so busy and freed blocks come back."""
+        self._busy.clear()
+        if self._release_later:
+            self.allocator.free(self._release_later)
+            self._release_later = []
+
+    def match(self, keys: Sequence[BlockHash]) -> list[int]:
+        """Host blocks of the longest cached prefix of `keys`."""
+        blocks = []
+        for key in keys:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Mark a prefix's blocks used: queued tail first, so the head is evicted last."""
+        for block in reversed(blocks):
+            if block in self._lru:
+                self._lru.move_to_end(block)
+
+    def mark_busy(self, blocks: Sequence[int]) -> None:
+        """These blocks are read by this step's copies: keep them until the next step."""
+        self._busy.update(blocks)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` host blocks, evicting LRU cached ones as needed; None (no change) if they cannot be had."""
+        if num_blocks > self.num_available:
+            return None
+        shortfall = num_blocks - self.allocator.num_free
+        self.last_evicted = []
+        if shortfall > 0:
+            victims = []
+            for block in self._lru:  # least recently used first; stops as soon as it has enough
+                if block not in self._busy:
+                    victims.append(block)
+                    if len(victims) == shortfall:
+                        break
+            for block in victims:
+                del self._lru[block]
+                del self._block_of[self._key_of.pop(block)]
+            self.allocator.free(victims)
+            self.last_evicted = victims
+        return self.allocator.allocate(num_blocks) if num_blocks else []
+
+    def insert(self, key: BlockHash, block: int) -> bool:
+        """Cache an allocated block under `key` (most recently used). False if the key is cached already."""
+        if key in self._block_of:
+            return False
+        self._block_of[key] = block
+        self._key_of[block] = key
+        self._lru[block] = None
+        return True
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Give back owned (uncached) blocks; they are reusable from the next step."""
+        self._release_later.extend(blocks)
+
+    def check_integrity(self) -> None:
+        """Assert maps, LRU queue and allocator agree."""
+        self.allocator.check_integrity()
+        assert len(self._block_of) == len(self._key_of), "host key and block maps differ in size"
+        for key, block in self._block_of.items():
+            assert self._key_of.get(block) == key, f"host block {block} maps back to another key"
+            assert self.allocator.ref_count(block) == 1, f"cached host block {block} has a bad ref count"
+        assert set(self._lru) == set(self._key_of), "host LRU queue and cached blocks differ"
+        assert not set(self._release_later) & set(self._key_of), "a host block is both cached and being freed"
+
+
+class DiskIndex:
+    """Which keys have a file on disk, LRU, under a cap in blocks (files all have one block's size)."""
+
+    def __init__(self, capacity_blocks: int):
+        require_positive_int("capacity_blocks", capacity_blocks)
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+
+    @property
+    def num_blocks(self) -> int:
+        """Files indexed."""
+        return len(self._lru)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._lru
+
+    def keys(self) -> list[BlockHash]:
+        """Indexed keys, least recently used first."""
+        return list(self._lru)
+
+    def add(self, key: BlockHash) -> list[BlockHash]:
+        """Index `key` (most recently used); returns the keys evicted to stay under the cap."""
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+        evicted = []
+        while len(self._lru) > self.capacity_blocks:
+            evicted.append(self._lru.popitem(last=False)[0])
+        return evicted
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        """Mark a prefix's keys used, tail first (see the module docstring)."""
+        for key in reversed(keys):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+
+    def remove(self, key: BlockHash) -> None:
+        """Forget `key` (its file is gone, torn or unreadable)."""
+        self._lru.pop(key, None)
+
+    def check_integrity(self) -> None:
+        """Assert the cap holds."""
+        assert len(self._lru) <= self.capacity_blocks, f"{len(self._lru)} disk blocks over the cap"
+
+
+@dataclass
+class TierCopies:
+    """What the runner moves for one step: device-to-host first, then host-to-device."""
+
+    offload: list[BlockCopy] = field(default_factory=list)  # (GPU block, host block): spills
+    pre_offload: list[BlockCopy] = field(default_factory=list)  # (GPU block, host block): ahead of eviction
+    restore: list[BlockCopy] = field(default_factory=list)  # (host block, GPU block): prefix hits
+    disk_loads: list[tuple[BlockHash, int]] = field(default_factory=list)  # key -> host block
+    disk_writes: list[tuple[BlockHash, int]] = field(default_factory=list)  # key <- host block
+    disk_deletes: list[BlockHash] = field(default_factory=list)  # files evicted by the size cap
+
+    def __bool__(self) -> bool:
+        """Whether the step must run for these copies (pre-spills are optional work: they do not count)."""
+        return bool(self.offload or self.restore or self.disk_loads or self.disk_writes or self.disk_deletes)
+
+
+@dataclass
+class TierStats:
+    """Counters since construction (blocks)."""
+
+    gpu_hit_blocks: int = 0
+    host_hit_blocks: int = 0  # restored from a host block that was already there
+    disk_hit_blocks: int = 0  # restored from a host block loaded from disk for it
+    offloaded_blocks: int = 0
+    restored_blocks: int = 0
+    disk_loaded_blocks: int = 0
+    disk_load_misses: int = 0  # files that were indexed but unreadable, torn or from another config
+    disk_written_blocks: int = 0
+    disk_write_failures: int = 0
+
+
+class KVTiers:
+    """The host and disk tiers behind the GPU prefix cache, and the copies they ask for."""
+
+    def __init__(self, num_host_blocks: int, *, cache_on_host: bool = True, disk_capacity_blocks: int = 0):
+        require_positive_int("num_host_blocks", num_host_blocks)
+        require_positive_int("disk_capacity_blocks", disk_capacity_blocks, allow_zero=True)
+        self.host = HostTier(num_host_blocks)
+        self.cache_on_host = cache_on_host  # False: the pool only backs swap preemption
+        self.disk = DiskIndex(disk_capacity_blocks) if disk_capacity_blocks and cache_on_host else None
+        self.disk_disabled_reason: str | None = None
+        self._loading: dict[BlockHash, int] = {}  # key -> host block its disk load fills
+        self._from_disk: set[int] = set()  # host blocks loaded from disk, not restored yet
+        self.copies = TierCopies()
+        self.stats = TierStats()
+
+    def begin_step(self) -> None:
+        """A new step (see `HostTier.begin_step`)."""
+        self.host.begin_step()
+
+    def take_copies(self) -> TierCopies:
+        """This step's copies, handed to the runner (and cleared here)."""
+        copies, self.copies = self.copies, TierCopies()
+        return copies
+
+    def _allocate_host(self, num_blocks: int) -> list[int] | None:
+        blocks = self.host.allocate(num_blocks)
+        if self.host.last_evicted and self._from_disk:
+            self._from_disk.difference_update(self.host.last_evicted)
+        return blocks
+
+    # ------------------------------------------------------------------ spilling
+    def on_gpu_evict(self, key: BlockHash, gpu_block: int) -> None:
+        """The GPU cache is dropping `key`'s block: copy it to the host first unless it is there already."""
+        if not self.cache_on_host or key in self.host or key in self._loading:
+            return
+        blocks = self._allocate_host(1)
+        if blocks is None:
+            return  # every host block is busy or owned by a swapped sequence: the block is simply dropped
+        self.host.insert(key, blocks[0])
+        self.copies.offload.append(BlockCopy(gpu_block, blocks[0]))
+        self.stats.offloaded_blocks += 1
+        self._queue_write(key, blocks[0])
+
+    def pre_spill(self, candidates: Sequence[tuple[BlockHash, int]], max_blocks: int) -> None:
+        """Copy up to `max_blocks` of `candidates` (evictable GPU blocks, next to be evicted first) to the host now,
+        beside the step, so that evicting them later needs no copy. Only free host blocks are used: a guess
+        about the future never evicts a cached host block."""
+        if not self.cache_on_host:
+            return
+        for key, gpu_block in candidates:
+            if max_blocks <= 0 or self.host.allocator.num_free == 0:
+                return
+            if key in self.host or key in self._loading:
+                continue
+            block = self.host.allocate(1)[0]
+            self.host.insert(key, block)
+            self.copies.pre_offload.append(BlockCopy(gpu_block, block))
+            self.stats.offloaded_blocks += 1
+            self._queue_write(key, block)
+            max_blocks -= 1
+
+    def _queue_write(self, key: BlockHash, host_block: int) -> None:
+        if self.disk is None or key in self.disk:
+            return
+        self.copies.disk_writes.append((key, host_block))
+        self.copies.disk_deletes.extend(self.disk.add(key))
+
+    # ------------------------------------------------------------------ lookup
+    def match_host(self, keys: Sequence[BlockHash]) -> list[int]:
+        """Host blocks of the longest prefix of `keys` (which continue a GPU hit) cached on the host."""
+        return self.host.match(keys) if self.cache_on_host else []
+
+    def restore(self, host_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> None:
+        """Copy host hits into freshly allocated GPU blocks (this step's batched host-to-device copy)."""
+        self.host.touch(host_blocks)
+        self.host.mark_busy(host_blocks)
+        for host_block, gpu_block in zip(host_blocks, gpu_blocks):
+            self.copies.restore.append(BlockCopy(host_block, gpu_block))
+            if host_block in self._from_disk:
+                self._from_disk.discard(host_block)
+                self.stats.disk_hit_blocks += 1
+            else:
+                self.stats.host_hit_blocks += 1
+        self.stats.restored_blocks += len(host_blocks)
+
+    def prefetch(self, keys: Sequence[BlockHash]) -> bool:
+        """Start loading from disk the keys that continue the host hits of `keys`; whether any load is pending.
+
+        `keys` are the prompt's keys past its GPU hits. A request waits while this returns True.
+        """
+        if self.disk is None:
+            return False
+        keys = keys[len(self.match_host(keys)):]
+        pending = False
+        for key in keys:
+            if key in self._loading:
+                pending = True
+                continue
+            if key in self.host or key not in self.disk:
+                break  # the host has it (a later restore), or the chain ends here
+            blocks = self._allocate_host(1)
+            if blocks is None:
+                break
+            self._loading[key] = blocks[0]
+            self.copies.disk_loads.append((key, blocks[0]))
+            pending = True
+        return pending
+
+    def finish_loads(self, results: Sequence[tuple[BlockHash, bool]]) -> None:
+        """The runner read these keys (True) or found their files missing, torn or foreign (False: a miss)."""
+        for key, ok in results:
+            block = self._loading.pop(key, None)
+            if block is None:
+                continue
+            if ok and self.host.insert(key, block):
+                self._from_disk.add(block)
+                self.stats.disk_loaded_blocks += 1
+                if self.disk is not None:
+                    self.disk.touch([key])
+            else:
+                self.host.free([block])
+                if not ok:
+                    self.stats.disk_load_misses += 1
+                    if self.disk is not None:
+                        self.disk.remove(key)
+
+    def finish_writes(self, results: Sequence[tuple[BlockHash, bool]]) -> None:
+        """The runner wrote these keys' files (True), or failed to (False: the key is forgotten)."""
+        for key, ok in results:
+            if ok:
+                self.stats.disk_written_blocks += 1
+            else:
+                self.stats.disk_write_failures += 1
+                if self.disk is not None:
+                    self.disk.remove(key)
+
+    def disable_disk(self, reason: str) -> None:
+        """Serve on without the disk tier (not writable, full)."""
+        self.disk = None
+        self.disk_disabled_reason = reason
+
+    def persist(self, gpu_cached: Sequence[tuple[BlockHash, int]]) -> tuple[list, list]:
+        """What a shutdown writes so a restart finds it: ((key, GPU block), (key, host block)) not on disk yet."""
+        if self.disk is None:
+            return [], []
+        from_gpu = [(key, block) for key, block in gpu_cached if key not in self.disk and key not in self.host]
+        from_host = [(key, block) for block, key in self.host._key_of.items() if key not in self.disk]
+        for key, _ in from_gpu + from_host:
+            self.copies.disk_deletes.extend(self.disk.add(key))
+        return from_gpu, from_host
+
+    # ------------------------------------------------------------------ swap
+    def allocate_swap(self, num_blocks: int) -> list[int] | None:
+        """Host blocks a swapped-out sequence will own (evicting cached ones if needed); None if short."""
+        return self._allocate_host(num_blocks)
+
+    def free_swap(self, blocks: Sequence[int]) -> None:
+        """A swapped sequence gave its host blocks back (swapped in, or aborted)."""
+        self.host.free(blocks)
+
+    def check_integrity(self, num_swapped_blocks: int) -> None:
+        """Assert every host block is cached, swapped, loading or being freed, and the disk cap holds."""
+        self.host.check_integrity()
+        loading = set(self._loading.values())
+        assert not loading & set(self.host._key_of), "a host block is both cached and loading"
+        accounted = self.host.num_cached + num_swapped_blocks + len(loading) + len(self.host._release_later)
+        assert accounted == self.host.allocator.num_used, (
+            f"host tier leaked: {self.host.allocator.num_used} blocks used, {accounted} accounted for")
+        assert self._from_disk <= set(self.host._key_of), "a block loaded from disk is no longer cached"
+        if self.disk is not None:
+            self.disk.check_integrity()

@@ -1,0 +1,199 @@
+"""The disk tier's files: one file per KV block, keyed by its hash chain and the model's fingerprint.
+
+    DIR/<fingerprint>/<key hex>.kvb      header (112 bytes) + the block's raw bytes
+
+    header = magic "PKVBLK1\\0" | fingerprint (32) | key (32) | payload bytes (<Q) | sha256 of payload (32)
+
+The fingerprint hashes everything that decides what a block's bytes mean: the weights, the
+dtype, the KV dtype and its FP8 scales, the block size, the KV shape and the tensor-parallel
+rank. Files of another model or config live in another directory, and a file copied across
+is still refused by the fingerprint in its header. A file that is torn, truncated, flipped or
+foreign is a miss with a log line, never KV.
+
+Writes are asynchronous (one background thread) and atomic: a temporary file is written and
+then renamed over the final name. A directory that cannot be written, or a full disk, turns
+the tier off with one warning; serving goes on from GPU and host memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+from pathlib import Path
+
+logger = logging.getLogger("pagedkv")
+
+MAGIC = b"PKVBLK1\0"
+_HEADER = struct.Struct("<8s32s32sQ32s")
+SUFFIX = ".kvb"
+#: Errors that mean the disk tier cannot go on (as opposed to one bad file).
+_FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM}
+
+
+def fingerprint(fields: dict) -> str:
+    """The hex sha256 of the sorted `fields` (weights id, dtype, KV dtype, block size, TP rank, ...)."""
+    text = ";".join(f"{name}={fields[name]}" for name in sorted(fields))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class DiskStore:
+    """Block files under `root/<fingerprint>/`: reads on the caller's thread, writes and deletes on one worker."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint_hex: str, block_nbytes: int):
+        self.fingerprint = bytes.fromhex(fingerprint_hex)
+        self.block_nbytes = block_nbytes
+        self.dir = Path(root) / fingerprint_hex
+        self.disabled_reason: str | None = None
+        self._results: list[tuple[bytes, bool]] = []  # (key, written) since the last poll
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            self._disable(f"the KV offload directory {self.dir} is not writable ({error.strerror or error})")
+        self._thread = threading.Thread(target=self._work, name="pagedkv-kv-disk", daemon=True)
+        self._thread.start()
+
+    def path(self, key: bytes) -> Path:
+        """The file of `key`."""
+        return self.dir / (key.hex() + SUFFIX)
+
+    def scan(self) -> list[bytes]:
+        """Keys with a file here, least recently written first (what a restart indexes)."""
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.endswith(SUFFIX) and len(name) == 64 + len(SUFFIX):
+                try:
+                    found.append((entry.stat().st_mtime_ns, bytes.fromhex(name[:64])))
+                except (OSError, ValueError):
+                    continue
+        return [key for _, key in sorted(found)]
+
+    # ------------------------------------------------------------------ reads
+    def load(self, key: bytes, out) -> bool:
+        """Read `key`'s block into `out` (a writable buffer of `block_nbytes`); False (and a log line) on a miss."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as file:
+                header = file.read(_HEADER.size)
+                if len(header) != _HEADER.size:
+                    return self._miss(path, "its header is truncated")
+                magic, fingerprint_bytes, file_key, nbytes, checksum = _HEADER.unpack(header)
+                if magic != MAGIC:
+                    return self._miss(path, "it is not a pagedkv block file")
+                if fingerprint_bytes != self.fingerprint:
+                    return self._miss(path, "it was written by another model or config")
+                if file_key != key or nbytes != self.block_nbytes:
+                    return self._miss(path, f"it holds another block ({nbytes} bytes, expected {self.block_nbytes})")
+                view = memoryview(out).cast("B")
+                if file.readinto(view) != nbytes or file.read(1):
+                    return self._miss(path, "its length is wrong (torn or truncated)")
+                if hashlib.sha256(view).digest() != checksum:
+                    return self._miss(path, "its checksum does not match (corrupt)")
+        except FileNotFoundError:
+            return self._miss(path, "it is gone")
+        except OSError as error:
+            return self._miss(path, f"it cannot be read ({error})")
+        return True
+
+    @staticmethod
+    def _miss(path: Path, why: str) -> bool:
+        logger.warning("KV disk tier: %s is a miss: %s", path.name, why)
+        return False
+
+    # ------------------------------------------------------------------ writes
+    def write_async(self, key: bytes, data, ready=None) -> threading.Event:
+        """Queue writing `data` (a buffer of one block) as `key`'s file; `ready()` is called first (a CUDA
+        event's synchronize). The returned event is set once the buffer is no longer read."""
+        done = threading.Event()
+        self._queue.put(("write", key, data, ready, done))
+        return done
+
+    def delete_async(self, key: bytes) -> None:
+        """Queue removing `key`'s file (the size cap evicted it)."""
+        self._queue.put(("delete", key, None, None, None))
+
+    def write(self, key: bytes, data) -> bool:
+        """Write `key`'s file now, atomically; False if it failed (a fatal error turns the tier off)."""
+        if self.disabled_reason is not None:
+            return False
+        view = memoryview(data).cast("B")
+        header = _HEADER.pack(MAGIC, self.fingerprint, key, view.nbytes, hashlib.sha256(view).digest())
+        final = self.path(key)
+        temp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(temp, "wb") as file:
+                file.write(header)
+                file.write(view)
+            os.replace(temp, final)
+            return True
+        except OSError as error:
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            if error.errno in _FATAL_ERRNOS:
+                self._disable(f"writing {final} failed: {error.strerror or error}")
+            else:
+                logger.warning("KV disk tier: writing %s failed: %s", final.name, error)
+            return False
+
+    def _disable(self, reason: str) -> None:
+        if self.disabled_reason is None:
+            self.disabled_reason = reason
+            logger.warning("KV disk tier off: %s; serving goes on without it", reason)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            kind, key, data, ready, done = job
+            try:
+                if kind == "delete":
+                    try:
+                        self.path(key).unlink(missing_ok=True)
+                    except OSError as error:
+                        logger.warning("KV disk tier: removing %s failed: %s", key.hex(), error)
+                    continue
+                ok = False
+                try:
+                    if ready is not None:
+                        ready()
+                    ok = self.write(key, data)
+                except Exception as error:  # noqa: BLE001 - a write that fails is a block not cached
+                    logger.warning("KV disk tier: writing %s failed: %s", key.hex(), error)
+                with self._lock:
+                    self._results.append((key, ok))
+            finally:
+                if done is not None:
+                    done.set()
+                self._queue.task_done()
+
+    def poll(self) -> list[tuple[bytes, bool]]:
+        """(key, written) of writes finished since the last poll."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def flush(self) -> None:
+        """Wait until every queued write and delete is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued work and stop the worker (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()

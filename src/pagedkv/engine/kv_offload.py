@@ -1,0 +1,305 @@
+"""The KV tiers' tensors: a pinned host pool of blocks, the copies in and out of it, and the disk tier.
+
+The scheduler decides what moves (`pagedkv.core.kv_tiers`); this module moves it. A step's
+copies run on a side CUDA stream, in an order that keeps every block valid:
+
+    copy stream   wait for the main stream (the step before wrote the blocks it spills)
+                  | device -> host: swap-outs, spills |  host -> device: swap-ins |  -> event A
+                  | host -> device: prefix restores  | device -> host: pre-spills -> event B
+    main stream   waits for A before this step's kernels (they may reuse spilled blocks),
+                  and for B only at the next step: a restored request computes from the next
+                  step on, so its copy runs beside this step's forward; a pre-spill copies a
+                  cached block the GPU is likely to evict soon, which no kernel of this step
+                  writes, so that its eviction later needs no copy (and no wait) at all.
+
+A host block is `[2, num_layers, block_size, num_kv_heads, head_dim]` contiguous (K then V),
+so a block is one run of bytes: one file on disk, one `readinto` back. FP8 pools move their
+raw bytes; their scales are fixed for the pool's life and part of the disk fingerprint.
+
+On the CPU the same functions run, synchronously, with no stream and no events.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine.kv_disk import DiskStore
+
+logger = logging.getLogger("pagedkv")
+
+
+@dataclass
+class OffloadStats:
+    """Bytes moved and seconds spent per direction since startup (device time on CUDA)."""
+
+    d2h_bytes: int = 0
+    d2h_seconds: float = 0.0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_write_bytes: int = 0
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index into ids, first id, length) of each run of consecutive ids."""
+    runs = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
+
+
+class KVOffload:
+    """A pinned host pool beside the device pool, its copy stream, and the optional disk store."""
+
+    def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None):
+        self.pool = pool
+        self.device = pool.device
+        self.is_cuda = self.device.type == "cuda"
+        storage = pool.kv_storage  # [2, L, N, B, Hkv, D] (uint8 bytes for FP8)
+        self._storage = storage
+        block_shape = (2, storage.shape[1], *storage.shape[3:])
+        # Empty, not zeroed: a host block is always written (a spill, a swap-out, a disk read) before it is read,
+        # and zeroing tens of GiB of pinned memory would cost seconds of startup.
+        self.host = torch.empty((num_host_blocks, *block_shape), dtype=storage.dtype, pin_memory=self.is_cuda)
+        self._host_bytes = self.host.view(torch.uint8).reshape(num_host_blocks, -1).numpy()  # [Nh, bytes]
+        self.block_nbytes = self._host_bytes.shape[1]
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._restores_done = None  # event B of the last step that restored
+        self._timings: list[tuple[str, int, object, object]] = []  # (direction, bytes, start, end) CUDA events
+        self._writing: dict[int, object] = {}  # host block -> done event of its pending disk write
+        self.disk = disk
+        self.tp = tp
+        self.reports = tp is None or tp.rank == 0  # only the scheduling rank consumes results
+        self._load_results: list[tuple[bytes, bool]] = []
+        self.stats = OffloadStats()
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.shape[0]
+
+    # ------------------------------------------------------------------ one step
+    def move(self, step) -> None:
+        """Run a step's block moves (see the module docstring); returns once the main stream is ordered after them."""
+        if step.persist or step.persist_host:
+            self.persist(step.persist, step.persist_host)
+        if self._restores_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._restores_done)
+            self._restores_done = None
+        self._collect_timings()
+        if not self.reports:
+            self.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
+        if step.disk_loads:
+            self._load(step.disk_loads)
+        d2h = list(step.swap_out) + list(step.offload)
+        beside = step.restore or step.pre_offload  # copies the next step waits for, not this one
+        if not (d2h or step.swap_in or beside or step.disk_writes or step.disk_deletes):
+            return
+        self._wait_writes(dst for _, dst in d2h + list(step.pre_offload))
+        ready = None
+        if not self.is_cuda:
+            self._d2h(d2h)
+            self._h2d(step.swap_in)
+            self._h2d(step.restore)
+            self._d2h(step.pre_offload)
+        else:
+            main = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                self._d2h(d2h)
+                self._h2d(step.swap_in)
+                spilled = ready = torch.cuda.Event()
+                spilled.record(self.stream)
+                if beside:
+                    self._h2d(step.restore)
+                    self._d2h(step.pre_offload)
+                    ready = self._restores_done = torch.cuda.Event()
+                    ready.record(self.stream)
+            if d2h or step.swap_in:
+                main.wait_event(spilled)
+        self._write(step.disk_writes, ready.synchronize if ready is not None else None)
+        if self.disk is not None:
+            for key in step.disk_deletes:
+                self.disk.delete_async(key)
+
+    def _timed(self, direction: str, nbytes: int):
+        """A context-free pair of timers: CUDA events on the copy stream, or perf_counter on the CPU."""
+        if self.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            return direction, nbytes, start
+        return direction, nbytes, time.perf_counter()
+
+    def _done(self, timer) -> None:
+        direction, nbytes, start = timer
+        if self.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            self._timings.append((direction, nbytes, start, end))
+        else:
+            self._account(direction, nbytes, time.perf_counter() - start)
+
+    def _account(self, direction: str, nbytes: int, seconds: float) -> None:
+        st = self.stats
+        if direction == "d2h":
+            st.d2h_bytes += nbytes
+            st.d2h_seconds += seconds
+        else:
+            st.h2d_bytes += nbytes
+            st.h2d_seconds += seconds
+
+    def _collect_timings(self) -> None:
+        """Fold in the device times of copies that have finished (never waits)."""
+        pending = []
+        for direction, nbytes, start, end in self._timings:
+            if end.query():
+                self._account(direction, nbytes, start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((direction, nbytes, start, end))
+        self._timings = pending
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        tensor = torch.tensor(ids, dtype=torch.int64)
+        if not self.is_cuda:
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _d2h(self, copies) -> None:
+        """(device block, host block) pairs: gather on the device, then one copy per run of host blocks."""
+        if not copies:
+            return
+        timer = self._timed("d2h", len(copies) * self.block_nbytes)
+        src = self._ids([c[0] for c in copies])
+        dst = [c[1] for c in copies]
+        blocks = self._storage.index_select(2, src).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, B, Hkv, D]
+        if not self.is_cuda:
+            self.host.index_copy_(0, torch.tensor(dst), blocks)
+        else:
+            blocks = blocks.contiguous()
+            for index, first, length in _runs(dst):
+                self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
+        self._done(timer)
+
+    def _h2d(self, copies) -> None:
+        """(host block, device block) pairs: one copy per run of host blocks into a staging tensor, one scatter."""
+        if not copies:
+            return
+        timer = self._timed("h2d", len(copies) * self.block_nbytes)
+        src = [c[0] for c in copies]
+        dst = self._ids([c[1] for c in copies])
+        if not self.is_cuda:
+            staged = self.host.index_select(0, torch.tensor(src))
+        else:
+            staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
+            for index, first, length in _runs(src):
+                staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
+        self._storage.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))  # [2, L, n, B, Hkv, D]
+        self._done(timer)
+
+    # ------------------------------------------------------------------ disk
+    def _wait_writes(self, host_blocks) -> None:
+        """A host block about to be overwritten must first be done being written to disk."""
+        if not self._writing:
+            return
+        for block in host_blocks:
+            done = self._writing.pop(block, None)
+            if done is not None:
+                done.wait()
+
+    def _write(self, writes, ready) -> None:
+        if not writes or self.disk is None:
+            return
+        for key, block in writes:
+            self._writing[block] = self.disk.write_async(key, self._host_bytes[block], ready)
+            self.stats.disk_write_bytes += self.block_nbytes
+
+    def _load(self, loads) -> None:
+        """Read files into host blocks; under tensor parallelism a miss on any rank is a miss on all."""
+        if self.is_cuda:
+            self.stream.synchronize()  # earlier copies may still read the host blocks these loads fill
+        self._wait_writes(block for _, block in loads)
+        start = time.perf_counter()
+        flags = [int(self.disk is not None and self.disk.load(key, self._host_bytes[block])) for key, block in loads]
+        self.stats.disk_read_seconds += time.perf_counter() - start
+        self.stats.disk_read_bytes += sum(flags) * self.block_nbytes
+        if self.tp is not None:
+            flags = self.tp.min_ints(flags)
+        if self.reports:
+            self._load_results.extend((key, bool(ok)) for (key, _), ok in zip(loads, flags))
+
+    # ------------------------------------------------------------------ the bookkeeping's side
+    def index_disk(self, tiers) -> None:
+        """Fill `tiers`' disk index from the files found (a restart), or turn the disk tier off if it cannot run."""
+        disk = self.disk
+        if disk is None or disk.disabled_reason is not None:
+            tiers.disable_disk(disk.disabled_reason if disk is not None else "no disk store")
+            return
+        for key in disk.scan():
+            for evicted in tiers.disk.add(key):
+                disk.delete_async(evicted)
+        if tiers.disk.num_blocks:
+            logger.info("KV disk tier: %d blocks found in %s", tiers.disk.num_blocks, disk.dir)
+
+    def settle(self, tiers) -> None:
+        """Tell `tiers` (a `KVTiers`) what the disk reads and writes since the last call found."""
+        loads, writes, disabled = self.poll()
+        if loads:
+            tiers.finish_loads(loads)
+        if writes:
+            tiers.finish_writes(writes)
+        if disabled is not None and tiers.disk is not None:
+            tiers.disable_disk(disabled)
+
+    def stats_fields(self, tiers) -> dict:
+        """The KV tiers' fields of `EngineStats`: `tiers`' counters and this pool's bytes and times."""
+        t, o = tiers.stats, self.stats
+        return dict(
+            kv_gpu_hit_blocks=t.gpu_hit_blocks, kv_host_hit_blocks=t.host_hit_blocks,
+            kv_disk_hit_blocks=t.disk_hit_blocks, kv_offloaded_blocks=t.offloaded_blocks,
+            kv_restored_blocks=t.restored_blocks, kv_disk_loaded_blocks=t.disk_loaded_blocks,
+            kv_disk_load_misses=t.disk_load_misses, kv_disk_written_blocks=t.disk_written_blocks,
+            kv_host_blocks=tiers.host.num_blocks, kv_host_cached_blocks=tiers.host.num_cached,
+            kv_disk_blocks=tiers.disk.num_blocks if tiers.disk is not None else 0,
+            kv_d2h_bytes=o.d2h_bytes, kv_d2h_seconds=o.d2h_seconds, kv_h2d_bytes=o.h2d_bytes,
+            kv_h2d_seconds=o.h2d_seconds, kv_disk_read_bytes=o.disk_read_bytes,
+            kv_disk_read_seconds=o.disk_read_seconds, kv_disk_write_bytes=o.disk_write_bytes,
+        )
+
+    def poll(self) -> tuple[list[tuple[bytes, bool]], list[tuple[bytes, bool]], str | None]:
+        """(disk loads (key, hit), disk writes (key, written), why the disk tier turned off or None) since the
+        last poll."""
+        loads, self._load_results = self._load_results, []
+        if self.disk is None:
+            return loads, [], None
+        self._writing = {block: done for block, done in self._writing.items() if not done.is_set()}
+        return loads, self.disk.poll(), self.disk.disabled_reason
+
+    def persist(self, from_device, from_host, chunk_blocks: int = 64) -> None:
+        """Write cached blocks to disk now, so a restart finds them ((key, device block) and (key, host block))."""
+        if self.disk is None:
+            return
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self.disk.flush()
+        for start in range(0, len(from_device), chunk_blocks):
+            chunk = from_device[start:start + chunk_blocks]
+            ids = torch.tensor([block for _, block in chunk], dtype=torch.int64, device=self.device)
+            blocks = self._storage.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+            data = blocks.view(torch.uint8).reshape(len(chunk), -1).numpy()
+            for row, (key, _) in enumerate(chunk):
+                self.disk.write(key, data[row])
+        for key, block in from_host:
+            self.disk.write(key, self._host_bytes[block])
+        self.disk.flush()
+
+    def close(self) -> None:
+        """Finish queued disk work."""
+        if self.disk is not None:
+            self.disk.close()

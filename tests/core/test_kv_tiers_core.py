@@ -1,0 +1,157 @@
+"""KV tiers bookkeeping: host LRU (tail before head), busy blocks, the disk cap, loads, swap through the host pool."""
+
+import random
+
+from pagedkv.core.block_manager import KVBlockManager
+from pagedkv.core.kv_tiers import DiskIndex, HostTier, KVTiers
+from pagedkv.core.prefix_cache import hash_blocks
+
+
+def _keys(n, seed=0):
+    return hash_blocks(list(range(seed, seed + 4 * n)), 4)
+
+
+def test_host_tier_evicts_a_prefix_tail_before_its_head():
+    host = HostTier(4)
+    keys = _keys(3)
+    blocks = host.allocate(3)
+    for key, block in zip(keys, blocks):
+        host.insert(key, block)
+    host.touch(blocks)  # the prefix used as a whole
+    other = _keys(1, seed=100)[0]
+    host.insert(other, host.allocate(1)[0])
+    host.allocate(1)  # evicts the least recently used: the old prefix's tail (h2), not its head
+    assert host.match(keys) == blocks[:2]
+    host.allocate(1)  # then h1
+    assert host.match(keys) == blocks[:1]
+    host.check_integrity()
+
+
+def test_busy_and_freed_host_blocks_wait_for_the_next_step():
+    host = HostTier(2)
+    key = _keys(1)[0]
+    block = host.allocate(1)[0]
+    host.insert(key, block)
+    host.mark_busy([block])  # a restore reads it this step
+    owned = host.allocate(1)
+    assert host.allocate(1) is None  # the busy cached block is not evicted, and nothing else is free
+    host.free(owned)
+    assert host.allocate(1) is None  # freed this step: free from the next
+    host.begin_step()
+    assert len(host.allocate(2)) == 2 and host.match([key]) == []
+    host.check_integrity()
+
+
+def test_disk_index_keeps_its_cap_lru():
+    disk = DiskIndex(3)
+    keys = _keys(5)
+    evicted = []
+    for key in keys[:3]:
+        evicted += disk.add(key)
+    disk.touch(keys[:1])
+    evicted += disk.add(keys[3])
+    assert evicted == [keys[1]] and keys[0] in disk and disk.num_blocks == 3
+    disk.check_integrity()
+
+
+def test_tiers_spill_restore_and_load_from_disk():
+    tiers = KVTiers(4, disk_capacity_blocks=8)
+    keys = _keys(3)
+    for gpu_block, key in enumerate(keys[:2]):
+        tiers.on_gpu_evict(key, gpu_block)
+    tiers.on_gpu_evict(keys[0], 5)  # already on the host: not copied again
+    copies = tiers.take_copies()
+    assert [c.src for c in copies.offload] == [0, 1] and len(copies.disk_writes) == 2
+    tiers.finish_writes([(key, True) for key, _ in copies.disk_writes])
+    # The third key is only on disk (a restart): the prefix waits for its load, then hits the host.
+    tiers.disk.add(keys[2])
+    assert tiers.prefetch(keys) is True
+    (loaded_key, host_block), = tiers.take_copies().disk_loads
+    assert loaded_key == keys[2] and tiers.prefetch(keys) is True  # still loading: no second load
+    tiers.take_copies()
+    tiers.finish_loads([(loaded_key, True)])
+    assert tiers.prefetch(keys) is False
+    host_blocks = tiers.match_host(keys)
+    assert len(host_blocks) == 3 and host_blocks[2] == host_block
+    tiers.restore(host_blocks, [10, 11, 12])
+    assert tiers.stats.host_hit_blocks == 2 and tiers.stats.disk_hit_blocks == 1
+    assert [(c.src, c.dst) for c in tiers.take_copies().restore] == list(zip(host_blocks, [10, 11, 12]))
+    tiers.check_integrity(0)
+
+
+def test_a_failed_disk_load_is_a_miss_and_forgotten():
+    tiers = KVTiers(2, disk_capacity_blocks=4)
+    key = _keys(1)[0]
+    tiers.disk.add(key)
+    assert tiers.prefetch([key])
+    tiers.finish_loads([(key, False)])
+    assert key not in tiers.disk and tiers.stats.disk_load_misses == 1
+    assert tiers.prefetch([key]) is False and tiers.match_host([key]) == []
+    tiers.begin_step()
+    tiers.check_integrity(0)
+
+
+def test_block_manager_restores_host_hits_and_swaps_through_the_same_pool():
+    bm = KVBlockManager(4, 4, num_offload_blocks=4, num_swap_blocks=2)
+    prompt = list(range(13))  # 3 full blocks could hit
+    bm.begin_step()
+    bm.admit(1, prompt)
+    bm.append_slots(1, 13)
+    bm.commit(1, prompt, 13)
+    bm.free(1)
+    bm.begin_step()
+    bm.admit(2, list(range(100, 113)))  # takes the whole pool: the cached prefix spills to the host
+    bm.append_slots(2, 13)
+    copies = bm.take_tier_copies()
+    assert len(copies.offload) == 3
+    bm.free(2)
+    bm.begin_step()
+    assert bm.admit(3, prompt) == 12 and bm.is_restoring(3)
+    assert len(bm.take_tier_copies().restore) == 3
+    bm.begin_step()
+    assert not bm.is_restoring(3)
+    bm.append_slots(3, 1)
+    swap = bm.swap_out(3)
+    assert len(swap) == 4 and bm.is_swapped(3)  # 2 swap blocks + 2 evicted cached host blocks
+    bm.check_integrity()
+    bm.begin_step()
+    bm.swap_in(3)
+    bm.free(3)
+    bm.begin_step()
+    bm.check_integrity()
+
+
+def test_random_lifecycles_leave_every_tier_clean():
+    """1,000 requests over shared prefixes with aborts and swaps: every tier's integrity holds throughout."""
+    rng = random.Random(5)
+    bm = KVBlockManager(16, 4, num_offload_blocks=12, num_swap_blocks=4, disk_capacity_blocks=20)
+    heads = [[rng.randint(0, 50) for _ in range(12)] for _ in range(5)]
+    live: dict[int, list[int]] = {}
+    for seq_id in range(1000):
+        bm.begin_step()
+        copies = bm.take_tier_copies()
+        bm.tiers.finish_loads([(key, rng.random() < 0.9) for key, _ in copies.disk_loads])
+        bm.tiers.finish_writes([(key, rng.random() < 0.95) for key, _ in copies.disk_writes])
+        prompt = rng.choice(heads) + [rng.randint(0, 50) for _ in range(rng.randint(1, 9))]
+        if bm.prefetch(prompt):
+            continue
+        if bm.can_admit(bm.blocks_to_admit(prompt), 0.0):
+            bm.admit(seq_id, prompt)
+            bm.append_slots(seq_id, len(prompt) - bm.num_tokens(seq_id))
+            bm.commit(seq_id, prompt, len(prompt))
+            live[seq_id] = prompt
+        for done in [s for s in live if rng.random() < 0.4]:
+            if bm.is_swapped(done) and rng.random() < 0.5 and bm.can_admit(bm.blocks_to_swap_in(done), 0.0):
+                bm.swap_in(done)
+            elif bm.has_table(done) and rng.random() < 0.3 and bm.can_swap_out(done):
+                bm.swap_out(done)
+            else:
+                bm.free(done)  # finished or aborted
+                del live[done]
+        bm.check_integrity()
+    for seq_id in list(live):
+        bm.free(seq_id)
+    bm.begin_step()
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0 and bm.tiers.host.allocator.num_used == bm.tiers.host.num_cached
+    assert bm.tiers.stats.host_hit_blocks > 0 and bm.tiers.stats.offloaded_blocks > 0

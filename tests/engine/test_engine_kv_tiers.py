@@ -1,0 +1,214 @@
+"""KV tiers through the engine on CPU: offload on == off, hits on each tier, restart from disk, tampering,
+a bounded host pool, and a disk that cannot be written."""
+
+import errno
+import logging
+import os
+import random
+
+import pytest
+import torch
+
+from fuzz_requests import random_lifecycles
+from helpers import tiny
+from pagedkv import LLM, SamplingParams
+from pagedkv.errors import ConfigError
+from pagedkv.engine.config import EngineConfig
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=4, ignore_eos=True)
+
+
+def _llm(**options):
+    options.setdefault("block_size", BLOCK)
+    options.setdefault("num_blocks", 512)
+    return LLM(hf_model=tiny(options.pop("name", "tiny-llama")), **options)
+
+
+def _chat_prompts(num_heads=3, per_head=3, head_len=24, seed=0):
+    """Prompts over a few shared 'system prompts' (heads) with their own tails, interleaved."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(3, 500, (head_len,), generator=gen).tolist() for _ in range(num_heads)]
+    return [heads[h] + torch.randint(3, 500, (3 + i,), generator=gen).tolist()
+            for i in range(per_head) for h in range(num_heads)]
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _hittable_blocks(prompts):
+    return sum((len(p) - 1) // BLOCK for p in prompts)
+
+
+def _one_by_one(llm, prompts, params):
+    return [llm.generate([p], params)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("mode, params", [("recompute", "greedy"), ("swap", "seeded")])
+def test_offload_equals_no_offload_under_preemption(mode, params):
+    params = GREEDY if params == "greedy" else SEEDED
+    prompts = _chat_prompts(num_heads=2, per_head=2, head_len=12)
+    long = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed, max_tokens=10,
+                          ignore_eos=True)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, long))
+    small = _llm(num_blocks=9, watermark=0.0, max_num_batched_tokens=32, preemption_mode=mode,
+                 swap_space=32 * 2**10, kv_offload_memory=256 * 2**10)
+    assert _tokens(small.generate(prompts, long)) == expected
+    assert _tokens(small.generate(prompts, long)) == expected  # again, now with hits on the host tier
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_offloaded_blocks"] > 0 and stats["kv_host_hit_blocks"] > 0
+    if mode == "swap":
+        assert stats["num_swap_outs"] > 0
+    assert stats["num_used_blocks"] == 0
+    small.engine.check_integrity()
+
+
+def test_every_prefix_spills_when_the_pool_holds_one_request():
+    prompts = _chat_prompts(num_heads=4, per_head=1, head_len=20)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, GREEDY))
+    llm = _llm(num_blocks=9, watermark=0.0, kv_offload_memory=512 * 2**10)
+    assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected
+    first = llm.stats()
+    assert first["kv_host_hit_blocks"] == 0 and first["kv_offloaded_blocks"] > 0
+    assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected
+    stats = llm.stats()
+    # Each prompt's full blocks were evicted by the next prompt: the second pass finds them all on the host.
+    assert stats["kv_host_hit_blocks"] == _hittable_blocks(prompts)
+    assert stats["kv_h2d_bytes"] == stats["kv_restored_blocks"] * llm.engine.pool.bytes_per_block
+    llm.engine.check_integrity()
+
+
+def _disk_llm(directory, **options):
+    options.setdefault("num_blocks", 64)
+    return _llm(kv_offload_memory=64 * 2**10, kv_offload_dir=str(directory), **options)
+
+
+def test_restart_serves_every_prompt_block_from_disk(tmp_path):
+    prompts = _chat_prompts(num_heads=2, per_head=2)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, GREEDY))
+    first = _disk_llm(tmp_path)
+    assert _tokens(first.generate(prompts, GREEDY)) == expected
+    first.engine.shutdown()
+    second = _disk_llm(tmp_path)
+    assert second.engine.scheduler.block_manager.tiers.disk.num_blocks > 0
+    assert _tokens(_one_by_one(second, prompts, GREEDY)) == expected
+    stats = second.stats()
+    # The first prompt of each head loads its blocks from disk; its sibling then shares them on the GPU.
+    assert stats["kv_disk_hit_blocks"] + stats["kv_gpu_hit_blocks"] == _hittable_blocks(prompts)
+    assert stats["kv_disk_hit_blocks"] == _hittable_blocks(prompts[:2]) and stats["kv_disk_load_misses"] == 0
+    second.engine.check_integrity()
+
+
+def _file_of(llm, prompt, index):
+    from pagedkv.core.prefix_cache import hash_blocks
+
+    key = hash_blocks(prompt, BLOCK)[index]
+    return llm.engine.runner.offload.disk.path(key)
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize("tamper", ["truncate", "flip", "foreign"])
+def test_tampered_files_are_misses_with_a_log_line(tmp_path, caplog, tamper):
+    prompt = _chat_prompts(num_heads=1, per_head=1)[0]
+    expected = _tokens(_llm(enable_prefix_caching=False).generate([prompt], GREEDY))
+    first = _disk_llm(tmp_path / "a")
+    first.generate([prompt], GREEDY)
+    first.engine.shutdown()
+    target = _file_of(first, prompt, 2)
+    if tamper == "truncate":
+        _truncate(target)
+    elif tamper == "flip":
+        _flip_byte(target)
+    else:  # the same block (same tokens, same key) written by another model, put in its place
+        other = _disk_llm(tmp_path / "b", name="tiny-qwen3")
+        other.generate([prompt], GREEDY)
+        other.engine.shutdown()
+        target.write_bytes(_file_of(other, prompt, 2).read_bytes())
+    second = _disk_llm(tmp_path / "a")
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        assert _tokens(second.generate([prompt], GREEDY)) == expected
+    assert any(target.name in r.getMessage() and "miss" in r.getMessage() for r in caplog.records)
+    stats = second.stats()
+    assert stats["kv_disk_load_misses"] == 1 and stats["kv_disk_hit_blocks"] == 2  # the blocks before it
+    second.engine.check_integrity()
+
+
+def test_an_unwritable_directory_turns_the_disk_tier_off(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    prompts = _chat_prompts(num_heads=2, per_head=2)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, GREEDY))
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        llm = _disk_llm(blocker / "kv", num_blocks=12)
+    assert any("KV disk tier off" in r.getMessage() for r in caplog.records)
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    assert llm.engine.scheduler.block_manager.tiers.disk is None
+    llm.engine.shutdown()
+    llm.engine.check_integrity()
+
+
+def test_a_full_disk_turns_the_disk_tier_off_and_serving_goes_on(tmp_path, caplog, monkeypatch):
+    prompts = _chat_prompts(num_heads=3, per_head=2)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, GREEDY))
+    llm = _disk_llm(tmp_path, num_blocks=12)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected
+        llm.engine.runner.offload.disk.flush()
+        llm.generate(prompts[:1], GREEDY)  # the next step hears of it
+    assert any("KV disk tier off" in r.getMessage() for r in caplog.records)
+    assert llm.engine.scheduler.block_manager.tiers.disk is None
+    assert not list(tmp_path.rglob("*.kvb"))
+    llm.engine.check_integrity()
+
+
+def test_host_pool_stays_bounded_over_requests_with_aborts(tmp_path):
+    """120 requests here (the model's steps are what costs); tests/core/test_kv_tiers.py runs 1,000 through the
+    same bookkeeping without a model."""
+    rng = random.Random(3)
+    llm = _disk_llm(tmp_path, num_blocks=20, watermark=0.05, max_num_batched_tokens=32, max_num_seqs=8,
+                    preemption_mode="swap", swap_space=16 * 2**10, kv_offload_disk_bytes=128 * 2**10)
+    engine = llm.engine
+    heads = [[rng.randint(3, 499) for _ in range(rng.randint(4, 16))] for _ in range(6)]
+    random_lifecycles(engine, rng, 120, lambda r: r.choice(heads) + [r.randint(3, 499) for _ in range(r.randint(1, 6))],
+                      4, quiet_limit=6)
+    tiers = engine.scheduler.block_manager.tiers
+    tiers.begin_step()
+    engine.check_integrity()
+    assert tiers.host.allocator.num_used == tiers.host.num_cached  # only cached blocks remain: no swap leak
+    assert tiers.disk.num_blocks <= tiers.disk.capacity_blocks
+    stats = llm.stats()
+    assert stats["kv_host_hit_blocks"] > 0 and stats["num_used_blocks"] == 0
+    engine.shutdown()
+    assert len(list(tmp_path.rglob("*.kvb"))) <= tiers.disk.capacity_blocks
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(kv_offload_memory=-1), "kv_offload_memory"),
+    (dict(kv_offload_memory=1.5), "kv_offload_memory"),
+    (dict(kv_offload_dir="/tmp/x"), "kv_offload_memory"),
+    (dict(kv_offload_memory=2**20, kv_offload_dir=""), "kv_offload_dir"),
+])
+def test_bad_offload_config_names_the_field(options, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**options)
+
+
+def test_a_host_tier_smaller_than_a_block_is_refused():
+    with pytest.raises(ConfigError, match="kv_offload_memory 16 bytes holds no block"):
+        _llm(kv_offload_memory=16)
