@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 source benchmarks/gpu_env.sh
 PY=${PYTHON:-python3}
 MODELS=${MODELS:-qwen3-0.6b,llama3-8b}
-HOST_MEMORY=${HOST_MEMORY:-16GiB}
+HOST_MEMORY=${HOST_MEMORY:-16GiB}; [ "${SMOKE:-0}" = 1 ] && HOST_MEMORY=${SMOKE_HOST_MEMORY:-64MiB}
 DIR=${DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kv_tiers.XXXXXX")}
 start_log "$OUT"
 EXTRA=(); [ "${SMOKE:-0}" = 1 ] && EXTRA=(--smoke)

@@ -33,7 +33,7 @@ from pagedkv.sim.cluster import percentile
 
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
 SIZES = {"qwen3-0.6b": (96, 8, 3, 1024, 8), "llama3-8b": (48, 4, 3, 1024, 4)}
-SMOKE_SIZE = (8, 2, 2, 48, 4)
+SMOKE_SIZE = (12, 3, 2, 48, 2)
 
 
 def pinned_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> dict:
