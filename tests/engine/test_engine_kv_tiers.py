@@ -212,3 +212,30 @@ def test_bad_offload_config_names_the_field(options, match):
 def test_a_host_tier_smaller_than_a_block_is_refused():
     with pytest.raises(ConfigError, match="kv_offload_memory 16 bytes holds no block"):
         _llm(kv_offload_memory=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype):
+    """The CUDA path: spills, pre-spills and restores on the side stream beside graphed steps, swap through the
+    same pool, disk writes after a CUDA event, then a restart: the tokens of a pool with no tiers, every time."""
+    from pagedkv.models.loader import random_model
+
+    model = random_model("tiny-qwen3", torch.float32, "cuda")
+    prompts = _chat_prompts(num_heads=4, per_head=3, head_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    options = dict(hf_model=model, block_size=BLOCK, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
+    expected = _tokens(LLM(num_blocks=2048, enable_prefix_caching=False, **options).generate(prompts, params))
+    tiers = dict(kv_offload_memory=8 * 2**20, kv_offload_dir=str(tmp_path), num_blocks=48, watermark=0.0,
+                 preemption_mode="swap", swap_space=2**20)
+    first = LLM(**options, **tiers)
+    assert first.engine.runner.graphs
+    assert _tokens(first.generate(prompts, params)) == expected
+    assert _tokens(_one_by_one(first, prompts, params)) == expected  # host hits restored beside the steps
+    stats = first.stats()
+    assert stats["kv_host_hit_blocks"] > 0 and stats["kv_h2d_seconds"] > 0 and stats["num_swap_outs"] > 0
+    first.shutdown()
+    second = LLM(**options, **tiers)
+    assert _tokens(_one_by_one(second, prompts, params)) == expected
+    assert second.stats()["kv_disk_hit_blocks"] > 0 and second.stats()["kv_disk_load_misses"] == 0
+    second.engine.check_integrity()
