@@ -238,7 +238,11 @@ class KVTiers:
         self.stats = TierStats()
 
     def begin_step(self) -> None:
-        """A new step (see `HostTier.begin_step`)."""
+        """A new step (see `HostTier.begin_step`). Loads whose results never came back (their step failed) are
+        dropped, so no prompt waits on them forever; their files stay indexed."""
+        if self._loading:
+            self.host.free(list(self._loading.values()))
+            self._loading.clear()
         self.host.begin_step()
 
     def take_copies(self) -> TierCopies:
