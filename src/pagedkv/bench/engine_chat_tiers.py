@@ -67,6 +67,7 @@ def run_chat(engine, workload: MultiTurnChat) -> dict:
     turns: dict[int, int] = {}
 
     def submit(turn) -> None:
+        """Send one turn (greedy, its drawn answer length) and note when."""
         conversation, prompt, answer_len = turn
         request_id = f"c{conversation}-t{turns.get(conversation, 0)}"
         turns[conversation] = turns.get(conversation, 0) + 1

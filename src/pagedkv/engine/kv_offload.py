@@ -83,6 +83,7 @@ class KVOffload:
 
     @property
     def num_host_blocks(self) -> int:
+        """Blocks in the host pool (swap space plus the host tier)."""
         return self.host.shape[0]
 
     # ------------------------------------------------------------------ one step

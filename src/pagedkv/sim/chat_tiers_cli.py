@@ -51,6 +51,7 @@ def run_chat_tiers(args: argparse.Namespace, cost: CostModel) -> int:
     max_model_len = max(args.max_model_len, workload.max_conversation_tokens)
 
     def config(prefix_caching: bool, host_bytes: int) -> SchedulerConfig:
+        """The same GPU pool and limits for every run; only prefix caching and the host tier change."""
         return SchedulerConfig(num_blocks=args.chat_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                watermark=args.watermark, enable_prefix_caching=prefix_caching,
