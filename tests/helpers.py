@@ -94,6 +94,17 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: bool = False, 
     return out[0, len(prompt):].tolist()
 
 
+def random_prompts(count: int, vocab: int = 500, seed: int = 0, lengths=(5, 17, 1, 33, 8, 16, 24)) -> list[list[int]]:
+    """`count` seeded prompts of token ids in [3, vocab), their lengths cycling through `lengths`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(count)]
+
+
+def output_token_ids(outputs) -> list[list[int]]:
+    """The first completion's token ids of every `RequestOutput`."""
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 def left_padded(lengths, vocab: int = 500, seed: int = 0):
     """A left-padded batch of random prompts with the given lengths: (input_ids, attention_mask) on CPU."""
     gen = torch.Generator().manual_seed(seed)

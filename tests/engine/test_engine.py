@@ -3,29 +3,20 @@
 import random
 
 import pytest
-import torch
 
 from fuzz_requests import random_lifecycles
 from helpers import hf_greedy, smollm2, tiny
+from helpers import output_token_ids as _tokens, random_prompts as _prompts
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError, SamplingParamsError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def _prompts(count, vocab=500, seed=0, lengths=(5, 17, 1, 33, 8, 16, 24)):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(count)]
-
-
 def _llm(name, **options):
     options.setdefault("block_size", 4)
     options.setdefault("num_blocks", 512)
     return LLM(hf_model=tiny(name), **options)
-
-
-def _tokens(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-mistral", "tiny-qwen2"])

@@ -41,6 +41,9 @@ class EngineConfig:
     num_blocks: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
+    # Sliding-window models: a block table per layer group, sliding groups keeping only their window
+    # (`pagedkv.core.kv_groups`). False: every layer keeps every token in one table, as for other models.
+    hybrid_kv: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     watermark: float = 0.01

@@ -114,6 +114,10 @@ class SplitAttention:
             self.calls.append(AttentionCall(layer_idx, q, k, v, scale, sliding_window, soft_cap))
         return out
 
+    def slot_mapping_for(self, layer_idx: int) -> torch.Tensor:
+        """The slots layer `layer_idx` writes (every layer's: mixed-step graphs run only without layer groups)."""
+        return self.slot_mapping
+
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.owner.backend.pool
         return pool.k_caches[layer_idx], pool.v_caches[layer_idx]

@@ -80,15 +80,20 @@ class HFModelAdapter:
         self.cache = StepCache(pool)
         self._metadata_cls = PagedAttentionMetadata
 
-    @torch.inference_mode()
-    def __call__(self, input_ids, positions, attn, logits_indices):
-        m: AttentionMetadata = attn.meta
-        self.cache.prepared = self._metadata_cls(
+    def _hf_metadata(self, m: AttentionMetadata):
+        return self._metadata_cls(
             slot_mapping=m.slot_mapping, num_decode_tokens=m.num_decode_tokens,
             decode_block_tables=m.decode_block_tables, decode_seq_lens=m.decode_seq_lens,
             max_decode_seq_len=m.max_decode_seq_len, prefill_block_tables=m.prefill_block_tables,
             prefill_seq_lens=m.prefill_seq_lens, cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_seqlen_q,
             max_prefill_seq_len=m.max_prefill_seq_len)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, positions, attn, logits_indices):
+        self.cache.prepared = self._hf_metadata(attn.meta)
+        if attn.layer_metas is not None:  # layer groups: each layer reads its group's tables
+            by_group = {id(m): self._hf_metadata(m) for m in attn.meta.group_metas}
+            self.cache.prepared.layer_metadata = [by_group[id(m)] for m in attn.layer_metas]
         output = self.model(input_ids=input_ids.view(1, -1), position_ids=positions.view(1, -1),
                             past_key_values=self.cache, use_cache=True,
                             logits_to_keep=logits_indices if logits_indices is not None else 0)
@@ -108,7 +113,7 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool, *, is_own_model: bool, offload: KVOffload | None, max_num_seqs: int,
                  max_num_batched_tokens: int, max_blocks_per_seq: int, num_table_rows: int, max_model_len: int,
                  vocab_size: int, eos_token_ids=(), scratch_slot: int, enforce_eager: bool = False,
-                 mixed_step_graphs: str = "full", tp=None):
+                 mixed_step_graphs: str = "full", tp=None, layer_groups: tuple[int, ...] | None = None):
         self.tp = tp  # a TensorParallel group: rank 0 samples and broadcasts the tokens (see _sample)
         self.model = model if is_own_model else HFModelAdapter(model, pool)
         self.is_own_model = is_own_model
@@ -117,7 +122,9 @@ class ModelRunner:
         self.scratch_slot = scratch_slot
         self.sampler = Sampler(vocab_size, self.device, eos_token_ids)
         self.backend = AttentionBackend(pool, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
-                                        num_table_rows=num_table_rows, max_model_len=max_model_len)
+                                        num_table_rows=num_table_rows, max_model_len=max_model_len,
+                                        layer_groups=layer_groups)
+        num_groups = self.backend.num_groups
         self.max_blocks_per_seq = max_blocks_per_seq
         pin = self.device.type == "cuda"
         self.offload = offload  # the host pool and its copies (KV tiers and swap), or None
@@ -127,13 +134,14 @@ class ModelRunner:
         self._max_tokens, self._max_seqs = max_tokens, max_seqs
         o = self._offsets = {}
         cursor = 0
-        for name, size in (("ids", max_tokens), ("pos", max_tokens), ("slots", max_tokens), ("rows", max_seqs),
+        for name, size in (("ids", max_tokens), ("pos", max_tokens), ("slots", num_groups * max_tokens),
+                           ("rows", max_seqs),
                            ("lens", max_seqs), ("cu", max_seqs + 1), ("logits", max_seqs), ("fill_at", max_seqs),
                            ("fill_from", max_seqs)):
             o[name] = cursor
             cursor += size
         self._fixed = cursor
-        max_updates = (num_table_rows + 1) * max_blocks_per_seq
+        max_updates = num_groups * (num_table_rows + 1) * max_blocks_per_seq
         self._host = [torch.zeros(cursor + 2 * max_updates, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
         self._turn = 0
@@ -142,6 +150,9 @@ class ModelRunner:
         self.input_ids = d[o["ids"]:o["ids"] + max_tokens]
         self.positions = d[o["pos"]:o["pos"] + max_tokens]
         self.slot_mapping = d[o["slots"]:o["slots"] + max_tokens]
+        # Layer groups 1.. (sliding-window models): each group's slots in its own fixed region.
+        self.group_slot_mappings = [d[o["slots"] + g * max_tokens:o["slots"] + (g + 1) * max_tokens]
+                                    for g in range(1, num_groups)]
         self.rows = d[o["rows"]:o["rows"] + max_seqs]
         self.seq_lens = d[o["lens"]:o["lens"] + max_seqs]
         self.cu_seqlens_q = d[o["cu"]:o["cu"] + max_seqs + 1]
@@ -203,10 +214,15 @@ class ModelRunner:
         host[o["slots"]:o["slots"] + n] = step.slot_mapping
         host[o["rows"]:o["rows"] + s] = step.table_rows
         host[o["lens"]:o["lens"] + s] = step.seq_lens
+        for g, slots in enumerate(step.group_slot_mapping, start=1):
+            at = o["slots"] + g * self._max_tokens
+            host[at:at + n] = slots
         if padded_tokens > n:
             host[o["ids"] + n:o["ids"] + padded_tokens] = 0
             host[o["pos"] + n:o["pos"] + padded_tokens] = 0
-            host[o["slots"] + n:o["slots"] + padded_tokens] = self.scratch_slot
+            for g in range(self.backend.num_groups):  # every layer group's padding rows write the scratch slot
+                at = o["slots"] + g * self._max_tokens
+                host[at + n:at + padded_tokens] = self.scratch_slot
         if padded_seqs > s:
             host[o["rows"] + s:o["rows"] + padded_seqs] = self.backend.padding_row
             host[o["lens"] + s:o["lens"] + padded_seqs] = 0
@@ -269,7 +285,7 @@ class ModelRunner:
         padding = StepInput()
         for bs in sorted(sizes, reverse=True):
             self._stage(padding, padded_tokens=bs, padded_seqs=bs)
-            meta = self.backend.prepare_for_capture(bs, self.slot_mapping)
+            meta = self.backend.prepare_for_capture(bs, self.slot_mapping, self.group_slot_mappings)
             attn = self.backend.bind(meta)
 
             def run(bs=bs, attn=attn):
@@ -361,7 +377,7 @@ class ModelRunner:
             meta = self.backend.prepare(
                 self.slot_mapping[:step.num_tokens], self.rows[:step.num_seqs], self.seq_lens[:step.num_seqs],
                 self.cu_seqlens_q[:step.num_seqs - nd + 1], num_decode=nd, host_seq_lens=step.seq_lens,
-                host_query_lens=step.query_lens)
+                host_query_lens=step.query_lens, group_slot_mappings=self.group_slot_mappings)
             if bucket:
                 logits = self.piecewise.run(step.num_tokens, meta)[:num_sample]
             else:

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.core.block_table import num_blocks_for
+from pagedkv.core.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVLayout, group_layers
 from pagedkv.core.memory import ModelSpec
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_disk import DiskStore, fingerprint
 from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.errors import ConfigError
-from pagedkv.models.config import kv_shape_of, max_positions
+from pagedkv.models.config import attention_shape, kv_shape_of, max_positions
 from pagedkv.models.loader import load_model, load_tokenizer, parse_dtype
 from pagedkv.kernels import KVPool
 from pagedkv.kernels.fp8 import is_fp8, kv_cache_dtype_name, resolve_kv_cache_dtype
@@ -64,6 +65,7 @@ class ModelSetup:
     kv_dtype: torch.dtype
     kv_scales: object  # KVScales for an FP8 pool, else None
     kv_spec: ModelSpec  # this rank's KV shape (its share of the KV heads) in the pool's bytes
+    kv_layout: KVLayout | None = None  # layer groups of a sliding-window model (None: one table, every layer)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -116,6 +118,7 @@ def load_model_setup(config: EngineConfig, device: torch.device, tp=None, model:
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     # This rank's heads (the decoder's shard checks that they divide).
     kv_spec = ModelSpec(num_layers, num_kv_heads // config.tensor_parallel_size, head_dim, kv_dtype.itemsize)
+    kv_layout = kv_layout_of(model.config, kv_spec) if config.hybrid_kv else None
     kv_scales = None
     if is_fp8(kv_dtype):
         kv_scales = _kv_scales(config, model, tokenizer, kv_dtype, tp, is_driver)
@@ -123,20 +126,39 @@ def load_model_setup(config: EngineConfig, device: torch.device, tp=None, model:
     # On a GPU the HF weights are freed once the own decoder holds its fused copy.
     hf_model = model if model_impl == "hf" or device.type != "cuda" else None
     setup = ModelSetup(own, model_impl, hf_model, model.config, getattr(model, "generation_config", None),
-                       tokenizer, dtype, model.config.get_text_config().vocab_size, kv_dtype, kv_scales, kv_spec)
+                       tokenizer, dtype, model.config.get_text_config().vocab_size, kv_dtype, kv_scales, kv_spec,
+                       kv_layout)
     if hf_model is None:
         del model
         torch.cuda.empty_cache()
     return setup
 
 
+def kv_layout_of(hf_config, kv_spec: ModelSpec) -> KVLayout | None:
+    """The layer groups of a model with sliding-window layers; None (one table) for any other model.
+
+    A model with layer types other than full and sliding attention keeps one full-length table.
+    """
+    shape = attention_shape(hf_config)
+    if SLIDING_ATTENTION not in shape.layer_types or \
+            not set(shape.layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        return None
+    per_layer = 2 * kv_spec.num_kv_heads * kv_spec.head_dim * kv_spec.dtype_bytes
+    return group_layers(shape.layer_types, shape.sliding_window, bytes_per_token_per_layer=per_layer)
+
+
 def plan_pool(config: EngineConfig, setup: ModelSetup, device: torch.device, tp=None) -> PoolPlan:
-    """Blocks from the memory budget (every rank agrees on the smallest), then max_model_len and swap space."""
-    bytes_per_block = setup.kv_spec.page_size_bytes(config.block_size)
+    """Blocks from the memory budget (every rank agrees on the smallest), then max_model_len and swap space.
+
+    With layer groups a block holds one group's layers, so the same budget holds more blocks.
+    """
+    layout = setup.kv_layout
+    bytes_per_block = layout.page_size_bytes(config.block_size) if layout is not None else \
+        setup.kv_spec.page_size_bytes(config.block_size)
     num_blocks = _num_blocks(config, device, bytes_per_block)
     if tp is not None:
         num_blocks = tp.min_int(num_blocks)  # every rank holds the same block ids: the smallest pool wins
-    max_model_len = _max_model_len(config, setup.hf_config, num_blocks * config.block_size)
+    max_model_len = _max_model_len(config, setup.hf_config, _capacity_tokens(config, layout, num_blocks))
     num_swap_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
     if config.preemption_mode == "swap" and num_swap_blocks == 0:
         raise ConfigError(f"swap_space {config.swap_space} bytes holds no block of {bytes_per_block} bytes")
@@ -157,9 +179,12 @@ def plan_pool(config: EngineConfig, setup: ModelSetup, device: torch.device, tp=
 def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device: torch.device, tp=None):
     """(KVPool, ModelRunner): the pool plus one scratch block, and the runner (capturing decode graphs)."""
     spec = setup.kv_spec
-    # One block more than the allocator hands out: CUDA-graph padding rows write their K/V there.
+    layout = setup.kv_layout
+    # One block more than the allocator hands out: CUDA-graph padding rows write their K/V there, and
+    # sliding groups' tables hold it where blocks left the window (never read).
     pool = KVPool(spec.num_layers, plan.num_blocks + 1, config.block_size, spec.num_kv_heads, spec.head_dim,
-                  setup.dtype, device, kv_cache_dtype=config.kv_cache_dtype, scales=setup.kv_scales)
+                  setup.dtype, device, kv_cache_dtype=config.kv_cache_dtype, scales=setup.kv_scales,
+                  layer_slots=layout.layer_slot if layout is not None else None)
     offload = None
     if plan.num_host_blocks:
         disk = None
@@ -167,6 +192,11 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
             fields = disk_fingerprint_fields(config, setup, tp)
             disk = DiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block)
         offload = KVOffload(pool, plan.num_host_blocks, disk=disk, tp=tp)
+    mixed_step_graphs = config.mixed_step_graphs
+    if layout is not None and mixed_step_graphs != "off":
+        # Mixed-step graphs gather one set of block tables; a sliding-window model's steps run them eagerly.
+        logger.info("mixed-step CUDA graphs: off for layer groups (prefill and mixed steps run eagerly)")
+        mixed_step_graphs = "off"
     runner = ModelRunner(setup.model, pool, is_own_model=setup.model_impl == "pagedkv",
                          offload=offload, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
@@ -174,7 +204,8 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
                          num_table_rows=num_table_rows(config), max_model_len=plan.max_model_len,
                          vocab_size=setup.vocab_size, eos_token_ids=setup.eos_token_ids,
                          scratch_slot=plan.num_blocks * config.block_size, enforce_eager=config.enforce_eager,
-                         mixed_step_graphs=config.mixed_step_graphs, tp=tp)
+                         mixed_step_graphs=mixed_step_graphs, tp=tp,
+                         layer_groups=layout.layer_group if layout is not None else None)
     return pool, runner
 
 
@@ -206,15 +237,31 @@ def num_table_rows(config: EngineConfig) -> int:
     return 2 * config.max_num_seqs + 1
 
 
+def _capacity_tokens(config: EngineConfig, layout: KVLayout | None, num_blocks: int) -> int:
+    """The longest sequence `num_blocks` blocks hold (with layer groups: every group's blocks of it)."""
+    if layout is None:
+        return num_blocks * config.block_size
+    low, high = 0, num_blocks * config.block_size * layout.num_groups  # sliding groups cap: far past the pool
+    while low < high:  # the largest length whose peak blocks (decode or its longest chunk) fit
+        mid = (low + high + 1) // 2
+        need = layout.max_blocks_per_seq(mid, config.block_size, min(mid, config.max_num_batched_tokens))
+        low, high = (mid, high) if need <= num_blocks else (low, mid - 1)
+    return low
+
+
 def log_pool(setup: ModelSetup, plan: PoolPlan) -> None:
     """One line: the pool's capacity and what it means for concurrency at max_model_len."""
     scales = setup.kv_scales
     kv_note = kv_cache_dtype_name(setup.kv_dtype) + (f", scales from {scales.source}" if scales else "")
+    layout = setup.kv_layout
+    per_seq = layout.max_blocks_per_seq(plan.max_model_len, plan.block_size) if layout is not None \
+        else num_blocks_for(plan.max_model_len, plan.block_size)
+    groups = f", {layout.num_groups} layer groups of {layout.num_slots} layers" if layout is not None else ""
     logger.info(
-        "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, KV dtype %s); max_model_len %d; "
+        "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, KV dtype %s%s); max_model_len %d; "
         "max concurrency at max_model_len: %.2f", plan.num_blocks, plan.block_size, plan.capacity_tokens,
-        plan.num_blocks * plan.bytes_per_block / 2**20, kv_note, plan.max_model_len,
-        plan.capacity_tokens / plan.max_model_len)
+        plan.num_blocks * plan.bytes_per_block / 2**20, kv_note, groups, plan.max_model_len,
+        plan.num_blocks / per_seq)
 
 
 def _pick_model(config: EngineConfig, hf_model: torch.nn.Module, tp):

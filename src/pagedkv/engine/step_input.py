@@ -11,6 +11,11 @@ Token layout (decode rows first, then prefill chunks, as the scheduler orders th
     | decode tokens (1 per seq) | chunk of seq d | chunk of seq d+1 | ... |
     0                   num_decode_seqs                            num_tokens
 
+A model with layer groups (sliding-window layers, `pagedkv.core.kv_groups`) has one table per
+group per sequence: group 0's slots are `slot_mapping`, group g's are `group_slot_mapping[g - 1]`,
+and group g's table rows sit at `g * (num_table_rows + 1) + row` of the device tables, so one
+list of updates serves every group.
+
 Block tables stay on the device between steps, one persistent row per running sequence
 (`TableRows`). A step carries only the rows that changed: a sequence new to the device gets
 its whole table, a sequence that grew gets its new blocks, and a copy-on-write replaces the
@@ -57,6 +62,7 @@ class StepInput:
     # shutdown: write these cached blocks to disk now, (key, GPU block) and (key, host block), on every rank
     persist: list[tuple[bytes, int]] = field(default_factory=list)
     persist_host: list[tuple[bytes, int]] = field(default_factory=list)
+    group_slot_mapping: list[list[int]] = field(default_factory=list)  # [num_groups - 1][num_tokens], groups 1..
 
     def for_workers(self) -> StepInput:
         """This step as tensor-parallel workers need it: without the sampling rows (rank 0 samples).
@@ -102,13 +108,34 @@ class TableRows:
             self._rows[seq_id] = [row, table, len(ids), ids[-1] if ids else None]
             return row, ((row, 0, list(ids)) if ids else None)
         row, _, uploaded, last = entry
+        if len(ids) == uploaded and (not ids or ids[-1] == last):  # the common case, inline: nothing changed
+            return row, None
+        return row, self._diff(entry, ids)
+
+    def follow(self, seq_id: int, row: int, table) -> tuple[int, int, list[int]] | None:
+        """The update of `seq_id`'s table in another layer group, kept at `row` (its group-0 row); or None."""
+        ids = table.block_ids
+        entry = self._rows.get(seq_id)
+        if entry is None or entry[1] is not table or entry[0] != row:
+            self._rows[seq_id] = [row, table, len(ids), ids[-1] if ids else None]
+            return (row, 0, list(ids)) if ids else None
+        return self._diff(entry, ids)
+
+    @staticmethod
+    def _diff(entry: list, ids: list[int]) -> tuple[int, int, list[int]] | None:
+        """What changed since the last upload: ids only grow at the end or have their last entry replaced.
+
+        (A sliding group's entries that fell out of the window turn into the null block; the
+        device keeps the old ids there, which no kernel reads.)
+        """
+        row, _, uploaded, last = entry
         num = len(ids)
         if num == uploaded and (not num or ids[-1] == last):
-            return row, None
+            return None
         first = uploaded - 1 if uploaded and ids[uploaded - 1] != last else uploaded
         first = min(first, num)
         entry[2], entry[3] = num, ids[-1] if ids else None
-        return row, (row, first, ids[first:]) if first < num else None
+        return (row, first, ids[first:]) if first < num else None
 
     def release(self, seq_id: int) -> None:
         entry = self._rows.pop(seq_id, None)
@@ -132,10 +159,15 @@ class StepInputBuilder:
         self.block_manager = block_manager
         self.block_size = block_size
         self.rows = TableRows(num_table_rows)
+        # Groups 1.. follow group 0's rows; their device rows are offset by a whole table per group.
+        self.group_rows = [TableRows(num_table_rows) for _ in range(block_manager.num_groups - 1)]
+        self.row_stride = num_table_rows + 1
 
     def release(self, seq_id: int) -> None:
         """A sequence left the device (finished, aborted or preempted): its row can be reused."""
         self.rows.release(seq_id)
+        for rows in self.group_rows:
+            rows.release(seq_id)
 
     def build(self, out: SchedulerOutput, live_seq_ids, num_samples: dict[int, int] | None = None,
               previous_rows: dict[int, int] | None = None) -> StepInput:
@@ -145,7 +177,7 @@ class StepInputBuilder:
         inputs that are that step's (still unknown) tokens.
         """
         for seq in out.preempted:
-            self.rows.release(seq.seq_id)
+            self.release(seq.seq_id)
         tiers = out.tier_copies
         step = StepInput(
             swap_out=[(c.src, c.dst) for c in out.swap_out],
@@ -204,4 +236,23 @@ class StepInputBuilder:
                     output_token_ids=seq.output_token_ids if history else (),
                 ))
         step.num_decode_seqs = num_decode
+        if self.group_rows:
+            self._add_groups(out, step)
         return step
+
+    def _add_groups(self, out: SchedulerOutput, step: StepInput) -> None:
+        """Slots and table-row updates of layer groups 1.. (their rows are group 0's, offset per group)."""
+        bm = self.block_manager
+        block_size = self.block_size
+        for g, rows in enumerate(self.group_rows, start=1):
+            slots: list[int] = []
+            offset = g * self.row_stride
+            for item, row in zip(out.scheduled, step.table_rows):
+                table = bm.group_table(item.seq.seq_id, g)
+                update = rows.follow(item.seq.seq_id, row, table)
+                if update is not None:
+                    step.table_updates.append((offset + update[0], update[1], update[2]))
+                block_ids = table.block_ids
+                slots.extend(block_ids[pos // block_size] * block_size + pos % block_size
+                             for pos in range(item.start, item.start + item.num_new_tokens))
+            step.group_slot_mapping.append(slots)

@@ -61,6 +61,9 @@ class PagedAttentionMetadata:
     token_index: torch.Tensor | None = None
     # A decode step's fused K/V write + attention launcher (`kernels.triton_decode_write`); None: write, then attend.
     decode_step: object | None = None
+    # Layer groups (sliding-window models in the engine): each layer's own metadata (its group's tables
+    # and slots); None: this metadata serves every layer.
+    layer_metadata: list[PagedAttentionMetadata] | None = None
 
 
 def _model_sliding_window(module: torch.nn.Module, kwargs: dict) -> int | None:
@@ -106,6 +109,8 @@ def _paged_attention(module, query, key, value, attention_mask, scaling, kwargs)
         raise ModelMismatchError(f"the model's K/V are {key.dtype} on {key.device} but the pool was made for "
                                  f"{pool.model_dtype} on {pool.device}")
     meta = cache.attention_metadata(attention_mask, batch, q_len)
+    if meta.layer_metadata is not None:
+        meta = meta.layer_metadata[layer_idx]
     step = meta.decode_step
     if step is not None:  # one launch: this layer's new K/V into their pages, and attention over them
         return step(layer_idx, query, key, value, scaling if scaling is not None else head_dim ** -0.5,

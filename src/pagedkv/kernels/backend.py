@@ -9,7 +9,13 @@ attention reads, allocated once at its largest size:
     seq_lens       [max_num_seqs]                    int32  kv length of each sequence after this step
     cu_seqlens_q   [max_num_seqs + 1]                int32  where each prefill chunk's queries start
 
-and the slot mapping, which is a view of the runner's staging buffer. Three ways to fill them:
+and the slot mapping, which is a view of the runner's staging buffer.
+
+With layer groups (a model with sliding-window layers, `pagedkv.core.kv_groups`), `layer_groups`
+maps every layer to its group, and each group has its own persistent tables (group g's rows at
+`g * (num_table_rows + 1)` of `table_rows`), gathered tables and slot mapping. A step's metadata
+then carries one `AttentionMetadata` per group (`group_metas`, sharing lengths and offsets), and
+the bound attention hands each layer its group's. Three ways to fill them:
 
 - `prepare(...)`: an eager step (any mix of decodes and prefill chunks); returns the step's
   `AttentionMetadata`, with the host ints the kernels' grids need.
@@ -27,7 +33,7 @@ the layer's `k_scale` / `v_scale`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,23 +62,31 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None  # [num_prefill + 1] int32
     max_seqlen_q: int
     max_prefill_seq_len: int
+    group_metas: list[AttentionMetadata] | None = None  # per layer group (group 0 is this one); None: one group
 
 
 class BoundAttention:
     """The backend bound to one step's metadata: what the model's layers call."""
 
-    __slots__ = ("backend", "meta")
+    __slots__ = ("backend", "meta", "layer_metas")
 
-    def __init__(self, backend: AttentionBackend, meta: AttentionMetadata):
+    def __init__(self, backend: AttentionBackend, meta: AttentionMetadata,
+                 layer_metas: list[AttentionMetadata] | None = None):
         self.backend = backend
         self.meta = meta
+        self.layer_metas = layer_metas  # each layer's group's metadata (None: one group, `meta` for all)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                 written_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Layer `layer_idx`'s paged attention (see `AttentionBackend.forward`)."""
-        return self.backend.forward(self.meta, layer_idx, q, k, v, scale=scale, sliding_window=sliding_window,
+        meta = self.meta if self.layer_metas is None else self.layer_metas[layer_idx]
+        return self.backend.forward(meta, layer_idx, q, k, v, scale=scale, sliding_window=sliding_window,
                                     soft_cap=soft_cap, written_kv=written_kv)
+
+    def slot_mapping_for(self, layer_idx: int) -> torch.Tensor:
+        """The slots layer `layer_idx` writes this step's K/V into (its group's)."""
+        return (self.meta if self.layer_metas is None else self.layer_metas[layer_idx]).slot_mapping
 
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (k_cache, v_cache), for a fused kernel that writes K/V itself."""
@@ -91,7 +105,7 @@ class AttentionBackend:
     """Persistent attention metadata buffers plus the per-layer paged attention call."""
 
     def __init__(self, pool: KVPool, *, max_num_seqs: int, max_blocks_per_seq: int, num_table_rows: int,
-                 max_model_len: int):
+                 max_model_len: int, layer_groups: tuple[int, ...] | None = None):
         device = pool.device
         self.pool = pool
         self.device = device
@@ -99,8 +113,14 @@ class AttentionBackend:
         self.max_model_len = max_model_len
         self.num_table_rows = num_table_rows
         self.padding_row = num_table_rows  # all zeros, never written: padded graph rows point here
-        self.table_rows = torch.zeros(num_table_rows + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.layer_groups = layer_groups
+        self.num_groups = max(layer_groups) + 1 if layer_groups else 1
+        num_groups, stride = self.num_groups, num_table_rows + 1
+        self.table_rows = torch.zeros(num_groups * stride, max_blocks_per_seq, dtype=torch.int32, device=device)
+        all_tables = torch.zeros(num_groups, max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.group_table_rows = [self.table_rows[g * stride:(g + 1) * stride] for g in range(num_groups)]
+        self.group_block_tables = list(all_tables)
+        self.block_tables = self.group_block_tables[0]
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self._sms = num_sms(device)
@@ -112,18 +132,35 @@ class AttentionBackend:
 
     # ------------------------------------------------------------------ filling a step
     def _gather(self, rows: torch.Tensor, seq_lens: torch.Tensor, num_seqs: int) -> None:
-        torch.index_select(self.table_rows, 0, rows, out=self.block_tables[:num_seqs])
+        for table_rows, block_tables in zip(self.group_table_rows, self.group_block_tables):
+            torch.index_select(table_rows, 0, rows, out=block_tables[:num_seqs])
         self.seq_lens[:num_seqs].copy_(seq_lens)
+
+    def _with_groups(self, meta: AttentionMetadata, group_slot_mappings, num_decode: int,
+                     num_seqs: int) -> AttentionMetadata:
+        """`meta` (group 0's) with every group's metadata: the same lengths, the group's tables and slots."""
+        if self.num_groups == 1:
+            return meta
+        metas = [meta]
+        for g in range(1, self.num_groups):
+            tables = self.group_block_tables[g]
+            metas.append(replace(
+                meta, slot_mapping=group_slot_mappings[g - 1][:meta.num_tokens],
+                decode_block_tables=tables[:num_decode] if meta.decode_block_tables is not None else None,
+                prefill_block_tables=tables[num_decode:num_seqs] if meta.prefill_block_tables is not None else None))
+        meta.group_metas = metas
+        return meta
 
     def decode_splits(self, num_seqs: int, max_seq_len: int) -> int:
         return choose_num_splits(num_seqs, self.pool.num_kv_heads, max_seq_len, self._sms)
 
     def prepare(self, slot_mapping: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, *, num_decode: int, host_seq_lens: list[int],
-                host_query_lens: list[int]) -> AttentionMetadata:
+                host_query_lens: list[int], group_slot_mappings=()) -> AttentionMetadata:
         """An eager step. Device inputs are int64 views of the runner's staging buffer; host lists size the grids.
 
-        `cu_seqlens_q` holds the prefill chunks' offsets, starting at 0 with the first chunk.
+        `cu_seqlens_q` holds the prefill chunks' offsets, starting at 0 with the first chunk;
+        `group_slot_mappings` the slots of layer groups 1.. (none without groups).
         """
         num_seqs = len(host_seq_lens)
         self._gather(rows, seq_lens, num_seqs)
@@ -131,7 +168,7 @@ class AttentionBackend:
         if num_prefill:
             self.cu_seqlens_q[:num_prefill + 1].copy_(cu_seqlens_q)
         max_decode = max(host_seq_lens[:num_decode]) if num_decode else 0
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_tokens=slot_mapping.shape[0],
             slot_mapping=slot_mapping,
             num_decode_tokens=num_decode,
@@ -145,15 +182,17 @@ class AttentionBackend:
             max_seqlen_q=max(host_query_lens[num_decode:]) if num_prefill else 0,
             max_prefill_seq_len=max(host_seq_lens[num_decode:]) if num_prefill else 0,
         )
+        return self._with_groups(meta, group_slot_mappings, num_decode, num_seqs)
 
-    def prepare_for_capture(self, batch_size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def prepare_for_capture(self, batch_size: int, slot_mapping: torch.Tensor,
+                            group_slot_mappings=()) -> AttentionMetadata:
         """Metadata of a decode step padded to `batch_size`, over fixed buffer slices (captured once).
 
         The split count is fixed per graph from `max_model_len`: the kernel divides each
         sequence's actual length among the splits on the device, so a short sequence's
         surplus splits exit at once.
         """
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_tokens=batch_size,
             slot_mapping=slot_mapping[:batch_size],
             num_decode_tokens=batch_size,
@@ -164,6 +203,7 @@ class AttentionBackend:
             prefill_block_tables=None, prefill_seq_lens=None, cu_seqlens_q=None, max_seqlen_q=0,
             max_prefill_seq_len=0,
         )
+        return self._with_groups(meta, group_slot_mappings, batch_size, batch_size)
 
     def prepare_for_replay(self, rows: torch.Tensor, seq_lens: torch.Tensor, batch_size: int) -> None:
         """The device half of a decode step (captured in the graph): gather its table rows and lengths."""
@@ -189,7 +229,10 @@ class AttentionBackend:
         self.cu_seqlens_q[:num_seqs + 1].copy_(cu_seqlens_q[:num_seqs + 1])
 
     def bind(self, meta: AttentionMetadata) -> BoundAttention:
-        return BoundAttention(self, meta)
+        """The attention the model's layers call for this step (each layer reads its group's tables)."""
+        if meta.group_metas is None:
+            return BoundAttention(self, meta)
+        return BoundAttention(self, meta, [meta.group_metas[g] for g in self.layer_groups])
 
     # ------------------------------------------------------------------ per layer
     def forward(self, meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,

@@ -18,6 +18,11 @@ carries the dequantization scales beside the blocks, `k_scale` and `v_scale`, ea
 is made: a block's bytes mean the same thing for the pool's whole life, so block copies, swaps
 and prefix sharing move bytes and nothing else.
 
+With layer groups (`pagedkv.core.kv_groups`: a model with sliding-window layers) a block holds
+`num_slots` layers, not all of them: the allocation is `[2, num_slots, num_blocks, ...]`, layer
+`l` lives in slot `layer_slots[l]`, and a block id means the page of whichever group's table
+holds it. Block-wide operations move all of a block's slots, which is right for any group.
+
 The pool only stores. Which block belongs to whom is the allocator's and block tables' job
 (`pagedkv.core`), which never import torch.
 """
@@ -48,7 +53,8 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda", *,
-                 kv_cache_dtype: str = "auto", scales: KVScales | None = None):
+                 kv_cache_dtype: str = "auto", scales: KVScales | None = None,
+                 layer_slots: tuple[int, ...] | None = None):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             require_positive_int(name, value)
@@ -65,6 +71,10 @@ class KVPool:
                                        f"num_kv_heads] = [{num_layers}, {num_kv_heads}]")
         elif is_fp8(storage):
             scales = KVScales.unit(num_layers, num_kv_heads)
+        if layer_slots is not None and (len(layer_slots) != num_layers or min(layer_slots) < 0):
+            raise KernelInputError(f"layer_slots must give {num_layers} slots >= 0, got {layer_slots}")
+        self.layer_slots = tuple(layer_slots) if layer_slots is not None else tuple(range(num_layers))
+        self.num_slots = max(self.layer_slots) + 1  # layers one block holds
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -80,12 +90,12 @@ class KVPool:
         self.v_scale = scales.v_scale.to(device) if scales is not None else None
         # Zeroed, not empty: a slot no sequence wrote is never read unmasked, but zeros keep
         # debugging dumps and swap-outs of fresh blocks deterministic.
-        self.kv = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=storage, device=self.device)  # [2, L, N, B, Hkv, D]
+        self.kv = torch.zeros(2, self.num_slots, num_blocks, block_size, num_kv_heads, head_dim,
+                              dtype=storage, device=self.device)  # [2, S, N, B, Hkv, D] (S = L without groups)
         self._bytes = as_bytes(self.kv)  # what block copies move (torch has no CPU index_copy_ for float8)
         # Indexed views, not unbind(): unbind views may not be written in place when grad mode is on.
-        self.k_caches: list[torch.Tensor] = [self.kv[0, layer] for layer in range(num_layers)]  # [N, B, Hkv, D]
-        self.v_caches: list[torch.Tensor] = [self.kv[1, layer] for layer in range(num_layers)]
+        self.k_caches: list[torch.Tensor] = [self.kv[0, slot] for slot in self.layer_slots]  # [N, B, Hkv, D]
+        self.v_caches: list[torch.Tensor] = [self.kv[1, slot] for slot in self.layer_slots]
 
     @property
     def is_fp8(self) -> bool:
@@ -126,8 +136,9 @@ class KVPool:
     # ------------------------------------------------------------------ sizes
     @property
     def bytes_per_block(self) -> int:
-        """K+V bytes of one block across all layers."""
-        return self.bytes_per_block_for(self, self.block_size, self.dtype)
+        """K+V bytes of one block across its layer slots (all layers without groups)."""
+        return ModelSpec(self.num_slots, self.num_kv_heads, self.head_dim,
+                         _dtype_bytes(self.dtype)).page_size_bytes(self.block_size)
 
     @property
     def nbytes(self) -> int:
@@ -157,7 +168,7 @@ class KVPool:
         self._bytes.index_copy_(2, dst, self._bytes.index_select(2, src))
 
     def gather_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `block_ids`, each `[num_layers, n, block_size, num_kv_heads, head_dim]` (swap-out)."""
+        """K and V of `block_ids`, each `[num_slots, n, block_size, num_kv_heads, head_dim]` (swap-out)."""
         block_ids = self._check_ids("block_ids", block_ids)
         blocks = self.kv.index_select(2, block_ids)  # [2, L, n, B, Hkv, D], a copy
         return blocks[0], blocks[1]
@@ -165,7 +176,7 @@ class KVPool:
     def scatter_blocks(self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write `k` and `v` (as returned by `gather_blocks`) into `block_ids` in every layer (swap-in)."""
         block_ids = self._check_ids("block_ids", block_ids)
-        expected = (self.num_layers, block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim)
+        expected = (self.num_slots, block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim)
         for name, tensor in (("k", k), ("v", v)):
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected or tensor.dtype != self.dtype:
                 got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else tensor

@@ -71,7 +71,8 @@ class DecoderLayer(nn.Module):
             k_scale, v_scale = attn.kv_scales(self.layer_idx)  # FP8 pools: the store quantizes
             q = layer_ops.qk_norm_rope_write_kv(
                 qkv, positions, rotary.cos, rotary.sin, self.q_norm.weight if cfg.qk_norm else None,
-                self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, k_cache, v_cache, attn.slot_mapping,
+                self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, k_cache, v_cache,
+                attn.slot_mapping_for(self.layer_idx),
                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, k_scale=k_scale,
                 v_scale=v_scale)
             k = v = None
