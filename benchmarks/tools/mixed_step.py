@@ -6,9 +6,8 @@ Qwen3-0.6B shape, bf16, random weights. For each mode (its own engine, one after
   time under torch.profiler over a separate set of the same steps), and their ratio;
 - a prefill-only step: one 2,048-token prompt on an idle engine (TTFT in the engine, median of 5);
 - the 512-token prefill alone (no decodes);
-- attention alone for mixed steps whose decode rows are long: the unified kernel (inside a full
-  graph) against split-KV decode + prefill (what a step with a decode row past
-  `runner.FULL_GRAPH_MAX_DECODE_LEN` runs).
+- attention alone for mixed steps whose decode rows are long: the unified kernel (what a full graph
+  runs; it splits no row's KV) against split-KV decode + prefill (what eager and piecewise steps run).
 Prints a table and writes OUT_DIR/mixed_step.json. Usage: python benchmarks/tools/mixed_step.py OUT_DIR
 """
 

@@ -43,10 +43,6 @@ from pagedkv.kernels.backend import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger("pagedkv")
 
-#: Longest decode row a full mixed-step graph takes (its unified attention does not split a row's KV);
-#: a step with a longer one runs eagerly.
-FULL_GRAPH_MAX_DECODE_LEN = 8192
-
 
 def graph_batch_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     """Padded decode batch sizes to capture: 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond."""
@@ -162,7 +158,6 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         # Steps with prefill tokens: attention captured too (the unified kernel), or run eagerly between pieces.
         self.capture_attention = mixed_step_graphs == "full"
-        self._logged_long_decode = False
         if is_own_model and self.device.type == "cuda" and not enforce_eager:
             self.capture_graphs(graph_batch_sizes(max_num_seqs))
             if mixed_step_graphs != "off":
@@ -319,19 +314,6 @@ class ModelRunner:
                 self.piecewise.release()
                 self.piecewise = None
 
-    def _has_long_decode(self, step: StepInput) -> bool:
-        """A full mixed-step graph's unified attention gives each decode row one program per KV head with no
-        split over its length, so a step whose decode rows are long runs eagerly (split-KV decode) instead."""
-        if not self.capture_attention or not step.num_decode_seqs:
-            return False
-        if max(step.seq_lens[:step.num_decode_seqs]) <= FULL_GRAPH_MAX_DECODE_LEN:
-            return False
-        if not self._logged_long_decode:
-            self._logged_long_decode = True
-            logger.info("a step with decode rows longer than %d tokens runs eagerly (split-KV decode), not in "
-                        "a full mixed-step graph (logged once)", FULL_GRAPH_MAX_DECODE_LEN)
-        return True
-
     def _graph_for(self, num_seqs: int) -> int:
         for size in self.graph_sizes:
             if size >= num_seqs:
@@ -355,7 +337,7 @@ class ModelRunner:
             return None
         padded = self._graph_for(step.num_seqs) if step.is_decode_only and self.graphs else 0
         bucket = 0
-        if not padded and self.piecewise is not None and not self._has_long_decode(step):
+        if not padded and self.piecewise is not None:
             bucket = self.piecewise.bucket_for(step.num_tokens)
         unified = bool(bucket) and self.piecewise.capture_attention
         num_fill = self._stage(step, padded_tokens=max(padded, bucket),
