@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.core.kv_tiers import DiskIndex, HostTier, KVTiers
 from pagedkv.core.prefix_cache import hash_blocks
@@ -160,3 +162,13 @@ def test_random_lifecycles_leave_every_tier_clean():
     bm.check_integrity()
     assert bm.num_used_blocks == 0 and bm.tiers.host.allocator.num_used == bm.tiers.host.num_cached
     assert bm.tiers.stats.host_hit_blocks > 0 and bm.tiers.stats.offloaded_blocks > 0
+
+
+def test_kv_tiers_are_refused_for_sliding_window_layer_groups():
+    from pagedkv.core.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, group_layers
+    from pagedkv.engine.scheduler import SchedulerConfig
+    from pagedkv.errors import ConfigError
+
+    layout = group_layers((SLIDING_ATTENTION, FULL_ATTENTION), 8, bytes_per_token_per_layer=64)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        SchedulerConfig(num_blocks=16, block_size=4, kv_layout=layout, num_offload_blocks=8)
