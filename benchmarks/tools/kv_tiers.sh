@@ -9,6 +9,7 @@
 # measured in the same run against the restore rate, and the restart's share of prompt blocks from disk and
 # first-request TTFT. The measured H2D/D2H figures go into src/pagedkv/sim/data/cost_model_h200.json's
 # "kv_tiers" (with "measured": true).
+# Disk: up to 12 GiB per model in DIR (the tier's cap in this run), removed after each model.
 # Environment: MODELS (default qwen3-0.6b,llama3-8b), HOST_MEMORY (default 16GiB), DIR (the disk tier's
 # directory; default a fresh one under $TMPDIR), PYTHON.
 # CPU smoke: SMOKE=1 OUT=/tmp/kvt bash benchmarks/tools/kv_tiers.sh

@@ -14,13 +14,14 @@ per tier over the blocks that could hit), the KV copies' bytes and device time; 
 copy bandwidth measured in the same run (one large pinned <-> device copy each way), against
 which the restore rate (restored bytes / their device time) is set. Then a restart: the tiers'
 engine shuts down (writing its cache to disk), a new engine opens the same directory and serves
-the last turns of the first conversations again: the share of prompt blocks served from disk and
+the last turns of the last conversations again: the share of prompt blocks served from disk and
 the first request's TTFT. A benchmark: it prints and writes JSON and markdown, and never asserts.
 `--smoke` runs the same code on the CPU at toy size.
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ from pagedkv.sim.cluster import percentile
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
 SIZES = {"qwen3-0.6b": (96, 8, 3, 1024, 8), "llama3-8b": (48, 4, 3, 1024, 4)}
 SMOKE_SIZE = (12, 3, 2, 48, 2)
+#: The disk tier's size cap in this benchmark (the H200 machine's disk is 64 GiB).
+DISK_CAP_BYTES = 12 * 2**30
 
 
 def pinned_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> dict:
@@ -142,8 +145,11 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     common = dict(hf_model=model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                   max_model_len=workload.max_conversation_tokens, max_num_batched_tokens=4096,
                   mixed_step_graphs="off")
+    # The disk tier's cap keeps a run inside a small disk; LRU keeps what the restart replays (the latest turns).
+    disk_bytes = 64 * 2**20 if smoke else DISK_CAP_BYTES
     configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}),
-               ("GPU + host + disk", dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir)))]
+               ("GPU + host + disk", dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir),
+                                          kv_offload_disk_bytes=disk_bytes))]
     result = {"workload": workload.__dict__, "num_blocks": num_blocks, "block_size": block_size,
               "live_prefix_tokens": live_prefix_tokens, "gpu_pool_share_of_live_prefixes":
                   num_blocks * block_size / live_prefix_tokens, "host_bytes": host_bytes, "configs": {}}
@@ -171,6 +177,7 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     llm.shutdown()  # writes what is only on the GPU and in host memory
     del llm
     result["restart"] = restart(LLM, common, configs[2][1], workload, prompts, block_size)
+    shutil.rmtree(offload_dir, ignore_errors=True)
     print(f"{name} | restart: {result['restart']['disk_share'] * 100:.1f}% of prompt blocks read from disk, "
           f"{result['restart']['not_computed_share'] * 100:.1f}% not computed, first TTFT "
           f"{result['restart']['first_ttft_s'] * 1e3:.1f} ms", flush=True)
@@ -181,14 +188,14 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
 
 
 def restart(LLM, common: dict, options: dict, workload: MultiTurnChat, prompts: dict, block_size: int) -> dict:
-    """A new engine on the same directory serves the last turns of the first conversations again."""
+    """A new engine on the same directory serves the last turns of the last conversations again."""
     from pagedkv.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(**common, **options)
     startup_s = time.perf_counter() - start
     last = f"-t{workload.num_turns - 1}"
-    replay = [p for rid, p in prompts.items() if rid.endswith(last)][:8]
+    replay = [p for rid, p in prompts.items() if rid.endswith(last)][-8:]  # the latest: what the LRU cap keeps
     engine = llm.engine
     engine.stream_outputs = True
     ttfts = []
