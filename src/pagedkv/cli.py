@@ -148,6 +148,8 @@ def _resolve(argv: list[str]) -> tuple[str, str, list[str]] | int:
             raise InvalidArgumentError(f"unknown benchmark {rest[0] if rest else '(none)'!r}; choose from "
                                        f"{', '.join(BENCHMARKS)} (pagedkv bench --help)")
         return BENCHMARKS[rest[0]][0], f"pagedkv bench {rest[0]}", rest[1:]
+    if command == "serve" and "--ray" in rest:
+        return "pagedkv.deploy.cli", "pagedkv serve", rest  # the same flags, served through Ray Serve
     if command in COMMANDS:
         return COMMANDS[command][0], f"pagedkv {command}", rest
     raise InvalidArgumentError(f"unknown command {command!r}; choose from {', '.join(COMMANDS)}, bench "

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
 from pagedkv.core.kv_tiers import KVTiers, TierCopies
-from pagedkv.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
+from pagedkv.core.prefix_cache import BlockHash, PrefixCache, block_keys
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
 
@@ -144,28 +144,32 @@ class KVBlockManager(PoolQueries):
         return self._tables[seq_id].num_tokens
 
     # ------------------------------------------------------------------ admission
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[BlockHash]]:
+    def match_prefix(self, token_ids: Sequence[int],
+                     known_keys: Sequence[BlockHash] = ()) -> tuple[list[int], list[BlockHash]]:
         """Cached blocks that can be shared for a new prompt, and the keys of its full blocks.
 
         At least one prompt token is always left to compute: the model must run on the last
-        prompt token to produce the first output's logits.
+        prompt token to produce the first output's logits. `known_keys` are keys of the leading
+        blocks already computed (see `block_keys`); only the rest are hashed.
         """
         if self.prefix_cache is None:
             return [], []
-        keys = hash_blocks(token_ids, self.block_size)
+        keys = block_keys(token_ids, self.block_size, known_keys)
         max_hit_blocks = (len(token_ids) - 1) // self.block_size
         return self.prefix_cache.match(keys[:max_hit_blocks]), keys
 
-    def blocks_to_admit(self, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+    def blocks_to_admit(self, token_ids: Sequence[int], reserve_tokens: int | None = None,
+                        known_keys: Sequence[BlockHash] = ()) -> int:
         """New blocks a prompt takes at admission (after prefix hits; or `reserve_tokens` worth)."""
         if reserve_tokens is not None:
             return num_blocks_for(reserve_tokens, self.block_size)
-        hits, _ = self.match_prefix(token_ids)
+        hits, _ = self.match_prefix(token_ids, known_keys)
         # Hit blocks that are evictable stop being free once shared.
         evictable_hits = sum(1 for b in hits if self.allocator.ref_count(b) == 1)
         return num_blocks_for(len(token_ids), self.block_size) - len(hits) + evictable_hits
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+    def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None,
+              known_keys: Sequence[BlockHash] = ()) -> int:
         """Create the sequence's table, sharing cached prefix blocks; returns the cached token count.
 
         With `reserve_tokens` (naive, max-length reservation) the table claims blocks for that
@@ -181,7 +185,7 @@ class KVBlockManager(PoolQueries):
             self._tables[seq_id] = table
             self._block_keys[seq_id] = []
             return 0
-        hits, keys = self.match_prefix(token_ids)
+        hits, keys = self.match_prefix(token_ids, known_keys)
         max_hit_blocks = (len(token_ids) - 1) // self.block_size
         if self.prefix_cache is not None:
             # Only blocks that could hit count as queried (the last prompt token is never served).
@@ -299,8 +303,12 @@ class KVBlockManager(PoolQueries):
         """The sequence's physical blocks in logical order."""
         return self._tables[seq_id].block_ids
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Tokens up to `num_computed_tokens` now have KV: cache the sequence's newly full blocks."""
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
+               known_keys: Sequence[BlockHash] = ()) -> None:
+        """Tokens up to `num_computed_tokens` now have KV: cache the sequence's newly full blocks.
+
+        `known_keys` (keys of the leading blocks, see `block_keys`) are reused, not hashed again.
+        """
         if self.prefix_cache is None:
             return
         keys = self._block_keys[seq_id]
@@ -308,8 +316,8 @@ class KVBlockManager(PoolQueries):
         num_full = num_computed_tokens // self.block_size
         if num_full <= len(keys):
             return
-        new_keys = hash_blocks(token_ids[len(keys) * self.block_size:num_full * self.block_size],
-                               self.block_size, keys[-1] if keys else None)
+        new_keys = block_keys(token_ids[:num_full * self.block_size], self.block_size, known_keys, len(keys),
+                              keys[-1] if keys else None)
         for offset, key in enumerate(new_keys):
             self.prefix_cache.insert(key, table.block_ids[len(keys) + offset])
         keys.extend(new_keys)

@@ -35,7 +35,7 @@ from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_manager import PoolQueries
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
 from pagedkv.core.kv_groups import KVLayout
-from pagedkv.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
+from pagedkv.core.prefix_cache import BlockHash, PrefixCache, block_keys
 from pagedkv.core.sliding_table import SlidingBlockTable
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
@@ -98,11 +98,12 @@ class HybridBlockManager(PoolQueries):
         return table.num_held if isinstance(table, SlidingBlockTable) else table.num_blocks
 
     # ------------------------------------------------------------------ admission
-    def _match(self, token_ids: Sequence[int]) -> tuple[int, list[BlockHash], list[list[int]]]:
-        """(hit blocks k, keys of the prompt's full blocks, each group's hit blocks for k)."""
+    def _match(self, token_ids: Sequence[int],
+               known_keys: Sequence[BlockHash] = ()) -> tuple[int, list[BlockHash], list[list[int]]]:
+        """(hit blocks k, keys of the prompt's full blocks, each group's hit blocks for k); `known_keys` reused."""
         if self.caches is None:
             return 0, [], [[] for _ in self.groups]
-        keys = hash_blocks(token_ids, self.block_size)
+        keys = block_keys(token_ids, self.block_size, known_keys)
         num_hit = (len(token_ids) - 1) // self.block_size
         for group, cache in zip(self.groups, self.caches):
             if not group.is_sliding:
@@ -125,11 +126,12 @@ class HybridBlockManager(PoolQueries):
             hits.append(blocks)
         return hits
 
-    def blocks_to_admit(self, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+    def blocks_to_admit(self, token_ids: Sequence[int], reserve_tokens: int | None = None,
+                        known_keys: Sequence[BlockHash] = ()) -> int:
         """New blocks a prompt takes at admission: every full block of it, and a first chunk in sliding groups."""
         if reserve_tokens is not None:
             raise InvalidArgumentError("naive max-length reservation is for one-table models only")
-        num_hit, _, hits = self._match(token_ids)
+        num_hit, _, hits = self._match(token_ids, known_keys)
         total = num_blocks_for(len(token_ids), self.block_size)
         chunk_blocks = num_blocks_for(min(len(token_ids), num_hit * self.block_size + self.max_query_tokens),
                                       self.block_size)
@@ -139,13 +141,14 @@ class HybridBlockManager(PoolQueries):
             new += sum(1 for b in group_hits if self.allocator.ref_count(b) == 1)  # evictable hits stop being free
         return new
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None) -> int:
+    def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None,
+              known_keys: Sequence[BlockHash] = ()) -> int:
         """Create the sequence's tables, sharing cached prefix blocks per group; returns the cached token count."""
         if seq_id in self._tables or seq_id in self._swapped:
             raise InvalidArgumentError(f"sequence {seq_id} already has blocks")
         if reserve_tokens is not None:
             raise InvalidArgumentError("naive max-length reservation is for one-table models only")
-        num_hit, keys, hits = self._match(token_ids)
+        num_hit, keys, hits = self._match(token_ids, known_keys)
         if self.caches is not None:
             self.prefix_cache.record_lookup(min(len(keys), (len(token_ids) - 1) // self.block_size), num_hit)
         tables = []
@@ -224,7 +227,8 @@ class HybridBlockManager(PoolQueries):
             total += len(cpu_blocks) + max(0, grow)
         return total
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
+               known_keys: Sequence[BlockHash] = ()) -> None:
         """Tokens up to `num_computed_tokens` have KV: cache the newly full blocks in every group."""
         if self.caches is None:
             return
@@ -232,8 +236,8 @@ class HybridBlockManager(PoolQueries):
         num_full = num_computed_tokens // self.block_size
         if num_full <= len(keys):
             return
-        new_keys = hash_blocks(token_ids[len(keys) * self.block_size:num_full * self.block_size],
-                               self.block_size, keys[-1] if keys else None)
+        new_keys = block_keys(token_ids[:num_full * self.block_size], self.block_size, known_keys, len(keys),
+                              keys[-1] if keys else None)
         for table, cache in zip(self._tables[seq_id], self.caches):
             for offset, key in enumerate(new_keys):
                 index = len(keys) + offset

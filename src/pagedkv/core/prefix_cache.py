@@ -18,6 +18,7 @@ dropped, back to the free list) only when the allocator runs short.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -43,6 +44,21 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
     return keys
 
 
+def block_keys(token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = (), start: int = 0,
+               parent: BlockHash | None = None) -> list[BlockHash]:
+    """Keys of full blocks `start`.. of `token_ids`, chained from `parent` (the key of block start - 1).
+
+    Keys in `known` (those of the leading blocks, hashed once by whoever saw the prompt first,
+    such as a router) are reused rather than hashed again; the rest are hashed.
+    """
+    num_full = len(token_ids) // block_size
+    reused = list(known[start:num_full])
+    if reused:
+        parent = reused[-1]
+    first_new = start + len(reused)
+    return reused + hash_blocks(token_ids[first_new * block_size:num_full * block_size], block_size, parent)
+
+
 class PrefixCache:
     """Maps block keys to physical blocks; holds one reference per cached block."""
 
@@ -55,6 +71,10 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_queries = 0  # blocks looked up
         self.num_hits = 0  # blocks found
+
+    def recent_keys(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` keys of cached blocks, the most recently cached first (what a replica tells routers)."""
+        return list(itertools.islice(reversed(self._block_of), limit))
 
     @property
     def num_cached(self) -> int:

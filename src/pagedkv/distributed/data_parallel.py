@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.reduction import ForkingPickler
 
 from pagedkv.distributed.output_deltas import DeltaDecoder, DeltaEncoder
-from pagedkv.distributed.router import Router, RouterConfig
+from pagedkv.distributed.router import Router, RouterConfig, RoutingPolicy
 from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
@@ -97,9 +97,9 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
                 break
             if command == "add":
                 consumed += 1
-                request_id, prompt, params, priority = payload
+                request_id, prompt, params, priority, block_hashes = payload
                 try:
-                    engine.add_request(request_id, prompt, params, priority)
+                    engine.add_request(request_id, prompt, params, priority, block_hashes=block_hashes)
                 except PagedKVError as error:
                     send(("rejected", (request_id, f"{type(error).__name__}: {error}")))
             elif command == "abort":
@@ -273,6 +273,7 @@ class DataParallelEngine:
             self.replicas[-1].start_sender(index)
         atexit.register(self.shutdown)
         self.router = Router([r.view for r in self.replicas], router_config)
+        self._hashes_prompts = router_config.policy is RoutingPolicy.PREFIX
         self.max_model_len = min(r.info["max_model_len"] for r in self.replicas)
         self._fits = Scheduler(self.replicas[0].info["scheduler_config"])  # bookkeeping only: admission checks
         self._request_replica: dict[str, int] = {}
@@ -323,12 +324,15 @@ class DataParallelEngine:
         alive = [i for i, r in enumerate(self.replicas) if r.process.is_alive()]
         if not alive:
             raise EngineDeadError("every data-parallel replica has died")
+        # Hashed once, here: the router matches on these keys and the replica's engine reuses them.
+        block_hashes = self.router.prompt_block_hashes(token_ids) if self._hashes_prompts else None
         try:  # pickled before routing: a request that cannot travel changes no state
-            message = _pickled(("add", (request_id, prompt, params, priority)))
+            message = _pickled(("add", (request_id, prompt, params, priority, block_hashes)))
         except Exception as error:  # noqa: BLE001 - pickling: anything a custom object's reducer raises
             raise InvalidArgumentError(f"request {request_id!r} cannot be sent to a replica process: "
                                        f"{type(error).__name__}: {error}") from error
-        decision = self.router.route(token_ids, exclude=[i for i in range(len(self.replicas)) if i not in alive])
+        decision = self.router.route(token_ids, exclude=[i for i in range(len(self.replicas)) if i not in alive],
+                                     block_hashes=block_hashes)
         replica = self.replicas[decision.replica]
         replica.outbox.put(message)
         replica.view.sent += 1
@@ -431,7 +435,7 @@ class DataParallelEngine:
                 else:
                     replica.take(message)  # outputs that came first wait for the next step()
             per_replica.append(found)
-        return _DPStats(per_replica)
+        return ReplicaStatsSum(per_replica)
 
     def latest_stats(self):
         """The replicas' stats as each last pushed them (after a step, every 50 ms at most, and on going idle).
@@ -444,7 +448,7 @@ class DataParallelEngine:
             self._drain(replica)
         if any(r.latest_stats is None and r.process.is_alive() for r in self.replicas):
             return self.stats()
-        return _DPStats([r.latest_stats if r.process.is_alive() else None for r in self.replicas])
+        return ReplicaStatsSum([r.latest_stats if r.process.is_alive() else None for r in self.replicas])
 
     def health(self) -> list[dict]:
         """Per replica: alive or not, its device, and its load."""
@@ -473,7 +477,7 @@ class DataParallelEngine:
                 process.join(timeout=5)
 
 
-class _DPStats:
+class ReplicaStatsSum:
     """Summed engine stats with `as_dict()` like `EngineStats`, plus each replica's own."""
 
     def __init__(self, per_replica: list[dict | None]):

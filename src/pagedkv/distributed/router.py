@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,6 +57,12 @@ from pagedkv.errors import ConfigError, PagedKVError, require_positive_int
 
 DEFAULT_BALANCE_THRESHOLD = 32
 DEFAULT_MAX_REMEMBERED_BLOCKS = 1 << 16
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Keys of a prompt's blocks that could hit the prefix cache (see `Router.prompt_block_hashes`)."""
+    num_blocks = max(0, len(token_ids) - 1) // block_size
+    return hash_blocks(token_ids[:num_blocks * block_size], block_size)
 
 
 class NoReplicaAvailableError(PagedKVError):
@@ -148,7 +154,7 @@ class RouterConfig:
 class RouteDecision:
     """Where a request went and why."""
 
-    replica: int
+    replica: Hashable  # an index for `Router.route`, the caller's key for `Router.choose`
     num_prompt_blocks: int  # prompt blocks that could hit (all full blocks but the last token's)
     num_matched_blocks: int  # of those, the chosen replica's match (cached or remembered)
     reason: str  # "prefix", "least_loaded" (tie, miss or policy), "balance" (guard overrode), "round_robin"
@@ -165,20 +171,31 @@ class RouterStats:
 
 
 class Router:
-    """Chooses a replica for each request; safe to call from several threads."""
+    """Chooses a replica for each request; safe to call from several threads.
 
-    def __init__(self, replicas: Sequence[Replica], config: RouterConfig = RouterConfig()):
-        require_positive_int("replicas", len(replicas))
-        block_sizes = sorted({replica.block_size for replica in replicas})
-        if len(block_sizes) > 1:
-            raise ConfigError(f"replicas must share one block size to share block hashes, got {block_sizes}")
+    Two entry points over one policy: `route` for a fixed list of replicas named by index (the
+    in-process data-parallel engine, the cluster simulator), and `choose` for replicas named by
+    any sortable key that come and go (the Ray Serve request router, whose replicas restart and
+    autoscale). Both take the prompt's block hashes when the caller already has them, so a
+    prompt is hashed once on its way to a replica.
+    """
+
+    def __init__(self, replicas: Sequence[Replica], config: RouterConfig = RouterConfig(),
+                 block_size: int | None = None):
+        if block_size is None:
+            require_positive_int("replicas", len(replicas))
+            block_sizes = sorted({replica.block_size for replica in replicas})
+            if len(block_sizes) > 1:
+                raise ConfigError(f"replicas must share one block size to share block hashes, got {block_sizes}")
+            block_size = block_sizes[0]
+        require_positive_int("block_size", block_size)
         self.replicas = list(replicas)
         self.config = config
-        self.block_size = block_sizes[0]
+        self.block_size = block_size
         self.stats = RouterStats(num_per_replica=[0] * len(replicas))
         self._lock = threading.Lock()
-        self._next_round_robin = 0
-        self._remembered: OrderedDict[BlockHash, int] = OrderedDict()  # block key -> replica last sent it
+        self._last_round_robin: Hashable | None = None
+        self._remembered: OrderedDict[BlockHash, Hashable] = OrderedDict()  # block key -> replica last sent it
 
     @property
     def num_replicas(self) -> int:
@@ -188,79 +205,91 @@ class Router:
         """Keys of the prompt blocks that could hit: every full block that leaves the last token to compute.
 
         The same keys, and the same cap, as `KVBlockManager.match_prefix`: the model must run
-        on the last prompt token, so a prompt of exactly k blocks can hit k - 1 of them.
+        on the last prompt token, so a prompt of exactly k blocks can hit k - 1 of them. An
+        engine given these keys with the prompt (`add_request(block_hashes=...)`) reuses them.
         """
-        num_blocks = max(0, len(token_ids) - 1) // self.block_size
-        return hash_blocks(token_ids[:num_blocks * self.block_size], self.block_size)
+        return prompt_block_hashes(token_ids, self.block_size)
 
-    def route(self, token_ids: Sequence[int], exclude: Collection[int] = ()) -> RouteDecision:
-        """Pick a replica for a prompt, skipping the replica indices in `exclude`.
+    def route(self, token_ids: Sequence[int], exclude: Collection[int] = (),
+              block_hashes: Sequence[BlockHash] | None = None) -> RouteDecision:
+        """Pick a replica (by index) for a prompt, skipping the replica indices in `exclude`.
 
+        `block_hashes`, when given, are `prompt_block_hashes(token_ids)` computed by the caller.
         Raises `NoReplicaAvailableError` (no state changes) when every replica is excluded.
         """
-        policy = self.config.policy
-        keys = self.prompt_block_hashes(token_ids) if policy is RoutingPolicy.PREFIX else []
+        num_replicas = len(self.replicas)
+        candidates = [i for i in range(num_replicas) if i not in exclude]
+        if not candidates:
+            raise NoReplicaAvailableError(f"all {num_replicas} replicas are excluded")
+        decision = self.choose({i: self.replicas[i] for i in candidates}, token_ids, block_hashes)
         with self._lock:
-            num_replicas = len(self.replicas)
-            candidates = [i for i in range(num_replicas) if i not in exclude] if exclude else range(num_replicas)
-            if not candidates:
-                raise NoReplicaAvailableError(f"all {num_replicas} replicas are excluded")
+            self.stats.num_per_replica[decision.replica] += 1
+        return decision
+
+    def choose(self, replicas: Mapping[Hashable, Replica], token_ids: Sequence[int] = (),
+               block_hashes: Sequence[BlockHash] | None = None) -> RouteDecision:
+        """Pick one of `replicas` (keyed by any sortable id) for a prompt; the decision names its key.
+
+        Pass `token_ids`, or `block_hashes` (`prompt_block_hashes` of the prompt) when already
+        computed. Raises `NoReplicaAvailableError` when `replicas` is empty.
+        """
+        if not replicas:
+            raise NoReplicaAvailableError("no replica is available")
+        policy = self.config.policy
+        keys: Sequence[BlockHash] = []
+        if policy is RoutingPolicy.PREFIX:
+            keys = block_hashes if block_hashes is not None else self.prompt_block_hashes(token_ids)
+        with self._lock:
             if policy is RoutingPolicy.ROUND_ROBIN:
-                decision = self._round_robin(candidates)
+                decision = self._round_robin(replicas)
             elif policy is RoutingPolicy.LEAST_LOADED:
-                decision = RouteDecision(self._least_loaded(candidates), 0, 0, "least_loaded")
+                decision = RouteDecision(self._least_loaded(replicas, list(replicas)), 0, 0, "least_loaded")
             else:
-                decision = self._by_prefix(keys, candidates)
+                decision = self._by_prefix(keys, replicas)
                 self._remember(keys, decision.replica)
             self.stats.num_routed += 1
             self.stats.num_prefix += decision.reason == "prefix"
             self.stats.num_balanced += decision.reason == "balance"
-            self.stats.num_per_replica[decision.replica] += 1
             return decision
 
     # ------------------------------------------------------------------ policies
-    def _load_key(self, index: int) -> tuple[int, int, int]:
-        replica = self.replicas[index]
-        return (replica.num_waiting, -replica.num_free_blocks, index)
+    @staticmethod
+    def _least_loaded(replicas: Mapping[Hashable, Replica], candidates: Sequence[Hashable]) -> Hashable:
+        # Fewest waiting, then most free blocks, then the lowest key.
+        return min(candidates, key=lambda k: (replicas[k].num_waiting, -replicas[k].num_free_blocks, k))
 
-    def _num_in_flight(self, index: int) -> int:
-        replica = self.replicas[index]
-        return replica.num_waiting + replica.num_running
+    def _round_robin(self, replicas: Mapping[Hashable, Replica]) -> RouteDecision:
+        # The next key after the last one chosen (cyclically), so an absent replica is skipped, not retried.
+        ordered = sorted(replicas)
+        last = self._last_round_robin
+        key = next((k for k in ordered if last is not None and _after(k, last)), ordered[0])
+        self._last_round_robin = key
+        return RouteDecision(key, 0, 0, "round_robin")
 
-    def _least_loaded(self, candidates: Sequence[int]) -> int:
-        return min(candidates, key=self._load_key)
-
-    def _round_robin(self, candidates: Sequence[int]) -> RouteDecision:
-        # The next replica at or after the position, so an excluded one is skipped, not retried.
-        start = self._next_round_robin
-        num_replicas = len(self.replicas)
-        index = start if len(candidates) == num_replicas else min(candidates, key=lambda i: (i - start) % num_replicas)
-        self._next_round_robin = (index + 1) % num_replicas
-        return RouteDecision(index, 0, 0, "round_robin")
-
-    def _by_prefix(self, keys: Sequence[BlockHash], candidates: Sequence[int]) -> RouteDecision:
-        matched = {i: self.replicas[i].num_cached_blocks(keys) for i in candidates} if keys else {}
+    def _by_prefix(self, keys: Sequence[BlockHash], replicas: Mapping[Hashable, Replica]) -> RouteDecision:
+        candidates = list(replicas)
+        matched = {k: replicas[k].num_cached_blocks(keys) for k in candidates} if keys else {}
         if keys:
             owner, num_remembered = self._remembered_prefix(keys)
             if owner in matched:
                 matched[owner] = max(matched[owner], num_remembered)
         best = max(matched.values(), default=0)
         if best == 0:
-            return RouteDecision(self._least_loaded(candidates), len(keys), 0, "least_loaded")
+            return RouteDecision(self._least_loaded(replicas, candidates), len(keys), 0, "least_loaded")
         threshold = self.config.balance_threshold
-        eligible = list(candidates)
+        eligible = candidates
         if threshold is not None:
-            in_flight = {i: self._num_in_flight(i) for i in candidates}
+            in_flight = {k: replicas[k].num_waiting + replicas[k].num_running for k in candidates}
             limit = min(in_flight.values()) + threshold
-            eligible = [i for i in candidates if in_flight[i] <= limit]
-        top = max(matched[i] for i in eligible)
+            eligible = [k for k in candidates if in_flight[k] <= limit]
+        top = max(matched[k] for k in eligible)
         if top == 0:
-            return RouteDecision(self._least_loaded(eligible), len(keys), 0, "balance")
-        index = self._least_loaded([i for i in eligible if matched[i] == top])
-        return RouteDecision(index, len(keys), top, "prefix" if top == best else "balance")
+            return RouteDecision(self._least_loaded(replicas, eligible), len(keys), 0, "balance")
+        key = self._least_loaded(replicas, [k for k in eligible if matched[k] == top])
+        return RouteDecision(key, len(keys), top, "prefix" if top == best else "balance")
 
     # ------------------------------------------------------------------ memory of decisions
-    def _remembered_prefix(self, keys: Sequence[BlockHash]) -> tuple[int | None, int]:
+    def _remembered_prefix(self, keys: Sequence[BlockHash]) -> tuple[Hashable | None, int]:
         """The replica the router last sent the first block to, and how many leading blocks it sent there."""
         owner = self._remembered.get(keys[0])
         if owner is None:
@@ -272,7 +301,7 @@ class Router:
             count += 1
         return owner, count
 
-    def _remember(self, keys: Sequence[BlockHash], replica: int) -> None:
+    def _remember(self, keys: Sequence[BlockHash], replica: Hashable) -> None:
         capacity = self.config.max_remembered_blocks
         if capacity == 0:
             return
@@ -284,6 +313,10 @@ class Router:
             remembered.popitem(last=False)
 
 
+def _after(key: Hashable, last: Hashable) -> bool:
+    return key > last  # type: ignore[operator]  # replica keys are ints or strings
+
+
 __all__: Sequence[str] = [
     "NoReplicaAvailableError",
     "Replica",
@@ -293,4 +326,5 @@ __all__: Sequence[str] = [
     "RouterStats",
     "RoutingPolicy",
     "SchedulerReplica",
+    "prompt_block_hashes",
 ]

@@ -149,8 +149,13 @@ class LLMEngine:
         return chat_token_ids(self.tokenizer, messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
-        """Queue a request. Raises (and queues nothing) if it is malformed or could never fit."""
+                    priority: int = 0, block_hashes: list[bytes] | None = None) -> None:
+        """Queue a request. Raises (and queues nothing) if it is malformed or could never fit.
+
+        `block_hashes`: prefix-cache keys of the prompt's leading full blocks as a router computed
+        them (`Router.prompt_block_hashes`), reused instead of hashing the prompt again. Trusted:
+        only pagedkv's own routers pass them.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -159,8 +164,10 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         params.check_token_ids(self.vocab_size)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
+        if block_hashes is not None and not all(isinstance(key, bytes) for key in block_hashes):
+            raise InvalidArgumentError(f"block_hashes must be a list of bytes keys, got {type(block_hashes).__name__}")
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, next(self._arrivals), priority=priority,
-                       seed=seed)
+                       seed=seed, block_hashes=list(block_hashes or ()))
         self.scheduler.add(seq)
         self.output_processor.add(Request(request_id, text, token_ids, params, [seq], time.perf_counter()))
 

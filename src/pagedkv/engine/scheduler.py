@@ -38,6 +38,7 @@ from pagedkv.core.block_table import BlockCopy, num_blocks_for
 from pagedkv.core.hybrid_block_manager import HybridBlockManager
 from pagedkv.core.kv_groups import KVLayout
 from pagedkv.core.kv_tiers import TierCopies
+from pagedkv.core.prefix_cache import block_keys
 from pagedkv.engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from pagedkv.errors import ConfigError, RequestRejectedError, SchedulerStallError, require_positive_int
 
@@ -461,7 +462,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished while the step ran
             seq.num_computed_tokens = item.end
-            bm.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index))
+            bm.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index),
+                      seq.block_hashes)
             if self._has_windows:
                 bm.release_out_of_window(seq.seq_id, item.end)
             if item.end != seq.num_tokens:
@@ -513,7 +515,8 @@ class Scheduler:
         seq.token_ids[index] = token
         seq.num_pending -= 1
         if seq.status is SequenceStatus.RUNNING:
-            self.block_manager.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index))
+            self.block_manager.commit(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.first_pending_index),
+                                      seq.block_hashes)
         stop = self._token_stop(seq, token, index)
         if stop is None:
             return finished
@@ -579,12 +582,15 @@ class Scheduler:
         reserve = cfg.max_model_len if cfg.reservation == "naive" else None
         if reserve is None and bm.prefetch(seq.token_ids):
             return None  # its prefix is being loaded from disk: admitted once it is in host memory
-        new_blocks = bm.blocks_to_admit(seq.token_ids, reserve)
+        if bm.prefix_cache is not None and len(seq.block_hashes) < seq.first_pending_index // cfg.block_size:
+            # Hashed once per sequence (or never, when the router sent the keys), not per admission attempt.
+            seq.block_hashes = block_keys(seq.token_ids[:seq.first_pending_index], cfg.block_size, seq.block_hashes)
+        new_blocks = bm.blocks_to_admit(seq.token_ids, reserve, seq.block_hashes)
         # Alone in the pool, a request may use the reserve: holding it back could only stall.
         watermark = cfg.watermark if self.running or self.swapped else 0.0
         if not bm.can_admit(new_blocks, watermark):
             return None
-        num_cached = bm.admit(seq.seq_id, seq.token_ids, reserve)
+        num_cached = bm.admit(seq.seq_id, seq.token_ids, reserve, seq.block_hashes)
         num_new = seq.num_tokens - num_cached
         if bm.is_restoring(seq.seq_id):
             num_new = 0  # it waits for its restored blocks (see the module docstring)

@@ -59,6 +59,9 @@ class Sequence:
     num_preemptions: int = 0
     seed: int = 0  # the request's 64-bit sampling-stream seed (its own, or one the engine drew for it)
     num_pending: int = 0  # trailing PENDING_TOKENs: sampled by steps whose results have not come back
+    # Prefix-cache keys of its leading full blocks (`prefix_cache.block_keys`): sent by the router that
+    # hashed the prompt, or computed at the first admission attempt, then reused rather than re-hashed.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -148,6 +148,7 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     arrival_s: float
+    block_hashes: list[bytes] | None = None
 
 
 @dataclass
@@ -184,6 +185,9 @@ class AsyncEngine:
         self._num_waiting = 0
         self._num_failed_steps = 0  # in a row
         self._thread: threading.Thread | None = None
+        # An engine whose step() waits for outputs from elsewhere (`RayEngineClient`) offers `wake()`,
+        # so a command queued meanwhile is taken at once rather than after that wait.
+        self._wake = getattr(engine, "wake", None)
         self.num_iterations = 0  # loop turns; an idle server adds none (it sleeps on the queue)
 
     # ------------------------------------------------------------------ handler side
@@ -236,12 +240,13 @@ class AsyncEngine:
             self._thread.join(timeout_s)
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, stream: RequestStream,
-                    arrival_s: float | None = None) -> None:
+                    arrival_s: float | None = None, block_hashes: list[bytes] | None = None) -> None:
         """Queue a validated request; its outputs go to `stream`.
 
+        `block_hashes` (the prompt's prefix-cache keys, from a router) go to `LLMEngine.add_request`.
         Raises `ShuttingDownError` while draining, `EngineDeadError` if the loop died.
         """
-        self._put(_Add(request_id, token_ids, params, stream, arrival_s or time.perf_counter()))
+        self._put(_Add(request_id, token_ids, params, stream, arrival_s or time.perf_counter(), block_hashes))
 
     def abort(self, request_id: str) -> None:
         """Abort a request; the engine thread frees its blocks before its next step. Idempotent."""
@@ -266,6 +271,8 @@ class AsyncEngine:
                     raise ShuttingDownError("the server is shutting down")
                 self._num_waiting += 1
             self._commands.put(command)
+        if self._wake is not None:
+            self._wake()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -325,7 +332,11 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.token_ids, command.params)
+            if command.block_hashes is None:
+                self.engine.add_request(command.request_id, command.token_ids, command.params)
+            else:
+                self.engine.add_request(command.request_id, command.token_ids, command.params,
+                                        block_hashes=command.block_hashes)
         except PagedKVError as error:  # the handler validated it; the engine still refused it
             failure = RequestFailedError(str(error), 400, code="invalid_request", request_id=command.request_id)
         except Exception as error:  # noqa: BLE001 - this request fails, the loop goes on

@@ -22,6 +22,7 @@ import os
 import socket
 
 from pagedkv.cli import ArgumentParser, add_engine_arguments, offload_options, parse_memory, parse_size
+from pagedkv.distributed.router import RouterConfig, RoutingPolicy
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError
 from pagedkv.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
@@ -97,6 +98,21 @@ def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
     engine.add_argument("--engine-process", action="store_true",
                         help="run the engine in a process of its own, so the HTTP event loop and the engine's "
                              "step loop do not share one interpreter lock (implied by --data-parallel-size > 1)")
+    engine.add_argument("--routing", default="prefix", choices=[p.value for p in RoutingPolicy],
+                        help="how a request picks its replica, with --data-parallel-size or --ray "
+                             "(default %(default)s: the replica holding the longest cached prefix)")
+    ray = parser.add_argument_group("Ray (replicas over a cluster: docs/multi-node.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: one engine replica per GPU (or TP group) anywhere in the cluster")
+    ray.add_argument("--address", default=None,
+                     help="Ray cluster to join: auto (the one this machine belongs to) or HOST:PORT "
+                          "(default: start a Ray instance on this machine)")
+    ray.add_argument("--min-replicas", type=int, default=1, help="fewest engine replicas (default %(default)s)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="most engine replicas; above --min-replicas, Ray Serve autoscales on requests in flight "
+                          "(default: --min-replicas)")
+    ray.add_argument("--target-ongoing-requests", type=float, default=64.0,
+                     help="requests in flight per replica that autoscaling aims at (default %(default)s)")
     return parser
 
 
@@ -183,6 +199,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config(args)  # validate the flags before loading anything
     options = server_config(args)
+    if args.ray:  # `pagedkv serve --ray` is dispatched to pagedkv.deploy.cli before it gets here
+        raise ConfigError("spell out --ray in full (pagedkv serve ... --ray)")
     sock = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
     try:
         from pagedkv.engine.engine import LLMEngine
@@ -191,7 +209,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
         if args.data_parallel_size > 1 or args.engine_process:
             from pagedkv.distributed.data_parallel import DataParallelEngine
 
-            engine = DataParallelEngine(config, args.data_parallel_size)
+            engine = DataParallelEngine(config, args.data_parallel_size, router_config=RouterConfig(args.routing))
         else:
             engine = LLMEngine(config)
         name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME

@@ -1,0 +1,193 @@
+"""The Ray Serve application: `pagedkv serve`'s HTTP app in front of engine replicas spread over a Ray cluster.
+
+    client ─HTTP─► Serve proxy ─► Ingress replica: create_app(RayEngineClient)  (routes, validation, auth, metrics)
+                                     │ handle.generate (streaming), routed by PagedKVRequestRouter
+                                     ▼
+                   EngineReplica × N (one engine each: one GPU, or a TP group packed on one node)
+
+Two deployments. The ingress wraps, rather than copies, the FastAPI app `pagedkv serve` builds
+(`serve.ingress` around `create_app`), so routes, validation, auth, 4xx bodies, streaming and
+/metrics are the same code; its engine is a `RayEngineClient`. The engine deployment's replicas
+each run one `LLMEngine` (`EngineReplica`); `PagedKVRequestRouter` picks one per request with
+pagedkv's routing policy. Replica counts are fixed (`min_replicas == max_replicas`) or follow
+Ray Serve's autoscaling on ongoing requests per replica.
+
+A tensor-parallel replica's workers are its own child processes, so all its GPUs must be visible
+to the replica's actor: the replica reserves one placement-group bundle of `tensor_parallel_size`
+GPUs with the `STRICT_PACK` strategy, which keeps the group on one node (NVLink) and lets
+replicas land on any node with that many free GPUs.
+
+    from pagedkv.deploy.ray_serve import build_app
+    serve.run(build_app(EngineConfig(model="Qwen/Qwen3-0.6B"), RayServeConfig(max_replicas=4)))
+
+or `serve run pagedkv.deploy.ray_serve:app` (the embedded model with the defaults), or
+`serve run pagedkv.deploy.cli:build model=M max-replicas=4` (any `pagedkv serve` flags; a
+KubeRay RayService passes them the same way), or `pagedkv serve --ray` (`pagedkv.deploy.cli`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagedkv.distributed.router import DEFAULT_BALANCE_THRESHOLD, RoutingPolicy
+from pagedkv.engine.config import EngineConfig
+from pagedkv.errors import ConfigError, require_positive_int
+from pagedkv.server.config import ServerConfig
+
+ENGINE_DEPLOYMENT = "PagedKVEngine"
+INGRESS_DEPLOYMENT = "PagedKVIngress"
+DEFAULT_APP_NAME = "pagedkv"
+
+
+@dataclass(frozen=True)
+class RayServeConfig:
+    """How the engine deployment is laid out on the cluster, routed and scaled.
+
+    `min_replicas == max_replicas` fixes the count; otherwise Ray Serve autoscales between them,
+    aiming at `target_ongoing_requests` per replica (requests in flight, waiting or running),
+    after the load has held for `upscale_delay_s` (up) or `downscale_delay_s` (down).
+    `max_ongoing_requests` caps what one replica is sent at once; an engine batches hundreds,
+    so it is high. `routing_stats_period_s` is how often each replica's queues reach the routers.
+    `cpus_per_replica` is the CPU share Ray reserves per engine replica (GPUs follow the engine
+    config: one, or `tensor_parallel_size`, on CUDA; none on CPU).
+    """
+
+    routing: RoutingPolicy | str = RoutingPolicy.PREFIX
+    balance_threshold: int | None = DEFAULT_BALANCE_THRESHOLD
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 64.0
+    max_ongoing_requests: int = 1024
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    routing_stats_period_s: float = 0.5
+    cpus_per_replica: float = 1.0
+    ingress_cpus: float = 1.0
+    max_attempts: int = 3  # calls per request when its replica fails before the first output
+    health_check_period_s: float = 2.0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "routing", RoutingPolicy(self.routing))
+        except ValueError:
+            raise ConfigError(f"routing must be one of {', '.join(p.value for p in RoutingPolicy)}; "
+                              f"got {self.routing!r}") from None
+        require_positive_int("min_replicas", self.min_replicas, allow_zero=True)
+        require_positive_int("max_replicas", self.max_replicas)
+        if self.min_replicas > self.max_replicas:
+            raise ConfigError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        require_positive_int("max_ongoing_requests", self.max_ongoing_requests)
+        require_positive_int("max_attempts", self.max_attempts)
+        for name in ("target_ongoing_requests", "routing_stats_period_s", "health_check_period_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        for name in ("upscale_delay_s", "downscale_delay_s", "cpus_per_replica", "ingress_cpus"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+
+    @property
+    def autoscales(self) -> bool:
+        return self.min_replicas != self.max_replicas
+
+
+def replica_resources(engine: EngineConfig, ray_config: RayServeConfig) -> dict:
+    """The engine deployment's Ray resource options: actor CPUs and GPUs, and the STRICT_PACK bundle for TP."""
+    on_gpu = engine.device != "cpu" and (engine.device is not None or _cuda_available())
+    num_gpus = engine.tensor_parallel_size if on_gpu else 0
+    options: dict = {"ray_actor_options": {"num_cpus": ray_config.cpus_per_replica, "num_gpus": num_gpus}}
+    if num_gpus > 1:
+        # NOTE: one bundle holding every GPU of the group: the TP workers are the replica's child
+        # processes and must see all of them; STRICT_PACK keeps the group on one node.
+        options["placement_group_bundles"] = [{"CPU": ray_config.cpus_per_replica, "GPU": num_gpus}]
+        options["placement_group_strategy"] = "STRICT_PACK"
+    return options
+
+
+def _cuda_available() -> bool:
+    # Decided where the app is built. A CPU-only head driving GPU workers passes --device cuda.
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def engine_deployment(engine: EngineConfig, ray_config: RayServeConfig):
+    """The engine deployment (`EngineReplica` per replica, routed by `PagedKVRequestRouter`)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from pagedkv.deploy.replica import EngineReplica
+
+    router = RequestRouterConfig(
+        request_router_class="pagedkv.deploy.request_router.PagedKVRequestRouter",
+        request_router_kwargs={"policy": ray_config.routing.value, "block_size": engine.block_size,
+                               "balance_threshold": ray_config.balance_threshold},
+        request_routing_stats_period_s=ray_config.routing_stats_period_s)
+    options = dict(name=ENGINE_DEPLOYMENT, max_ongoing_requests=ray_config.max_ongoing_requests,
+                   request_router_config=router, health_check_period_s=ray_config.health_check_period_s,
+                   **replica_resources(engine, ray_config))
+    if ray_config.autoscales:
+        options["autoscaling_config"] = {
+            "min_replicas": ray_config.min_replicas, "max_replicas": ray_config.max_replicas,
+            "initial_replicas": max(1, ray_config.min_replicas),
+            "target_ongoing_requests": ray_config.target_ongoing_requests,
+            "upscale_delay_s": ray_config.upscale_delay_s, "downscale_delay_s": ray_config.downscale_delay_s,
+            "metrics_interval_s": min(1.0, ray_config.upscale_delay_s or 1.0),
+            "look_back_period_s": max(1.0, min(10.0, ray_config.upscale_delay_s or 1.0))}
+    else:
+        options["num_replicas"] = ray_config.max_replicas
+    return serve.deployment(EngineReplica).options(**options)
+
+
+class Ingress:
+    """The ingress replica: `create_app` over a `RayEngineClient` (`serve.ingress` wraps it in `build_app`)."""
+
+    async def __init__(self, engine_handle, model: str | None, served_model_name: str, server_config: ServerConfig,
+                   routing: str, max_attempts: int):
+        import asyncio
+
+        from pagedkv.deploy.ray_client import RayEngineClient
+        from pagedkv.models.loader import load_tokenizer
+        from pagedkv.server.app import create_app
+
+        info = await engine_handle.describe.remote()
+        tokenizer = await asyncio.to_thread(load_tokenizer, model)
+        self._client = RayEngineClient(engine_handle, info, tokenizer, routing, max_attempts)
+        self._app = create_app(self._client, served_model_name, config=server_config)
+
+    def __serve_build_asgi_app__(self):
+        return self._app
+
+    def __del__(self):
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.shutdown()
+
+
+def build_app(engine: EngineConfig = EngineConfig(), ray_config: RayServeConfig = RayServeConfig(),
+              server_config: ServerConfig = ServerConfig(), served_model_name: str | None = None):
+    """The Serve application (pass it to `serve.run`): the ingress bound to the engine deployment."""
+    from ray import serve
+
+    from pagedkv.server.app import DEFAULT_SERVED_MODEL_NAME
+
+    name = served_model_name or engine.model or DEFAULT_SERVED_MODEL_NAME
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(
+        name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": ray_config.ingress_cpus},
+        max_ongoing_requests=ray_config.max_ongoing_requests)
+    engines = engine_deployment(engine, ray_config).bind(engine)
+    return ingress.bind(engines, engine.model, name, server_config, ray_config.routing.value,
+                        ray_config.max_attempts)
+
+
+def __getattr__(name: str):
+    # `serve run pagedkv.deploy.ray_serve:app`: the embedded model with the defaults, built on first use
+    # (not at import, so importing this module starts nothing).
+    if name == "app":
+        return build_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

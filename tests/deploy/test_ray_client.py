@@ -1,0 +1,160 @@
+"""`RayEngineClient` over a scripted handle (no cluster): retries before the first output, fails after it, aborts."""
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.exceptions import ActorDiedError  # noqa: E402
+
+from pagedkv.deploy.ray_client import RayEngineClient  # noqa: E402
+from pagedkv.deploy.replica import Load  # noqa: E402
+from pagedkv.distributed.output_deltas import DeltaEncoder  # noqa: E402
+from pagedkv.distributed.router import prompt_block_hashes  # noqa: E402
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
+from pagedkv.engine.scheduler import SchedulerConfig  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+INFO = {"max_model_len": 64, "vocab_size": 512, "block_size": 4, "replica": "r0",
+        "scheduler_config": SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64),
+        "stats": {"num_blocks": 64, "num_used_blocks": 0, "block_size": 4, "tokens_per_second": 0.0}}
+
+
+def _output(request_id: str, tokens: list[int], finished: bool) -> RequestOutput:
+    return RequestOutput(request_id, None, [1, 2, 3], [CompletionOutput(0, "", tokens, "length" if finished else None)],
+                         finished)
+
+
+class _Call:
+    """One scripted streaming call: yields `script` items (messages, or an exception to raise), then ends."""
+
+    def __init__(self, script):
+        self.script = script
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            if item == "hang":
+                import asyncio
+
+                await asyncio.sleep(3600)
+            yield item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    """A deployment handle whose `generate.remote` calls play `scripts` in turn, recording their arguments."""
+
+    app_name, deployment_name = "app", "engine"
+
+    def __init__(self, scripts):
+        self.scripts = list(scripts)
+        self.calls: list[tuple] = []
+        self.generate = self
+
+    def options(self, stream: bool):
+        assert stream
+        return self
+
+    def remote(self, *args, **kwargs):
+        call = _Call(self.scripts.pop(0))
+        self.calls.append((args, kwargs, call))
+        return call
+
+
+def _messages(request_id: str, num_tokens: int) -> list:
+    encoder = DeltaEncoder()
+    load = Load("r1", "n1", 0, 1, 60, None)
+    return [("output", encoder.encode(_output(request_id, list(range(5, 5 + k)), k == num_tokens)), load)
+            for k in range(1, num_tokens + 1)]
+
+
+def _drain(client, until_s: float = 10.0) -> list[RequestOutput]:
+    outputs, deadline = [], time.monotonic() + until_s
+    while client.has_unfinished_requests() and time.monotonic() < deadline:
+        outputs += client.step()
+    return outputs
+
+
+def test_a_replica_that_dies_before_the_first_output_is_retried_and_the_prompt_hashed_once():
+    handle = _Handle([[ActorDiedError()], _messages("a", 3)])
+    client = RayEngineClient(handle, INFO, None, max_attempts=3)
+    try:
+        prompt = list(range(10, 23))
+        client.add_request("a", prompt, SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert [o.outputs[0].token_ids for o in outputs][-1] == [5, 6, 7] and outputs[-1].error is None
+        assert len(handle.calls) == 2  # the first replica failed; the second served it
+        for args, kwargs, _ in handle.calls:
+            assert args[1] == prompt and kwargs["block_hashes"] == prompt_block_hashes(prompt, 4)
+        assert client.queue_sizes().num_running == 1  # the load the replica's last output carried
+    finally:
+        client.shutdown()
+
+
+def test_a_replica_that_dies_mid_stream_fails_the_request_without_a_retry():
+    handle = _Handle([_messages("a", 3)[:1] + [ActorDiedError()], _messages("a", 3)])
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert outputs[0].outputs[0].token_ids == [5]
+        assert outputs[-1].finished and "failed" in outputs[-1].error
+        assert len(handle.calls) == 1  # the client had a token already: a retry would repeat it
+    finally:
+        client.shutdown()
+
+
+def test_retries_end_after_max_attempts():
+    handle = _Handle([[ActorDiedError()], [ActorDiedError()]])
+    client = RayEngineClient(handle, INFO, None, max_attempts=2)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert len(outputs) == 1 and outputs[0].finished and outputs[0].error
+        assert len(handle.calls) == 2
+    finally:
+        client.shutdown()
+
+
+def test_abort_cancels_the_call_and_drops_later_outputs():
+    handle = _Handle([_messages("a", 3)[:1] + ["hang"]])
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        deadline = time.monotonic() + 10
+        first = []
+        while not first and time.monotonic() < deadline:
+            first = client.step()
+        assert first and not first[0].finished
+        assert client.abort("a") and not client.abort("a")
+        deadline = time.monotonic() + 10
+        while not handle.calls[0][2].cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handle.calls[0][2].cancelled  # the cancellation goes on to the replica, which aborts it there
+        assert not client.has_unfinished_requests() and client.step(timeout_s=0.01) == []
+    finally:
+        client.shutdown()
+
+
+def test_bad_requests_are_refused_before_any_call():
+    handle = _Handle([])
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        with pytest.raises(Exception, match="vocab"):
+            client.add_request("a", [1, 600], SamplingParams(max_tokens=3))
+        with pytest.raises(Exception, match="64"):
+            client.add_request("b", list(range(1, 70)), SamplingParams(max_tokens=3))
+        assert handle.calls == [] and not client.has_unfinished_requests()
+    finally:
+        client.shutdown()
