@@ -41,7 +41,8 @@ FIXED = RayServeConfig(min_replicas=2, max_replicas=2, cpus_per_replica=1, ingre
 SCALING = RayServeConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
                          downscale_delay_s=2.0, cpus_per_replica=0, ingress_cpus=0, routing_stats_period_s=0.2,
                          health_check_period_s=1.0)
-BOUND_S = 60  # no client may wait longer than this, whatever fails
+BOUND_S = 120  # no client may wait longer than this, whatever fails
+WAIT_S = 240  # for Ray to restart, add or remove a replica (a replica's start loads torch and the model)
 
 
 @dataclass
@@ -74,7 +75,7 @@ def replica_stats() -> dict[str, dict]:
                                      .record_routing_stats.remote(), timeout=30) for r in running()}
 
 
-def wait_for(predicate, what: str, timeout_s: float = BOUND_S):
+def wait_for(predicate, what: str, timeout_s: float = WAIT_S):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -170,8 +171,10 @@ def _stream(url: str, body: dict, timeout_s: float = BOUND_S) -> list:
 
 REQUESTS = [
     ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "return_token_ids": True}),
+    # One alternative: the sampled token. More would compare near-ties of a random model's flat distribution,
+    # which the last bits of a matmul (another thread count, a prefix-cache hit) can reorder.
     ("/v1/completions", {"prompt": list(range(20, 45)), "max_tokens": 9, "temperature": 0, "ignore_eos": True,
-                         "logprobs": 2}),
+                         "logprobs": 1}),
     ("/v1/completions", {"prompt": [[9, 10, 11], [12, 13]], "max_tokens": 5, "temperature": 0, "n": 2,
                          "return_token_ids": True}),
 ]
@@ -323,7 +326,7 @@ def test_autoscaling_goes_up_on_a_burst_and_down_when_idle(app):
     url = f"{app.url}/{SCALING_APP}/v1/completions"
     wait_for(lambda: len(replicas(SCALING_APP)) == 1 and running(SCALING_APP), "the idle app at 1 replica")
     results: list = [None] * 8
-    threads = [threading.Thread(target=_stream_to_end, args=(url, {"prompt": [30 + i, 31, 32], "max_tokens": 400,
+    threads = [threading.Thread(target=_stream_to_end, args=(url, {"prompt": [30 + i, 31, 32], "max_tokens": 200,
                                                                    "ignore_eos": True}, results, i))
                for i in range(len(results))]
     for thread in threads:
@@ -332,6 +335,7 @@ def test_autoscaling_goes_up_on_a_burst_and_down_when_idle(app):
     wait_for(lambda: len(replicas(SCALING_APP)) == 2, "the burst to scale the app up to 2")
     for thread in threads:
         thread.join(BOUND_S)
-    assert all(isinstance(r[0], list) and r[0][-1] == "[DONE]" and "error" not in r[0][-2] for r in results)
+    for events, _ in results:
+        assert isinstance(events, list) and events[-1] == "[DONE]" and "error" not in events[-2], events
     # ... and removes it once the app has been idle for downscale_delay_s.
     wait_for(lambda: len(replicas(SCALING_APP)) == 1, "the idle app to scale back down to 1")

@@ -1,0 +1,48 @@
+"""`pagedkv serve --ray`: dispatch, flags and their checks (nothing here starts Ray)."""
+
+import pytest
+
+from pagedkv.cli import _resolve
+from pagedkv.deploy.cli import flags_to_argv, ray_config
+from pagedkv.deploy.ray_serve import RayServeConfig, replica_resources
+from pagedkv.engine.config import EngineConfig
+from pagedkv.errors import ConfigError
+from pagedkv.server.cli import build_parser
+
+
+def test_serve_with_ray_goes_to_the_ray_front_end_with_the_same_flags():
+    argv = ["random:tiny-llama", "--ray", "--address", "auto", "--min-replicas", "2", "--max-replicas", "4"]
+    module, prog, rest = _resolve(["serve", *argv])
+    assert (module, prog, rest) == ("pagedkv.deploy.cli", "pagedkv serve", argv)
+    assert _resolve(["serve", "random:tiny-llama"])[0] == "pagedkv.server.cli"
+    layout = ray_config(build_parser().parse_args(argv + ["--routing", "least_loaded"]))
+    assert (layout.min_replicas, layout.max_replicas, layout.autoscales, layout.routing.value) == \
+        (2, 4, True, "least_loaded")
+    assert not ray_config(build_parser().parse_args(["--ray", "--min-replicas", "3"])).autoscales
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--data-parallel-size", "2"], "--min-replicas"),
+    (["--engine-process"], "engine-process"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas"),
+])
+def test_flags_that_do_not_fit_ray_are_refused(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        ray_config(build_parser().parse_args(["--ray", *flags]))
+
+
+def test_a_tensor_parallel_replica_reserves_its_gpus_as_one_strict_pack_bundle():
+    layout = RayServeConfig(cpus_per_replica=2)
+    tp4 = replica_resources(EngineConfig(device="cuda", tensor_parallel_size=4), layout)
+    assert tp4["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 4}
+    assert tp4["placement_group_bundles"] == [{"CPU": 2, "GPU": 4}]
+    assert tp4["placement_group_strategy"] == "STRICT_PACK"
+    one = replica_resources(EngineConfig(device="cuda"), layout)
+    assert one == {"ray_actor_options": {"num_cpus": 2, "num_gpus": 1}}
+    assert replica_resources(EngineConfig(device="cpu"), layout)["ray_actor_options"]["num_gpus"] == 0
+
+
+def test_deployment_args_become_serve_flags():
+    argv = flags_to_argv({"model": "m", "max-replicas": 4, "protect_metrics": True, "api-key": None,
+                          "ignore-unknown-fields": False})
+    assert argv == ["m", "--max-replicas", "4", "--protect-metrics"]
