@@ -94,13 +94,25 @@ def num_started(stats: dict) -> int:
 RAY_ENV = {"RAY_worker_register_timeout_seconds": "300", "RAY_memory_monitor_refresh_ms": "0"}
 
 
+def _start_cluster(attempts: int = 3):
+    """Head and worker node. Ray gives a raylet 30 s (fixed) to register; a loaded machine may need another go."""
+    for attempt in range(attempts):
+        cluster = Cluster()
+        try:
+            cluster.add_node(num_cpus=2, include_dashboard=False)
+            return cluster, cluster.add_node(num_cpus=1)
+        except Exception:  # noqa: BLE001 - "The current node timed out during startup": retried, then raised
+            cluster.shutdown()
+            if attempt == attempts - 1:
+                raise
+
+
 @pytest.fixture(scope="module")
 def app():
     # Head: the controller, proxy, ingress (0.5 CPU) and one replica; the worker node: one replica.
     saved = {key: os.environ.get(key) for key in RAY_ENV}
     os.environ.update(RAY_ENV)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    worker = cluster.add_node(num_cpus=1)
+    cluster, worker = _start_cluster()
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     ray.init(address=cluster.address, runtime_env={"env_vars": env})
     port = _free_port()
