@@ -25,7 +25,7 @@ def _llm(name, tp, **options):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, kv_cache_dtype", [("tiny-llama", "auto"), ("tiny-qwen3", "auto"),
-                                                  ("tiny-llama", "fp8_e4m3")])
+                                                  ("tiny-llama", "fp8_e4m3"), ("tiny-gemma2", "auto")])
 def test_tp2_over_gloo_equals_tp1(name, kv_cache_dtype):
     """FP8: each rank calibrates the whole model and keeps its heads' scales, so its bytes are TP=1's."""
     single = [o.outputs[0].token_ids for o in _llm(name, 1, kv_cache_dtype=kv_cache_dtype).generate(_prompts(), PARAMS)]
