@@ -142,6 +142,25 @@ def _cases():
         k_cache = torch.zeros(10, 16, 8, 128, dtype=torch.bfloat16)
         return lambda: write_kv(key, key, k_cache, k_cache.clone(), torch.arange(4), validate=False, backend="triton")
 
+    def gemma_layer_ops():
+        from pagedkv.kernels import layer_ops
+
+        hidden = torch.zeros(8, 1152, dtype=torch.bfloat16)
+        norm = torch.zeros(1152, dtype=torch.bfloat16)
+        qkv = torch.zeros(8, 6 * 256, dtype=torch.bfloat16)
+        table = torch.zeros(64, 256)
+        k_cache = torch.zeros(4, 16, 1, 256, dtype=torch.bfloat16)
+        head_norm = torch.zeros(256, dtype=torch.bfloat16)
+        slots = torch.zeros(8, dtype=torch.int64)
+
+        def call():
+            layer_ops.add_rms_norm(hidden, hidden.clone(), norm, 1e-6, offset=True)
+            layer_ops.qk_norm_rope_write_kv(qkv, slots, table, table, head_norm, head_norm, 1e-6, k_cache,
+                                            k_cache.clone(), slots, num_heads=4, num_kv_heads=1, head_dim=256,
+                                            offset=True)
+            layer_ops.silu_mul(torch.zeros(8, 2 * 6912, dtype=torch.bfloat16), gelu_tanh=True)
+        return call
+
     llama, masked = (32, 8, 128), {"sliding_window": 100, "soft_cap": 30.0}
     return [
         ("decode split llama3", decode(llama, DecodeTuning()), {"head_dim": 128, "masked": False}),
@@ -156,6 +175,9 @@ def _cases():
         ("unified m16 llama3", varlen(paged_attention, llama, UnifiedTuning(block_m=16)), {}),
         ("unified smollm2 window+cap", varlen(paged_attention, (9, 3, 64), None, **masked), {}),
         ("write_kv llama3", write(), {}),
+        ("decode tiles gemma3 window+cap", decode((4, 1, 256), DecodeTuning(schedule="tiles"), sliding_window=512,
+                                                  soft_cap=30.0), {"head_dim": 256, "masked": True}),
+        ("gemma3 layer ops offset+gelu", gemma_layer_ops(), {}),
     ]
 
 
