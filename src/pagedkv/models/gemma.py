@@ -69,8 +69,8 @@ class GemmaDecoderLayer(nn.Module):
             k_scale, v_scale = attn.kv_scales(self.layer_idx)
             q = layer_ops.qk_norm_rope_write_kv(
                 qkv, positions, rotary.cos, rotary.sin, q_norm, k_norm, eps, k_cache, v_cache,
-                attn.slot_mapping_for(self.layer_idx), num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, k_scale=k_scale,
-                v_scale=v_scale, offset=True)
+                attn.slot_mapping_for(self.layer_idx), num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, k_scale=k_scale, v_scale=v_scale, offset=True)
             k = v = None
             # The kernel rotated K in place: the step's K/V stay readable as rows of qkv (prefill reads them there).
             kv_shape = (num_tokens, cfg.num_kv_heads, cfg.head_dim)
