@@ -162,10 +162,20 @@ def engine_main(args: argparse.Namespace) -> int:
     result["offline"] = run_offline(llm, *workloads["requests.json"])
     print(f"offline: {result['offline']['output_tokens_per_s']:,.0f} output tok/s "
           f"({result['offline']['elapsed_s']:.1f} s)", flush=True)
-    result["offline_streaming"] = run_streaming(engine, *workloads["requests_s1.json"], prefix="stream")
-    result["offline_streaming"].pop("_step_seconds")
-    print(f"offline, stream_outputs on: {result['offline_streaming']['output_tokens_per_s']:,.0f} output tok/s",
-          flush=True)
+    if args.random_num_requests:  # fixed lengths (random 1,024 in / 256 out), the same file the server gets
+        rng = random.Random(args.seed + 40_000)
+        prompts = [[rng.randrange(0, min(vocab, 10_000)) for _ in range(args.random_input_len)]
+                   for _ in range(args.random_num_requests)]
+        lens = [args.random_output_len] * args.random_num_requests
+        _write_requests(out / "requests_random.json", prompts, lens)
+        result["offline_random"] = run_offline(llm, prompts, lens)
+        print(f"offline random {args.random_input_len}/{args.random_output_len}: "
+              f"{result['offline_random']['output_tokens_per_s']:,.0f} output tok/s", flush=True)
+    if not args.skip_streaming:
+        result["offline_streaming"] = run_streaming(engine, *workloads["requests_s1.json"], prefix="stream")
+        result["offline_streaming"].pop("_step_seconds")
+        print(f"offline, stream_outputs on: {result['offline_streaming']['output_tokens_per_s']:,.0f} output tok/s",
+              flush=True)
 
     rng = random.Random(args.seed + 3)
     batch1 = []
@@ -342,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--kv-cache-memory", default="0.3", help="fraction or size, as `pagedkv serve` takes it")
     engine.add_argument("--single-input-len", type=int, default=128)
     engine.add_argument("--single-output-len", type=int, default=256)
+    engine.add_argument("--random-num-requests", type=int, default=0,
+                        help="also write requests_random.json (fixed lengths) and time the engine on it")
+    engine.add_argument("--random-input-len", type=int, default=1024)
+    engine.add_argument("--random-output-len", type=int, default=256)
+    engine.add_argument("--skip-streaming", action="store_true", help="skip the stepped stream_outputs run")
     engine.set_defaults(func=engine_main)
     report = commands.add_parser("report", help="summarize DIR into summary.md and summary.json")
     report.add_argument("--out", required=True)

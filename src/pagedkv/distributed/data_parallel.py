@@ -26,12 +26,15 @@ others serving; `health()` reports each one.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from multiprocessing import connection
 from multiprocessing.reduction import ForkingPickler
 
 from pagedkv.distributed.output_deltas import DeltaDecoder, DeltaEncoder
@@ -50,12 +53,14 @@ _LOAD_FIELDS = 5  # waiting, running, free blocks, alive, add commands consumed 
 _STATS_PUSH_S = 0.05
 
 
-def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
+def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=None) -> None:
     """A replica process: serve commands from `conn`, step the engine, send outputs back."""
     from pagedkv.engine.engine import LLMEngine
 
+    # Ctrl-C reaches the whole process group; the parent handles it and stops the replicas in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        engine = LLMEngine(config)
+        engine = (engine_factory or LLMEngine)(config)
         engine.stream_outputs = True
         bm = engine.scheduler.block_manager
         conn.send(("ready", {"max_model_len": engine.max_model_len, "num_blocks": bm.num_blocks,
@@ -64,6 +69,8 @@ def _replica_main(config: EngineConfig, index: int, conn, load) -> None:
     except BaseException as error:  # report, so the parent can refuse to start with a clear message
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
+    gc.collect()  # the engine's startup objects live as long as the process: keep full collections off them
+    gc.freeze()
     consumed = 0
     encoder = DeltaEncoder()  # streamed outputs cross the pipe as what each request gained since its last
     # Replies go out through a sender thread, never from this loop: the parent may be blocked
@@ -192,6 +199,7 @@ class _Replica:
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     sender: threading.Thread | None = None
     latest_stats: dict | None = None  # the replica's last pushed stats (a "load" message)
+    closed: bool = False  # its pipe reached EOF: the process is gone
 
     def start_sender(self, index: int) -> None:
         """Commands are written to the pipe by a thread of the parent, so adding a request never blocks.
@@ -234,7 +242,9 @@ class DataParallelEngine:
     """`data_parallel_size` engine replicas behind one router (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, data_parallel_size: int, tokenizer=None,
-                 router_config: RouterConfig = RouterConfig()):
+                 router_config: RouterConfig = RouterConfig(), engine_factory=None):
+        """`engine_factory(config)` builds each replica's engine in its process (default `LLMEngine`; it
+        must pickle). With a factory the parent loads no tokenizer: `tokenizer` is the one it uses."""
         import torch
 
         from pagedkv.engine.scheduler import Scheduler
@@ -244,7 +254,8 @@ class DataParallelEngine:
             raise ConfigError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         devices = self._devices(config, data_parallel_size, torch)
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.tokenizer = tokenizer if tokenizer is not None or engine_factory is not None else \
+            load_tokenizer(config.model)
         context = mp.get_context("spawn")
         self._load = context.Array("q", [0] * (_LOAD_FIELDS * data_parallel_size), lock=False)
         self.replicas: list[_Replica] = []
@@ -255,7 +266,8 @@ class DataParallelEngine:
             # no daemonic process have children: such replicas are non-daemonic, and `shutdown` (also
             # run at exit) stops them.
             process = context.Process(target=_replica_main, daemon=config.tensor_parallel_size == 1,
-                                      args=(replace(config, device=device), index, child, self._load))
+                                      args=(replace(config, device=device), index, child, self._load,
+                                            engine_factory))
             process.start()
             pending.append((index, process, parent))
         for index, process, conn in pending:
@@ -392,9 +404,12 @@ class DataParallelEngine:
                     index = self._request_replica.pop(output.request_id, None)
                     if index is not None:
                         self.replicas[index].requests.discard(output.request_id)
-            if outputs or not self._request_replica or time.perf_counter() > deadline:
+            remaining = deadline - time.perf_counter()
+            if outputs or not self._request_replica or remaining <= 0:
                 return outputs
-            time.sleep(0.0005)
+            # NOTE: one blocking wait until a replica writes, not a sleep-and-poll loop: in the server, every
+            # return from a blocking call must win the interpreter lock back from the event loop.
+            connection.wait([r.conn for r in self.replicas if not r.closed], remaining)
 
     @staticmethod
     def _drain(replica: _Replica) -> None:
@@ -402,7 +417,7 @@ class DataParallelEngine:
             while replica.conn.poll():
                 replica.take(replica.conn.recv())
         except (EOFError, OSError):  # the replica is gone; step() fails its requests
-            pass
+            replica.closed = True
 
     def _failed(self, request_id: str, message: str, reason: str) -> RequestOutput:
         self._decoder.forget(request_id)

@@ -93,8 +93,13 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether its steps need their tokens before the next is scheduled (n > 1 forks, penalties)."""
-        return self.params.n > 1 or self.params.needs_history
+        """Whether its steps need their tokens before the next is scheduled (n > 1 forks, penalties, stop
+        strings).
+
+        A stop string is found only once a token is detokenized; a step scheduled before that would
+        compute a token past it. So while a request with stop strings runs, steps do not overlap.
+        """
+        return self.params.n > 1 or self.params.needs_history or bool(self.params.stop)
 
     def metrics(self) -> dict:
         return {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time}

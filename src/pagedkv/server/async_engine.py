@@ -77,8 +77,8 @@ class RequestStream:
     """Outputs of one or more engine requests, delivered to one asyncio consumer.
 
     The engine thread puts items with `put_threadsafe` (or, for a whole step's outputs at once,
-    `deliver_threadsafe`); the consumer awaits `get`. Items sit in a deque and an `asyncio.Event`
-    only signals, so a `get` cancelled by its timeout loses nothing.
+    `deliver_threadsafe`); the consumer awaits `get`. Items sit in a deque and a future only
+    signals, so a `get` that times out or is cancelled loses nothing.
 
     An output carries its request's whole state so far (text, token ids, logprobs), so when the
     consumer falls behind, `get` returns only the newest of a request's queued outputs: a slow
@@ -89,7 +89,9 @@ class RequestStream:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer's, while it waits
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         """Hand an output (or the error that ends the stream) to the consumer's event loop."""
@@ -98,14 +100,33 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         """On the event loop: queue an item and wake the consumer."""
         self._items.append(item)
-        self._ready.set()
+        self._wake()
 
     async def get(self, timeout_s: float | None = None) -> RequestOutput:
         """The next output (the newest queued one of its request); raises the stream's error, or
         `TimeoutError` after `timeout_s`."""
-        while not self._items:
-            self._ready.clear()
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        return await self.get_until(None if timeout_s is None else self.loop.time() + timeout_s)
+
+    async def get_until(self, wake_at: float | None) -> RequestOutput:
+        """`get`, with `TimeoutError` at `wake_at` (the loop's clock) if nothing came by then.
+
+        NOTE: a bare future, and a timer kept for as long as the consumer asks for the same
+        `wake_at`: this runs once per stream per step, and `asyncio.wait_for` (a task or a
+        timeout context each time) or a fresh timer per wait cost the event loop more than the
+        chunk it waits for.
+        """
+        if not self._items:
+            waiter = self._waiter = self.loop.create_future()
+            if wake_at is not None and (self._timer is None or self._timer_at != wake_at):
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer, self._timer_at = self.loop.call_at(wake_at, self._expire), wake_at
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+            if not self._items:
+                raise TimeoutError
         item = self._items.popleft()
         if isinstance(item, BaseException):
             raise item
@@ -113,6 +134,15 @@ class RequestStream:
         while items and isinstance(items[0], RequestOutput) and items[0].request_id == item.request_id:
             item = items.popleft()  # supersedes the one before: it holds everything that one did
         return item
+
+    def _expire(self) -> None:
+        self._timer = self._timer_at = None
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 def _put_all(pairs: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

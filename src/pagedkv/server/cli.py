@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -95,9 +96,12 @@ def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
                         help="host memory for swapped blocks, swap mode (default 256MiB)")
     engine.add_argument("--watermark", type=float, default=0.01,
                         help="fraction of blocks kept free at admission (default %(default)s)")
-    engine.add_argument("--engine-process", action="store_true",
-                        help="run the engine in a process of its own, so the HTTP event loop and the engine's "
-                             "step loop do not share one interpreter lock (implied by --data-parallel-size > 1)")
+    where = engine.add_mutually_exclusive_group()
+    where.add_argument("--engine-process", dest="engine_process", action="store_true", default=False,
+                       help="run the engine in a process of its own, so the HTTP event loop and the engine's "
+                            "step loop do not share one interpreter lock (implied by --data-parallel-size > 1)")
+    where.add_argument("--in-process", dest="engine_process", action="store_false",
+                       help="run the engine on a thread of the server's process (the default)")
     engine.add_argument("--routing", default="prefix", choices=[p.value for p in RoutingPolicy],
                         help="how a request picks its replica, with --data-parallel-size or --ray "
                              "(default %(default)s: the replica holding the longest cached prefix)")
@@ -154,11 +158,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def freeze_heap() -> None:
+    """Move everything allocated so far (torch, the model, the app) out of the garbage collector's reach.
+
+    A full collection walks every tracked object; with torch and a model loaded that is millions,
+    and the pass stops this process for hundreds of milliseconds to seconds: every stream stalls.
+    Startup objects live as long as the process, so `gc.freeze` (after one collection) leaves the
+    collector only what serving allocates.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def serve(app, sock: socket.socket, *, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-          log_level: str = "info") -> int:
+          log_level: str = "info", http: str = "auto", loop: str = "auto") -> int:
     """Serve `app` (from `create_app`) on `sock` until a signal or the engine loop's death.
 
-    Returns 0 after a clean shutdown, 1 if the engine loop died (it has logged why).
+    `http` and `loop` are uvicorn's: "auto" takes httptools and uvloop where they are installed,
+    else h11 and asyncio. Returns 0 after a clean shutdown, 1 if the engine loop died (it has
+    logged why).
     """
     import uvicorn
 
@@ -184,7 +202,8 @@ def serve(app, sock: socket.socket, *, shutdown_timeout_s: float = DEFAULT_SHUTD
                 await drain
 
     # uvicorn's own deadline is a backstop only: the drain ends every stream before it.
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s + 5)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s + 5, http=http,
+                            loop=loop)
     Server(config).run(sockets=[sock])
     error = async_engine.error
     if error is not None and not isinstance(error, ShuttingDownError):
@@ -214,6 +233,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
             engine = LLMEngine(config)
         name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
         app = create_app(engine, name, config=options)
+        freeze_heap()
         logger.info("serving %r on http://%s:%d/v1%s", name, args.host, sock.getsockname()[1],
                     " (API key required)" if options.api_key else "")
         return serve(app, sock, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)

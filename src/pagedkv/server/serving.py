@@ -19,7 +19,6 @@ event (OpenAI's error body), followed by `[DONE]`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,10 +28,11 @@ from fastapi import Request
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.server import protocol
+from pagedkv.server import protocol, sse
 from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream, ShuttingDownError
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, error_body
+from pagedkv.server.sse import ChunkEncoder
 
 DISCONNECT_POLL_S = 0.5
 
@@ -114,24 +114,26 @@ class OutputReader:
     def __init__(self, job: Job, request: Request):
         self._job = job
         self._request = request
-        self._last_check_s = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._next_check = self._loop.time() + DISCONNECT_POLL_S  # the loop's clock
 
     async def next(self) -> RequestOutput:
         """The next output; raises `ClientDisconnectedError`, `RequestTimeoutError`, or the stream's error."""
         deadline = self._job.deadline_s
         while True:
-            now = time.monotonic()
-            if now - self._last_check_s >= DISCONNECT_POLL_S:
-                self._last_check_s = now
+            now = self._loop.time()
+            if now >= self._next_check:
+                self._next_check = now + DISCONNECT_POLL_S
                 if await self._request.is_disconnected():
                     raise ClientDisconnectedError
-            wait_s = DISCONNECT_POLL_S
+            wake_at = self._next_check
             if deadline is not None:
-                wait_s = min(wait_s, deadline - time.perf_counter())
-                if wait_s <= 0:
+                left_s = deadline - time.perf_counter()
+                if left_s <= 0:
                     raise RequestTimeoutError
+                wake_at = min(wake_at, now + left_s)
             try:
-                return await self._job.stream.get(wait_s)
+                return await self._job.stream.get_until(wake_at)
             except TimeoutError:
                 continue
 
@@ -206,10 +208,6 @@ def stable_text(text: str, stops: tuple[str, ...]) -> str:
     return text[:end - held]
 
 
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
-
-
 def token_text_fn(tokenizer) -> Callable[[int], str]:
     """How a token shows in logprobs: its text, or `token_id:N` for a model without a tokenizer (as vLLM does)."""
     if tokenizer is None:
@@ -226,11 +224,15 @@ def _logprobs(completion, start: int, end: int, chat: bool, token_text: Callable
 
 
 async def stream_events(job: Job, request: Request, model: str, chat: bool, include_usage: bool,
-                        return_token_ids: bool, token_text: Callable[[int], str]) -> AsyncIterator[str]:
+                        return_token_ids: bool, token_text: Callable[[int], str]) -> AsyncIterator[bytes]:
     """Server-sent events: one chunk per choice that moved, the usage chunk if asked, then [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    encoder = ChunkEncoder(kind, job.response_id, job.created, model, include_usage)
     n = job.params.n
+    stops = job.params.stop
     wants_logprobs = job.num_logprobs is not None
+    wants_tokens = return_token_ids or wants_logprobs
+    prompt_index = {request_id: i for i, request_id in enumerate(job.request_ids)}
     sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     started: set[int] = set()  # choices whose first chunk (which carries the chat role) went out
@@ -240,11 +242,6 @@ async def stream_events(job: Job, request: Request, model: str, chat: bool, incl
     failure: APIError | None = None
     reason = "client_disconnected"  # also when Starlette cancels the response
     reader = OutputReader(job, request)
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        return _sse(protocol.response(kind, job.response_id, job.created, model, choices, usage,
-                                      with_usage_key=include_usage))
-
     try:
         while len(finished) < len(job.request_ids):
             try:
@@ -256,47 +253,47 @@ async def stream_events(job: Job, request: Request, model: str, chat: bool, incl
             except ClientDisconnectedError:
                 return
             if output.error is not None:
-                yield _sse(_rejected_error(output).body)
+                yield sse.event(_rejected_error(output).body)
                 finished.add(output.request_id)
                 continue
-            base = job.prompt_index(output.request_id) * n
+            base = prompt_index[output.request_id] * n
             for completion in output.outputs:
                 index = base + completion.index
                 if index in finished_choices:
                     continue
                 is_done = completion.finish_reason is not None
-                text = completion.text if is_done else stable_text(completion.text, job.params.stop)
+                text = completion.text if is_done or not (stops or completion.text) else \
+                    stable_text(completion.text, stops)
                 offset = sent_chars.get(index, 0)
                 delta = text[offset:]
                 sent_chars[index] = max(len(text), offset)
+                token_ids = completion.token_ids
                 first_new = sent_tokens.get(index, 0)
-                new_tokens = completion.token_ids[first_new:]
-                sent_tokens[index] = len(completion.token_ids)
-                if not (delta or is_done or ((return_token_ids or wants_logprobs) and new_tokens)):
+                num_tokens = sent_tokens[index] = len(token_ids)
+                if not (delta or is_done or (wants_tokens and num_tokens > first_new)):
                     continue
-                token_ids = new_tokens if return_token_ids else None
-                logprobs = _logprobs(completion, first_new, len(completion.token_ids), chat, token_text,
-                                     offset) if wants_logprobs else None
+                new_tokens = token_ids[first_new:] if return_token_ids else None
+                logprobs = _logprobs(completion, first_new, num_tokens, chat, token_text, offset) \
+                    if wants_logprobs else None
                 finish_reason = completion.finish_reason if is_done else None
                 if is_done:
                     finished_choices.add(index)
-                    num_completion_tokens += len(completion.token_ids)
+                    num_completion_tokens += num_tokens
                 if chat:
-                    message = {"content": delta} if delta or index not in started else {}
-                    if index not in started:
-                        message = {"role": "assistant", **message}
-                    yield chunk([protocol.chat_delta_choice(index, message, finish_reason, token_ids, logprobs)])
+                    first = index not in started
+                    yield encoder.chat(index, first, delta if delta or first else None, finish_reason, new_tokens,
+                                       logprobs)
                 else:
-                    yield chunk([protocol.completion_choice(index, delta, finish_reason, token_ids,
-                                                            logprobs=logprobs)])
+                    yield encoder.completion(index, delta, finish_reason, new_tokens, logprobs)
                 started.add(index)
             if output.finished:
                 finished.add(output.request_id)
         if failure is not None:
-            yield _sse(failure.body)
+            yield sse.event(failure.body)
         elif include_usage:
-            yield chunk([], protocol.usage(sum(map(len, job.prompts)), num_completion_tokens))
-        yield _sse("[DONE]")
+            yield sse.event(protocol.response(kind, job.response_id, job.created, model, [],
+                                              protocol.usage(sum(map(len, job.prompts)), num_completion_tokens)))
+        yield sse.event("[DONE]")
     finally:
         # NOTE: runs on normal end, on a disconnect seen by polling, and when Starlette cancels the
         # response because the client went away (CancelledError / GeneratorExit): blocks free at once.
