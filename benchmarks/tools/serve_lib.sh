@@ -38,7 +38,12 @@ start_server() {  # start_server LOG ARGS...: `pagedkv serve ARGS` in the backgr
     kill -0 "$SERVER_PID" 2>/dev/null || break
     sleep 1
   done
-  say "server up (pid $SERVER_PID): $*"
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    say "server up (pid $SERVER_PID): $*"
+  else
+    wait "$SERVER_PID" 2>/dev/null; say "server exited with status $? before answering /health: $* (see $(basename "$log"))"
+    SERVER_PID=""
+  fi
 }
 pack() { rm -rf "$W/site"; cp "$W/$NAME".* "$W/summary.log" "$OUT/" 2>/dev/null; tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null; }
 trap 'stop_server; pack' EXIT
