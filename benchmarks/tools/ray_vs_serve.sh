@@ -9,7 +9,7 @@
 #   low    LOW_PROMPTS requests one at a time (--max-concurrency 1): TTFT P50 at low load
 # Writes $OUT/ray_vs_serve.md and .json: both servers' figures, the saturated throughput ratio (target >= 0.95x)
 # and the TTFT P50 that Ray adds at low load (target <= 3 ms). Expected: about 6 minutes on an H200.
-# CPU smoke: MODEL=random:tiny-llama NUM_PROMPTS=16 INPUT_LEN=16 OUTPUT_LEN=8 LOW_PROMPTS=4 MAX_MODEL_LEN=256
+# CPU smoke: MODEL=random:tiny-llama VOCAB=512 NUM_PROMPTS=16 INPUT_LEN=16 OUTPUT_LEN=8 LOW_PROMPTS=4 MAX_MODEL_LEN=256
 #   DEVICE=cpu SITE= PYTHON=.venv/bin/python OUT=/tmp/rvs bash benchmarks/tools/ray_vs_serve.sh
 set -u
 cd "$(dirname "$0")/../.."
@@ -20,10 +20,11 @@ export RAY_USAGE_STATS_ENABLED=0
 MODEL=${MODEL:-random:qwen3-0.6b}
 NUM_PROMPTS=${NUM_PROMPTS:-1024}; INPUT_LEN=${INPUT_LEN:-512}; OUTPUT_LEN=${OUTPUT_LEN:-256}
 LOW_PROMPTS=${LOW_PROMPTS:-64}; MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}; DEVICE=${DEVICE:-}; PORT=${PORT:-8125}
+VOCAB=${VOCAB:-}  # token ids drawn below this (a tiny model's vocabulary is small); default: bench serve's
 PY=${PYTHON:-python3}
 W=$(mktemp -d "${TMPDIR:-/tmp}/ray_vs_serve.XXXXXX")
 start_log "$W"
-trap 'stop_server; $PY -m ray.scripts.scripts stop --force >/dev/null 2>&1; cp "$W"/ray_vs_serve.* "$W/summary.log" "$OUT/" 2>/dev/null' EXIT
+trap 'stop_server 45; cp "$W"/ray_vs_serve.* "$W/summary.log" "$OUT/" 2>/dev/null' EXIT
 say "ray: $($PY -c 'import ray; print(ray.__version__)' 2>&1 | tail -1)"
 
 DEVICE_FLAG=(); [ -n "$DEVICE" ] && DEVICE_FLAG=(--device "$DEVICE")
@@ -31,6 +32,7 @@ FLAGS=(--max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tok
        "${DEVICE_FLAG[@]}")
 BENCH=(--dataset random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --ignore-eos
        --seed 0 --disable-tqdm)
+[ -n "$VOCAB" ] && BENCH+=(--vocab-size "$VOCAB")
 
 for mode in serve ray; do
   extra=(); [ $mode = ray ] && extra=(--ray --routing prefix)
