@@ -43,3 +43,13 @@ def test_the_engine_process_streams_and_answers_like_the_engine():
 
 def test_the_flag_is_accepted():
     assert build_parser().parse_args(["--engine-process"]).engine_process
+
+
+def test_the_engine_runs_in_its_own_process_by_default_on_cuda_only():
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.server.cli import _engine_process
+
+    parse = build_parser().parse_args
+    assert parse([]).engine_process is None and parse(["--in-process"]).engine_process is False
+    assert _engine_process(None, EngineConfig(device="cuda")) and not _engine_process(None, EngineConfig(device="cpu"))
+    assert not _engine_process(False, EngineConfig(device="cuda")) and _engine_process(True, EngineConfig(device="cpu"))
