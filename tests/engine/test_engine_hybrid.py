@@ -91,3 +91,19 @@ def test_prefix_hit_past_the_window_equals_a_miss():
 def test_hybrid_kv_off_keeps_one_full_length_table():
     engine = _llm("tiny-gemma3", hybrid_kv=False).engine
     assert type(engine.scheduler.block_manager) is KVBlockManager and engine.pool.num_slots == 3
+
+
+def test_layer_groups_only_where_a_window_is_shorter_than_the_positions():
+    """Phi-3.5-mini's window (262,144) outlasts its positions (131,072): it never slides, so one table."""
+    from transformers import AutoConfig
+
+    from pagedkv.core.memory import ModelSpec
+    from pagedkv.engine.startup import kv_layout_of
+    from pagedkv.models.shapes import MODEL_SHAPES
+
+    spec = ModelSpec(1, 8, 128, 2)
+    layouts = {name: kv_layout_of(AutoConfig.for_model(**MODEL_SHAPES[name].config), spec)
+               for name in ("phi3.5-mini", "phi3-mini", "gemma3-12b", "llama3-8b")}
+    assert layouts["phi3.5-mini"] is None and layouts["llama3-8b"] is None
+    assert layouts["phi3-mini"].num_groups == 1 and layouts["phi3-mini"].groups[0].sliding_window == 2047
+    assert (layouts["gemma3-12b"].num_groups, layouts["gemma3-12b"].num_slots) == (6, 8)

@@ -137,11 +137,14 @@ def load_model_setup(config: EngineConfig, device: torch.device, tp=None, model:
 def kv_layout_of(hf_config, kv_spec: ModelSpec) -> KVLayout | None:
     """The layer groups of a model with sliding-window layers; None (one table) for any other model.
 
-    A model with layer types other than full and sliding attention keeps one full-length table.
+    A model with layer types other than full and sliding attention keeps one full-length table, and so
+    does one whose window is no shorter than its positions (Phi-3.5-mini's 262,144): it never slides.
     """
     shape = attention_shape(hf_config)
     if SLIDING_ATTENTION not in shape.layer_types or \
             not set(shape.layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        return None
+    if shape.sliding_window >= (max_positions(hf_config) or shape.sliding_window + 1):
         return None
     per_layer = 2 * kv_spec.num_kv_heads * kv_spec.head_dim * kv_spec.dtype_bytes
     return group_layers(shape.layer_types, shape.sliding_window, bytes_per_token_per_layer=per_layer)
