@@ -63,14 +63,16 @@ def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=N
         engine = (engine_factory or LLMEngine)(config)
         engine.stream_outputs = True
         bm = engine.scheduler.block_manager
+        # The engine's startup objects live as long as the process: keep full collections off them. Done
+        # before "ready", so a replica that the parent sees ready enters its loop (and pushes its stats) at once.
+        gc.collect()
+        gc.freeze()
         conn.send(("ready", {"max_model_len": engine.max_model_len, "num_blocks": bm.num_blocks,
                              "device": str(engine.device),
                              "block_size": bm.block_size, "scheduler_config": engine.scheduler.config}))
     except BaseException as error:  # report, so the parent can refuse to start with a clear message
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
-    gc.collect()  # the engine's startup objects live as long as the process: keep full collections off them
-    gc.freeze()
     consumed = 0
     encoder = DeltaEncoder()  # streamed outputs cross the pipe as what each request gained since its last
     # Replies go out through a sender thread, never from this loop: the parent may be blocked
