@@ -27,7 +27,7 @@ from pagedkv.kernels import layer_ops
 from pagedkv.models.config import FULL_ATTENTION
 from pagedkv.models.decoder import OwnDecoder
 from pagedkv.models.decoder_config import DecoderConfig
-from pagedkv.models.layers import RMSNorm, Rotary, row_parallel_reduce
+from pagedkv.models.layers import RMSNorm, Rotary, row_parallel_reduce, written_kv_rows
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -72,10 +72,7 @@ class GemmaDecoderLayer(nn.Module):
                 attn.slot_mapping_for(self.layer_idx), num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, k_scale=k_scale, v_scale=v_scale, offset=True)
             k = v = None
-            # The kernel rotated K in place: the step's K/V stay readable as rows of qkv (prefill reads them there).
-            kv_shape = (num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            written_kv = (qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(kv_shape),
-                          qkv[:, cfg.q_size + cfg.kv_size:].view(kv_shape))
+            written_kv = written_kv_rows(qkv, cfg)  # K rotated in place: prefill reads the step's K/V there
         else:
             written_kv = None
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)

@@ -83,6 +83,17 @@ class VocabParallelEmbedding(nn.Module):
                              * inside[:, None])
 
 
+def written_kv_rows(qkv: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's K and V as views of the fused qkv rows, [T, Hkv, D] each.
+
+    After the fused norm/rotary/store kernel rotated K in place there, prefill reads the step's own
+    K/V from these rows instead of gathering them back from the pool's pages.
+    """
+    kv_shape = (qkv.shape[0], cfg.num_kv_heads, cfg.head_dim)
+    return (qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(kv_shape),
+            qkv[:, cfg.q_size + cfg.kv_size:].view(kv_shape))
+
+
 def row_parallel_reduce(x: torch.Tensor, bias: torch.Tensor | None, tp) -> torch.Tensor:
     """A row-parallel projection's output: the ranks' partial sums all-reduced, then the bias added once."""
     if tp is not None:
