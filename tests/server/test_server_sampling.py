@@ -320,3 +320,11 @@ def test_a_near_zero_temperature_is_greedy(served):
     greedy = _post(served, "/v1/completions", {**body, "temperature": 0})
     tiny_t = _post(served, "/v1/completions", {**body, "temperature": 1e-300})
     assert tiny_t["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+
+
+def test_tokens_of_a_model_without_a_tokenizer_add_no_text_offset():
+    """Their text is empty, so the offsets stay put whatever chunks a stream groups them into."""
+    from pagedkv.server.serving import token_text_fn
+
+    out = protocol.completion_logprobs(RECORDS, token_text_fn(None), text_offset=0)
+    assert out["tokens"][0].startswith("token_id:") and out["text_offset"] == [0, 0]

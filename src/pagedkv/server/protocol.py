@@ -222,7 +222,12 @@ def chat_logprobs(records: Sequence, token_text: Callable[[int], str]) -> dict:
 
 
 def completion_logprobs(records: Sequence, token_text: Callable[[int], str], text_offset: int = 0) -> dict:
-    """Completions' `logprobs`: parallel lists, with each token's offset into the choice's text."""
+    """Completions' `logprobs`: parallel lists, with each token's offset into the choice's text.
+
+    A `token_text` whose `adds_text` is False names tokens that put nothing into the text (a model
+    without a tokenizer): their offsets do not advance.
+    """
+    adds_text = getattr(token_text, "adds_text", True)
     tokens, token_logprobs, top, offsets = [], [], [], []
     for r in records:
         text = token_text(r.token_id)
@@ -230,7 +235,7 @@ def completion_logprobs(records: Sequence, token_text: Callable[[int], str], tex
         token_logprobs.append(_finite(r.logprob))
         top.append({token_text(token_id): _finite(logprob) for token_id, logprob in r.top})
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(text) if adds_text else 0
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

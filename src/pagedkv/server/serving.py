@@ -208,10 +208,23 @@ def stable_text(text: str, stops: tuple[str, ...]) -> str:
     return text[:end - held]
 
 
+class TokenIdText:
+    """`token_id:N`, how a token of a model without a tokenizer shows in logprobs (as vLLM does).
+
+    Such a model's completion text is empty, so its tokens add nothing to `text_offset`: the offsets
+    are then the same however a stream's tokens were grouped into chunks.
+    """
+
+    adds_text = False
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 def token_text_fn(tokenizer) -> Callable[[int], str]:
-    """How a token shows in logprobs: its text, or `token_id:N` for a model without a tokenizer (as vLLM does)."""
+    """How a token shows in logprobs: its text, or `token_id:N` for a model without a tokenizer."""
     if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
+        return TokenIdText()
     return lambda token_id: tokenizer.decode([token_id])
 
 
