@@ -125,6 +125,41 @@ def test_block_manager_restores_host_hits_and_swaps_through_the_same_pool():
     bm.check_integrity()
 
 
+def _spill_two_prefixes(bm, first, second):
+    """Cache `first` and `second`, then fill the pool with another prompt so both spill to the host tier."""
+    for seq_id, prompt in ((1, first), (2, second)):
+        bm.begin_step()
+        bm.admit(seq_id, prompt)
+        bm.append_slots(seq_id, len(prompt))
+        bm.commit(seq_id, prompt, len(prompt))
+        bm.free(seq_id)
+    bm.begin_step()
+    filler = list(range(500, 500 + 4 * bm.num_blocks - 1))
+    bm.admit(3, filler)
+    bm.append_slots(3, len(filler))
+    assert len(bm.take_tier_copies().offload) == 6
+    bm.free(3)
+
+
+def test_restores_within_the_in_step_budget_compute_in_their_step_and_the_rest_in_the_next():
+    bm = KVBlockManager(8, 4, num_offload_blocks=8, max_in_step_restore_blocks=4)
+    first, second = list(range(13)), list(range(100, 113))  # 3 full blocks could hit, each
+    _spill_two_prefixes(bm, first, second)
+    bm.begin_step()
+    assert bm.admit(4, first) == 12 and not bm.is_restoring(4)  # 3 blocks: inside the budget of 4
+    assert bm.admit(5, second) == 12 and bm.is_restoring(5)  # 3 more would pass it: beside the step
+    copies = bm.take_tier_copies()
+    assert [len(copies.restore_in_step), len(copies.restore)] == [3, 3]
+    assert bm.admit(6, first + [7]) == 12 and not bm.is_restoring(6)  # shares blocks restored before the kernels
+    assert bm.admit(7, second + [7]) == 12 and bm.is_restoring(7)  # shares blocks still on their way
+    bm.begin_step()
+    assert not bm.is_restoring(5) and not bm.is_restoring(7)
+    for seq_id in (4, 5, 6, 7):
+        bm.free(seq_id)
+    bm.begin_step()
+    bm.check_integrity()
+
+
 def test_random_lifecycles_leave_every_tier_clean():
     """1,000 requests over shared prefixes with aborts and swaps: every tier's integrity holds throughout."""
     rng = random.Random(5)

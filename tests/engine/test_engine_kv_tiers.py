@@ -80,6 +80,29 @@ def test_every_prefix_spills_when_the_pool_holds_one_request():
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("budget_tokens, where", [(64, "in the step"), (8, "beside the step")])
+def test_restored_requests_compute_the_same_tokens_in_their_step_or_the_next(budget_tokens, where):
+    """Restores within the step's budget (its tokens' worth of blocks) are copied before its kernels; a budget
+    of 8 tokens (2 blocks) sends the longer restores beside the step. Greedy and seeded, tokens as without tiers."""
+    prompts = _chat_prompts(num_heads=4, per_head=1, head_len=20)
+    llm = _llm(num_blocks=9, watermark=0.0, max_num_batched_tokens=budget_tokens, kv_offload_memory=512 * 2**10)
+    restored = {"in the step": 0, "beside the step": 0}
+    move = llm.engine.runner.offload.move
+
+    def counting_move(step):
+        restored["in the step"] += len(step.restore_in_step)
+        restored["beside the step"] += len(step.restore)
+        move(step)
+
+    llm.engine.runner.offload.move = counting_move
+    for params in (GREEDY, SEEDED):
+        expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, params))
+        assert _tokens(_one_by_one(llm, prompts, params)) == expected
+        assert _tokens(_one_by_one(llm, prompts, params)) == expected  # every prefix restored from the host
+    assert restored[where] > 0 and restored[where] >= llm.stats()["kv_restored_blocks"] // 2
+    llm.engine.check_integrity()
+
+
 def _disk_llm(directory, **options):
     options.setdefault("num_blocks", 64)
     return _llm(kv_offload_memory=64 * 2**10, kv_offload_dir=str(directory), **options)

@@ -8,8 +8,10 @@ copies for the runner: copy-on-write copies, swap-outs (GPU block -> host block)
 swap-ins (host block -> GPU block), and the KV tiers' spills and restores (`kv_tiers.py`).
 
 With KV tiers a prompt's prefix is looked up on the GPU, in host memory (restored into fresh
-GPU blocks; the request computes from the next step, its copy running beside this one), then
-on disk (loaded into host blocks first). Swap preemption takes host blocks from the same pool.
+GPU blocks), then on disk (loaded into host blocks first). A step's first
+`max_in_step_restore_blocks` restored blocks are copied before its kernels, so their requests
+compute in the same step; restores beyond that run beside the step, and their requests compute
+from the next one (see `pagedkv.engine.kv_offload` for what each costs). Swap preemption takes host blocks from the same pool.
 
 Free capacity counts evictable prefix-cache blocks: they hold valid KV that nobody uses,
 and are reclaimed (LRU) the moment an allocation needs them.
@@ -96,8 +98,9 @@ class KVBlockManager(PoolQueries):
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  num_swap_blocks: int = 0, max_num_tokens: int | None = None, num_offload_blocks: int = 0,
-                 disk_capacity_blocks: int = 0):
+                 disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0):
         require_positive_int("block_size", block_size)
+        require_positive_int("max_in_step_restore_blocks", max_in_step_restore_blocks, allow_zero=True)
         require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
         require_positive_int("num_offload_blocks", num_offload_blocks, allow_zero=True)
         self.block_size = block_size
@@ -114,6 +117,8 @@ class KVBlockManager(PoolQueries):
         self._block_keys: dict[int, list[BlockHash]] = {}  # seq id -> keys of its full blocks so far
         self._restoring_blocks: set[int] = set()  # GPU blocks whose restore copy runs beside this step
         self._restoring_seqs: set[int] = set()  # sequences that wait a step for those blocks
+        self.max_in_step_restore_blocks = max_in_step_restore_blocks
+        self._num_in_step_restore_blocks = 0  # restored this step before its kernels
         self.num_prefix_hit_tokens = 0
 
     @property
@@ -219,9 +224,13 @@ class KVBlockManager(PoolQueries):
         gpu_blocks = self.allocator.allocate(len(host_blocks))
         for key, block in zip(keys, gpu_blocks):
             self.prefix_cache.adopt(key, block)  # the allocation's reference is the cache's
-        self.tiers.restore(host_blocks, gpu_blocks)
-        self._restoring_blocks.update(gpu_blocks)
-        self._restoring_seqs.add(seq_id)
+        in_step = self._num_in_step_restore_blocks + len(gpu_blocks) <= self.max_in_step_restore_blocks
+        self.tiers.restore(host_blocks, gpu_blocks, in_step=in_step)
+        if in_step:
+            self._num_in_step_restore_blocks += len(gpu_blocks)
+        else:
+            self._restoring_blocks.update(gpu_blocks)
+            self._restoring_seqs.add(seq_id)
         return gpu_blocks
 
     # ------------------------------------------------------------------ KV tiers
@@ -229,11 +238,12 @@ class KVBlockManager(PoolQueries):
         """A new step: last step's restores are ordered before it, so their sequences may compute."""
         self._restoring_blocks.clear()
         self._restoring_seqs.clear()
+        self._num_in_step_restore_blocks = 0
         if self.tiers is not None:
             self.tiers.begin_step()
 
     def is_restoring(self, seq_id: int) -> bool:
-        """Whether the sequence's blocks are being restored in this step (it computes from the next)."""
+        """Whether the sequence's blocks are being restored beside this step (it computes from the next)."""
         return seq_id in self._restoring_seqs
 
     def prefetch(self, token_ids: Sequence[int]) -> bool:

@@ -197,14 +197,16 @@ class TierCopies:
 
     offload: list[BlockCopy] = field(default_factory=list)  # (GPU block, host block): spills
     pre_offload: list[BlockCopy] = field(default_factory=list)  # (GPU block, host block): ahead of eviction
-    restore: list[BlockCopy] = field(default_factory=list)  # (host block, GPU block): prefix hits
+    restore: list[BlockCopy] = field(default_factory=list)  # (host block, GPU block): prefix hits, beside the step
+    restore_in_step: list[BlockCopy] = field(default_factory=list)  # (host block, GPU block): before its kernels
     disk_loads: list[tuple[BlockHash, int]] = field(default_factory=list)  # key -> host block
     disk_writes: list[tuple[BlockHash, int]] = field(default_factory=list)  # key <- host block
     disk_deletes: list[BlockHash] = field(default_factory=list)  # files evicted by the size cap
 
     def __bool__(self) -> bool:
         """Whether the step must run for these copies (pre-spills are optional work: they do not count)."""
-        return bool(self.offload or self.restore or self.disk_loads or self.disk_writes or self.disk_deletes)
+        return bool(self.offload or self.restore or self.restore_in_step or self.disk_loads or self.disk_writes
+                    or self.disk_deletes)
 
 
 @dataclass
@@ -298,12 +300,14 @@ class KVTiers:
         """Host blocks of the longest prefix of `keys` (which continue a GPU hit) cached on the host."""
         return self.host.match(keys) if self.cache_on_host else []
 
-    def restore(self, host_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> None:
-        """Copy host hits into freshly allocated GPU blocks (this step's batched host-to-device copy)."""
+    def restore(self, host_blocks: Sequence[int], gpu_blocks: Sequence[int], *, in_step: bool = False) -> None:
+        """Copy host hits into freshly allocated GPU blocks (this step's batched host-to-device copy): before the
+        step's kernels (`in_step`: the request computes in this step) or beside them (it computes in the next)."""
         self.host.touch(host_blocks)
         self.host.mark_busy(host_blocks)
+        copies = self.copies.restore_in_step if in_step else self.copies.restore
         for host_block, gpu_block in zip(host_blocks, gpu_blocks):
-            self.copies.restore.append(BlockCopy(host_block, gpu_block))
+            copies.append(BlockCopy(host_block, gpu_block))
             if host_block in self._from_disk:
                 self._from_disk.discard(host_block)
                 self.stats.disk_hit_blocks += 1

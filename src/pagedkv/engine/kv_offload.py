@@ -4,17 +4,37 @@ The scheduler decides what moves (`pagedkv.core.kv_tiers`); this module moves it
 copies run on a side CUDA stream, in an order that keeps every block valid:
 
     copy stream   wait for the main stream (the step before wrote the blocks it spills)
-                  | device -> host: swap-outs, spills |  host -> device: swap-ins |  -> event A
-                  | host -> device: prefix restores  | device -> host: pre-spills -> event B
-    main stream   waits for A before this step's kernels (they may reuse spilled blocks),
-                  and for B only at the next step: a restored request computes from the next
-                  step on, so its copy runs beside this step's forward; a pre-spill copies a
-                  cached block the GPU is likely to evict soon, which no kernel of this step
-                  writes, so that its eviction later needs no copy (and no wait) at all.
+                  | device -> host: swap-outs, spills | host -> device: swap-ins, in-step restores | -> event A
+                  | host -> device: restores beside the step | device -> host: pre-spills              -> event B
+    main stream   waits for A before this step's kernels (they may reuse spilled blocks, and read the
+                  swapped-in and in-step restored ones), and for B only at the next step.
+
+Where a restored request computes is a cost question. A block of 16 tokens holds 1.84 MB of
+K/V in bf16 for Qwen3-0.6B (2.10 MB for Llama-3-8B), 33 us (38 us) at the ~55 GB/s of a pinned
+host -> device copy on an H200, against ~480 us to compute its 16 tokens in a Qwen3-0.6B
+prefill (30 us/token in the engine's fitted cost model; Llama-3-8B ~10x more). Restored in the
+step (event A), the copy delays every row of the step by its length; restored beside it (event
+B), the request waits one whole step (a decode step is several ms, a step with prefill tokens
+tens of ms) and the copy is free if it fits under the forward. So a step's first
+`max_num_batched_tokens / block_size` restored blocks go before its kernels: a token budget's
+worth of KV (at the default 2,048 tokens, 128 blocks) copies in ~5 ms, a tenth of the time to
+compute it or less, so the restored request wins a step and the others lose less than it wins.
+Restores past that run beside the step, where a long copy overlaps the forward instead of
+stalling it. (Waiting per
+layer instead, layer l's copy done before layer l's attention, would hide all but one layer's
+share of the copy, but the pool is [2, L, N, B, Hkv, D]: one block's layer is two 32 KiB pieces,
+so a per-layer copy is 2n small strided copies per layer, and its L waits would sit inside the
+decode graphs, which capture the whole model. Within the cap the whole wait is a few ms.)
+
+A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
+writes, so that its eviction later needs no copy (and no wait) at all.
 
 A host block is `[2, num_layers, block_size, num_kv_heads, head_dim]` contiguous (K then V),
 so a block is one run of bytes: one file on disk, one `readinto` back. FP8 pools move their
 raw bytes; their scales are fixed for the pool's life and part of the disk fingerprint.
+Host-to-device copies are timed twice: the pinned copies into a staging tensor alone
+(`h2d_copy_seconds`, the rate to set against the pinned copy bandwidth) and with the scatter
+into the pool's layout (`h2d_seconds`).
 
 On the CPU the same functions run, synchronously, with no stream and no events.
 """
@@ -39,7 +59,8 @@ class OffloadStats:
     d2h_bytes: int = 0
     d2h_seconds: float = 0.0
     h2d_bytes: int = 0
-    h2d_seconds: float = 0.0
+    h2d_seconds: float = 0.0  # staged copies plus the scatter into the pool
+    h2d_copy_seconds: float = 0.0  # the pinned host -> device copies alone
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
@@ -73,7 +94,7 @@ class KVOffload:
         self.block_nbytes = self._host_bytes.shape[1]
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._restores_done = None  # event B of the last step that restored
-        self._timings: list[tuple[str, int, object, object]] = []  # (direction, bytes, start, end) CUDA events
+        self._timings: list[tuple] = []  # (direction, bytes, start, copied or None, end): CUDA events
         self._writing: dict[int, object] = {}  # host block -> done event of its pending disk write
         self.disk = disk
         self.tp = tp
@@ -100,14 +121,15 @@ class KVOffload:
         if step.disk_loads:
             self._load(step.disk_loads)
         d2h = list(step.swap_out) + list(step.offload)
+        h2d = list(step.swap_in) + list(step.restore_in_step)  # one batched copy the step's kernels wait for
         beside = step.restore or step.pre_offload  # copies the next step waits for, not this one
-        if not (d2h or step.swap_in or beside or step.disk_writes or step.disk_deletes):
+        if not (d2h or h2d or beside or step.disk_writes or step.disk_deletes):
             return
         self._wait_writes(dst for _, dst in d2h + list(step.pre_offload))
         ready = None
         if not self.is_cuda:
             self._d2h(d2h)
-            self._h2d(step.swap_in)
+            self._h2d(h2d)
             self._h2d(step.restore)
             self._d2h(step.pre_offload)
         else:
@@ -115,7 +137,7 @@ class KVOffload:
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
                 self._d2h(d2h)
-                self._h2d(step.swap_in)
+                self._h2d(h2d)
                 spilled = ready = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
@@ -123,31 +145,30 @@ class KVOffload:
                     self._d2h(step.pre_offload)
                     ready = self._restores_done = torch.cuda.Event()
                     ready.record(self.stream)
-            if d2h or step.swap_in:
-                main.wait_event(spilled)
+            if d2h or h2d:
+                main.wait_event(spilled)  # outside any graph: the step's graphs are launched after this
         self._write(step.disk_writes, ready.synchronize if ready is not None else None)
         if self.disk is not None:
             for key in step.disk_deletes:
                 self.disk.delete_async(key)
 
-    def _timed(self, direction: str, nbytes: int):
-        """A context-free pair of timers: CUDA events on the copy stream, or perf_counter on the CPU."""
-        if self.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
-            return direction, nbytes, start
-        return direction, nbytes, time.perf_counter()
+    def _mark(self):
+        """A point in time: a CUDA event recorded on the copy stream, or perf_counter on the CPU."""
+        if not self.is_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
 
-    def _done(self, timer) -> None:
-        direction, nbytes, start = timer
+    def _done(self, direction: str, nbytes: int, start, copied=None) -> None:
+        """Account a copy that began at `start` (`copied`: where its host -> device part ended) and ends now."""
+        end = self._mark()
         if self.is_cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
-            self._timings.append((direction, nbytes, start, end))
+            self._timings.append((direction, nbytes, start, copied, end))
         else:
-            self._account(direction, nbytes, time.perf_counter() - start)
+            self._account(direction, nbytes, end - start, None if copied is None else copied - start)
 
-    def _account(self, direction: str, nbytes: int, seconds: float) -> None:
+    def _account(self, direction: str, nbytes: int, seconds: float, copy_seconds: float | None) -> None:
         st = self.stats
         if direction == "d2h":
             st.d2h_bytes += nbytes
@@ -155,15 +176,17 @@ class KVOffload:
         else:
             st.h2d_bytes += nbytes
             st.h2d_seconds += seconds
+            st.h2d_copy_seconds += seconds if copy_seconds is None else copy_seconds
 
     def _collect_timings(self) -> None:
         """Fold in the device times of copies that have finished (never waits)."""
         pending = []
-        for direction, nbytes, start, end in self._timings:
+        for direction, nbytes, start, copied, end in self._timings:
             if end.query():
-                self._account(direction, nbytes, start.elapsed_time(end) / 1e3)
+                copy_s = None if copied is None else start.elapsed_time(copied) / 1e3
+                self._account(direction, nbytes, start.elapsed_time(end) / 1e3, copy_s)
             else:
-                pending.append((direction, nbytes, start, end))
+                pending.append((direction, nbytes, start, copied, end))
         self._timings = pending
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
@@ -176,7 +199,7 @@ class KVOffload:
         """(device block, host block) pairs: gather on the device, then one copy per run of host blocks."""
         if not copies:
             return
-        timer = self._timed("d2h", len(copies) * self.block_nbytes)
+        start = self._mark()
         src = self._ids([c[0] for c in copies])
         dst = [c[1] for c in copies]
         blocks = self._storage.index_select(2, src).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, B, Hkv, D]
@@ -186,23 +209,24 @@ class KVOffload:
             blocks = blocks.contiguous()
             for index, first, length in _runs(dst):
                 self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
-        self._done(timer)
+        self._done("d2h", len(copies) * self.block_nbytes, start)
 
     def _h2d(self, copies) -> None:
         """(host block, device block) pairs: one copy per run of host blocks into a staging tensor, one scatter."""
         if not copies:
             return
-        timer = self._timed("h2d", len(copies) * self.block_nbytes)
         src = [c[0] for c in copies]
         dst = self._ids([c[1] for c in copies])
+        start = self._mark()
         if not self.is_cuda:
             staged = self.host.index_select(0, torch.tensor(src))
         else:
             staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
             for index, first, length in _runs(src):
                 staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
+        copied = self._mark()
         self._storage.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))  # [2, L, n, B, Hkv, D]
-        self._done(timer)
+        self._done("h2d", len(copies) * self.block_nbytes, start, copied)
 
     # ------------------------------------------------------------------ disk
     def _wait_writes(self, host_blocks) -> None:
@@ -269,7 +293,7 @@ class KVOffload:
             kv_host_blocks=tiers.host.num_blocks, kv_host_cached_blocks=tiers.host.num_cached,
             kv_disk_blocks=tiers.disk.num_blocks if tiers.disk is not None else 0,
             kv_d2h_bytes=o.d2h_bytes, kv_d2h_seconds=o.d2h_seconds, kv_h2d_bytes=o.h2d_bytes,
-            kv_h2d_seconds=o.h2d_seconds, kv_disk_read_bytes=o.disk_read_bytes,
+            kv_h2d_seconds=o.h2d_seconds, kv_h2d_copy_seconds=o.h2d_copy_seconds, kv_disk_read_bytes=o.disk_read_bytes,
             kv_disk_read_seconds=o.disk_read_seconds, kv_disk_write_bytes=o.disk_write_bytes,
         )
 

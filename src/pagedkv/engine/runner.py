@@ -330,7 +330,7 @@ class ModelRunner:
         """
         if self.offload is not None:
             self.offload.move(step)
-        elif step.swap_out or step.swap_in or step.restore or step.offload:
+        elif step.swap_out or step.swap_in or step.restore or step.restore_in_step or step.offload:
             raise RuntimeError("a step moves blocks to or from host memory, but the runner has no host pool")
         self.copy_blocks(step.block_copies)
         if not step.num_seqs:

@@ -15,8 +15,9 @@ One `schedule()` call, under a budget of `max_num_batched_tokens`:
    blocks free after taking the whole prompt (chunked prefill then spends the token budget
    over several steps). A request that could never fit is refused by `add()`, never queued.
    With KV tiers, a prompt whose prefix is on disk waits until it is loaded into host
-   memory, and one whose prefix is restored from host memory is admitted now and computes
-   from the next step, when its blocks have arrived.
+   memory, and one whose prefix is restored from host memory is admitted now and computes in
+   this step (its copy runs before the step's kernels) or, past the step's in-step restore
+   budget, from the next step, when its blocks have arrived.
 
 A step that schedules nothing while work remains is a bug, not a wait: it raises
 `SchedulerStallError` rather than letting a caller spin forever.
@@ -163,6 +164,7 @@ class StepShape:
     offloaded_blocks: int = 0  # blocks the GPU prefix cache spilled to the host tier (device -> host)
     restored_blocks: int = 0  # prefix hits copied back from the host tier (host -> device, beside the step)
     pre_spilled_blocks: int = 0  # cached blocks copied to the host ahead of their eviction (beside the step)
+    restored_in_step_blocks: int = 0  # prefix hits copied back before the step's kernels (host -> device)
 
 
 @dataclass
@@ -189,7 +191,7 @@ class SchedulerOutput:
             kv += item.start + item.num_new_tokens
         tiers = self.tier_copies
         return StepShape(prefill, decode, kv, len(self.swap_out) + len(self.swap_in), len(tiers.offload),
-                         len(tiers.restore), len(tiers.pre_offload))
+                         len(tiers.restore), len(tiers.pre_offload), len(tiers.restore_in_step))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -239,6 +241,8 @@ class Scheduler:
                 max_num_tokens=max(config.max_model_len, config.block_size),
                 num_offload_blocks=config.num_offload_blocks,
                 disk_capacity_blocks=config.disk_capacity_blocks,
+                # a budget's worth of restored KV copies in less time than computing it (kv_offload's docstring)
+                max_in_step_restore_blocks=config.max_num_batched_tokens // config.block_size,
             )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -433,7 +437,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            if item.num_new_tokens:  # else its blocks are being restored: it computes from the next step
+            if item.num_new_tokens:  # else its blocks are being restored beside this step: it computes from the next
                 (decodes if item.is_decode else prefills).append(item)
                 budget -= item.num_new_tokens
 

@@ -55,7 +55,8 @@ class StepInput:
     # KV tiers (see pagedkv.core.kv_tiers): spills, prefix restores, disk reads/writes/deletes
     offload: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
     pre_offload: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block), beside the step
-    restore: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    restore: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block), beside the step
+    restore_in_step: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block), before it
     disk_loads: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host block)
     disk_writes: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host block)
     disk_deletes: list[bytes] = field(default_factory=list)  # keys
@@ -186,6 +187,7 @@ class StepInputBuilder:
             offload=[(c.src, c.dst) for c in tiers.offload],
             pre_offload=[(c.src, c.dst) for c in tiers.pre_offload],
             restore=[(c.src, c.dst) for c in tiers.restore],
+            restore_in_step=[(c.src, c.dst) for c in tiers.restore_in_step],
             disk_loads=tiers.disk_loads, disk_writes=tiers.disk_writes, disk_deletes=tiers.disk_deletes,
         )
         bm = self.block_manager

@@ -64,6 +64,8 @@ _MIRRORED = {
     "pagedkv_kv_host_to_device_bytes": ("kv_h2d_bytes", "Bytes copied host to device (restores, swap-ins)."),
     "pagedkv_kv_device_to_host_seconds": ("kv_d2h_seconds", "Device time of device-to-host KV copies."),
     "pagedkv_kv_host_to_device_seconds": ("kv_h2d_seconds", "Device time of host-to-device KV copies."),
+    "pagedkv_kv_host_to_device_copy_seconds": ("kv_h2d_copy_seconds",
+                                               "Device time of host-to-device KV copies, without the scatter."),
     "pagedkv_kv_disk_read_bytes": ("kv_disk_read_bytes", "Bytes read from the disk tier."),
     "pagedkv_kv_disk_read_seconds": ("kv_disk_read_seconds", "Time spent reading the disk tier."),
     "pagedkv_kv_disk_write_bytes": ("kv_disk_write_bytes", "Bytes queued for writing to the disk tier."),

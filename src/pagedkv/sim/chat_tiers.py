@@ -151,10 +151,11 @@ def simulate_chat(workload: MultiTurnChat, config: SchedulerConfig, cost: CostMo
         dt = cost.step_time_s(shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens,
                               shape.swapped_blocks * block_size)
         dt += cost.tier_copy_s(dt, shape.offloaded_blocks * block_size, shape.restored_blocks * block_size,
-                               len(copies.disk_loads) * block_size, shape.pre_spilled_blocks * block_size)
+                               len(copies.disk_loads) * block_size, shape.pre_spilled_blocks * block_size,
+                               shape.restored_in_step_blocks * block_size)
         clock += dt
         num_prefill_tokens += shape.prefill_tokens
-        num_restored += shape.restored_blocks
+        num_restored += shape.restored_blocks + shape.restored_in_step_blocks
         num_offloaded += shape.offloaded_blocks + shape.pre_spilled_blocks
         for item in out.scheduled:
             if item.samples and item.seq.num_output_tokens == 0:

@@ -27,8 +27,9 @@ set it.
 
 KV tiers add what their copies cost, from pinned copy bandwidths and the KV bytes per token:
 a spill (device -> host) is waited for by the step that reuses the block, so it adds
-`offloaded_tokens * kv_bytes_per_token / d2h_bytes_per_s`; a restore (host -> device) runs
-beside the step, so it adds only what it takes beyond the step's own time. A file's
+`offloaded_tokens * kv_bytes_per_token / d2h_bytes_per_s`; a restore (host -> device) before
+the step's kernels (its request computes in the step) adds its whole copy, one beside the step
+only what it takes beyond the step's own time. A file's
 `"kv_tiers"` object sets them (the packaged file's say whether they were measured):
 
     "kv_tiers": {"h2d_bytes_per_s": 5.0e10, "d2h_bytes_per_s": 5.0e10, "disk_read_bytes_per_s": 3.0e9,
@@ -121,13 +122,13 @@ class CostModel:
                 + self.kv_s_per_token * kv_tokens + self.swap_s_per_token * swapped_tokens)
 
     def tier_copy_s(self, step_s: float, offloaded_tokens: int, restored_tokens: int, disk_tokens: int = 0,
-                    pre_spilled_tokens: int = 0) -> float:
-        """What a step's KV-tier copies add to its `step_s`: spills and disk reads in full; restores and
-        pre-spills (one copy stream, beside the step) only beyond it."""
+                    pre_spilled_tokens: int = 0, restored_in_step_tokens: int = 0) -> float:
+        """What a step's KV-tier copies add to its `step_s`: spills, in-step restores and disk reads in full;
+        restores and pre-spills beside the step (one copy stream) only beyond it."""
         kv = self.kv_bytes_per_token
         restore_s = restored_tokens * kv / self.h2d_bytes_per_s + pre_spilled_tokens * kv / self.d2h_bytes_per_s
         return (offloaded_tokens * kv / self.d2h_bytes_per_s + disk_tokens * kv / self.disk_read_bytes_per_s
-                + max(0.0, restore_s - step_s))
+                + restored_in_step_tokens * kv / self.h2d_bytes_per_s + max(0.0, restore_s - step_s))
 
     def with_kv_bytes(self, ratio: float, what: str) -> CostModel:
         """This model for a KV cache of `ratio` times the bytes per token (FP8 over bf16: 0.5).
