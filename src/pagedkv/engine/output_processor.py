@@ -93,13 +93,16 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether its steps need their tokens before the next is scheduled (n > 1 forks, penalties, stop
-        strings).
+        """Whether its steps need their tokens before the next is scheduled: n > 1 forks, and penalties
+        (the next step's logits need the host-side history).
 
-        A stop string is found only once a token is detokenized; a step scheduled before that would
-        compute a token past it. So while a request with stop strings runs, steps do not overlap.
+        Stop strings do not: a stop string is found once its token is detokenized, when the next
+        step is already on the device. That step's token for the sequence is dropped
+        (`Scheduler.finish` forgets pending tokens), as one past EOS is: one token of wasted work
+        per stopped sequence, against every request in the batch losing the host/device overlap
+        for as long as a request with stop strings is live.
         """
-        return self.params.n > 1 or self.params.needs_history or bool(self.params.stop)
+        return self.params.n > 1 or self.params.needs_history
 
     def metrics(self) -> dict:
         return {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time}
@@ -114,7 +117,7 @@ class OutputProcessor:
         self.input_builder = input_builder  # whose device table rows a finished sequence gives back
         self.requests: dict[str, Request] = {}
         self.seq_to_request: dict[int, Request] = {}
-        self.num_sync_requests = 0  # live requests that need their tokens before the next step (n > 1, penalties)
+        self.num_sync_requests = 0  # live requests that need their tokens before the next step (see needs_sync)
         self.num_prompt_tokens = self.num_generated_tokens = self.num_request_failures = 0
         # True: an output for every request that moved, every step, with its text so far (streaming).
         # False: outputs only for finished requests (offline generation: no per-step detokenization or
