@@ -77,6 +77,8 @@ def test_every_prefix_spills_when_the_pool_holds_one_request():
     # Each prompt's full blocks were evicted by the next prompt: the second pass finds them all on the host.
     assert stats["kv_host_hit_blocks"] == _hittable_blocks(prompts)
     assert stats["kv_h2d_bytes"] == stats["kv_restored_blocks"] * llm.engine.pool.bytes_per_block
+    # A prefix spilled tail first sits on consecutive host blocks: restored with one copy, not one per block.
+    assert stats["kv_h2d_num_copies"] == len(prompts)
     llm.engine.check_integrity()
 
 

@@ -1,22 +1,33 @@
 """`pagedkv bench engine --preset chat-tiers`: KV tiers on a multi-turn chat workload, and a restart.
 
 The conversations of `pagedkv.sim.chat_tiers` (K system prompts, M conversations of a few turns,
-every conversation live: its next turn is sent when its answer is back, greedy, the answer part of
-the history) run through the real engine three times, on the same GPU pool, sized to hold about a
-tenth of the live conversations' prefixes:
+greedy, the answer part of the history) run through the real engine three times, on the same GPU
+pool, sized to hold about a tenth of the distinct prefix blocks the conversations reuse:
 
     no prefix cache      every turn computes its whole prompt
     GPU only             the GPU prefix cache alone
     GPU + host + disk    --kv-offload-memory and a --kv-offload-dir behind it
 
+Every conversation is live from the start and `max_num_seqs` turns are in flight at a time (a
+closed loop at fixed concurrency): a turn is sent when a slot frees, its conversation's next turn
+joins the back of the queue when it is answered. So each configuration serves the same prompts
+(the outputs are the same with and without tiers) in the same order, no turn queues inside the
+engine, and TTFT is what a turn's own prefill or restore costs beside the turns running with it;
+between two turns of one conversation the other conversations' turns push its prefix out of the
+GPU pool.
+
 Reported per configuration: TTFT P50/P99, output tok/s, where prompt blocks came from (hit rate
-per tier over the blocks that could hit), the KV copies' bytes and device time; and the pinned
-copy bandwidth measured in the same run (one large pinned <-> device copy each way), against
-which the restore rate (restored bytes / their device time) is set. Then a restart: the tiers'
-engine shuts down (writing its cache to disk), a new engine opens the same directory and serves
-the last turns of the last conversations again: the share of prompt blocks served from disk and
-the first request's TTFT. A benchmark: it prints and writes JSON and markdown, and never asserts.
-`--smoke` runs the same code on the CPU at toy size.
+per tier over the blocks that could hit), the KV copies' bytes and device time. The restore rate
+is set against the pinned copy bandwidth measured in the same run (one large pinned <-> device
+copy each way) twice: the host -> device copies alone, and with the scatter into the pool. What
+TTFT gain is possible at all is measured too: one turn's prefill of a typical prefix plus user
+message, against copying that prefix at the measured bandwidth plus the user message's prefill.
+Then a restart: the tiers' engine shuts down (writing its cache to disk), a new engine opens the
+same directory and serves the last turns of the last conversations again, one at a time: per
+distinct prompt block, the share read from disk and the share not computed (read from disk, or
+shared on the GPU after a prompt read it), and the first request's TTFT. A benchmark: it prints
+and writes JSON and markdown, and never asserts. `--smoke` runs the same code on the CPU at toy
+size.
 """
 
 from __future__ import annotations
@@ -24,19 +35,24 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
+from pagedkv.core.prefix_cache import hash_blocks
+from pagedkv.bench.chat_tiers_report import markdown
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import Conversations, MultiTurnChat
 from pagedkv.sim.cluster import percentile
 
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
-SIZES = {"qwen3-0.6b": (96, 8, 3, 1024, 8), "llama3-8b": (48, 4, 3, 1024, 4)}
-SMOKE_SIZE = (12, 3, 2, 48, 2)
+SIZES = {"qwen3-0.6b": (128, 64, 3, 1024, 4), "llama3-8b": (96, 48, 3, 1024, 4)}
+SMOKE_SIZE = (12, 6, 2, 48, 2)
 #: The disk tier's size cap in this benchmark (the H200 machine's disk is 64 GiB).
 DISK_CAP_BYTES = 12 * 2**30
+#: The host-to-device bandwidth a CPU smoke run prices copies at (the H200's, pinned; nothing is measured).
+SMOKE_H2D_BYTES_PER_S = 55e9
 
 
 def pinned_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> dict:
@@ -57,8 +73,13 @@ def pinned_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> dict:
     return result
 
 
-def run_chat(engine, workload: MultiTurnChat) -> dict:
-    """Every conversation through `engine`, closed loop; TTFT per turn, output tok/s, the prompts sent."""
+def hittable_keys(prompt: list[int], block_size: int) -> list[bytes]:
+    """Keys of the prompt blocks a cache could serve (never the block of the last prompt token)."""
+    return hash_blocks(prompt, block_size)[:(len(prompt) - 1) // block_size]
+
+
+def run_chat(engine, workload: MultiTurnChat, max_in_flight: int) -> dict:
+    """Every conversation through `engine`, `max_in_flight` turns at a time; TTFT per turn, output tok/s."""
     from pagedkv.engine.sampling_params import SamplingParams
 
     conversations = Conversations(workload)
@@ -68,6 +89,7 @@ def run_chat(engine, workload: MultiTurnChat) -> dict:
     prompts: dict[str, list[int]] = {}
     num_output_tokens = 0
     turns: dict[int, int] = {}
+    due = deque(conversations.start())
 
     def submit(turn) -> None:
         """Send one turn (greedy, its drawn answer length) and note when."""
@@ -80,9 +102,11 @@ def run_chat(engine, workload: MultiTurnChat) -> dict:
                                                               ignore_eos=True))
 
     start = time.perf_counter()
-    for turn in conversations.start():
-        submit(turn)
-    while engine.has_unfinished_requests():
+    in_flight = 0
+    while due or engine.has_unfinished_requests():
+        while due and in_flight < max_in_flight:
+            submit(due.popleft())
+            in_flight += 1
         outputs = engine.step()
         now = time.perf_counter()
         for output in outputs:
@@ -90,10 +114,11 @@ def run_chat(engine, workload: MultiTurnChat) -> dict:
             if output.request_id not in ttft and tokens:
                 ttft[output.request_id] = now - submitted[output.request_id][1]
             if output.finished:
+                in_flight -= 1
                 num_output_tokens += len(tokens)
                 follow_up = conversations.answered(submitted[output.request_id][0], list(tokens))
                 if follow_up is not None:
-                    submit(follow_up)
+                    due.append(follow_up)
     elapsed = time.perf_counter() - start
     values = list(ttft.values())
     return {"elapsed_s": elapsed, "num_requests": len(values), "num_output_tokens": num_output_tokens,
@@ -101,25 +126,62 @@ def run_chat(engine, workload: MultiTurnChat) -> dict:
             "ttft_p99_s": percentile(values, 99), "ttft_mean_s": sum(values) / len(values), "prompts": prompts}
 
 
-def _tier_summary(stats: dict, block_size: int, prompts: dict) -> dict:
-    """Hit rates per tier over the prompt blocks that could hit, and the copies' bytes, times and rates."""
+def _tier_summary(stats: dict, block_size: int, block_nbytes: int, prompts: dict, tiered: bool) -> dict:
+    """Hit rates per tier over the prompt blocks that could hit, and the copies' bytes, times and rates.
+
+    `stats` are the run's differences, so gauges read 0: `tiered` says whether the KV tiers count hits."""
     hittable = sum((len(p) - 1) // block_size for p in prompts.values())
     summary = {"hittable_blocks": hittable, "prefix_hit_tokens": stats["prefix_cache_hit_tokens"]}
     for tier in ("gpu", "host", "disk"):
         summary[f"{tier}_hit_rate"] = stats.get(f"kv_{tier}_hit_blocks", 0) / hittable if hittable else 0.0
-    if not stats.get("kv_host_blocks"):
+    if not tiered:  # the GPU prefix cache's own count (with tiers it also counts the restored blocks)
         summary["gpu_hit_rate"] = stats["prefix_cache_hit_tokens"] / block_size / hittable if hittable else 0.0
     for key in ("kv_offloaded_blocks", "kv_restored_blocks", "kv_disk_written_blocks", "kv_disk_load_misses",
-                "kv_d2h_bytes", "kv_d2h_seconds", "kv_h2d_bytes", "kv_h2d_seconds", "kv_disk_read_bytes",
-                "kv_disk_read_seconds", "num_preemptions"):
+                "kv_d2h_bytes", "kv_d2h_seconds", "kv_h2d_bytes", "kv_h2d_seconds", "kv_h2d_copy_seconds",
+                "kv_h2d_num_copies", "kv_disk_read_bytes", "kv_disk_read_seconds", "num_preemptions"):
         summary[key] = stats.get(key, 0)
-    summary["restore_bytes_per_s"] = stats["kv_h2d_bytes"] / stats["kv_h2d_seconds"] if stats.get(
-        "kv_h2d_seconds") else None
+    h2d_bytes = stats.get("kv_h2d_bytes", 0)
+    summary["restore_bytes_per_s"] = h2d_bytes / stats["kv_h2d_seconds"] if stats.get("kv_h2d_seconds") else None
+    summary["restore_copy_bytes_per_s"] = (h2d_bytes / stats["kv_h2d_copy_seconds"]
+                                           if stats.get("kv_h2d_copy_seconds") else None)
+    summary["blocks_per_h2d_copy"] = (h2d_bytes / block_nbytes / stats["kv_h2d_num_copies"]
+                                      if stats.get("kv_h2d_num_copies") else None)
     return summary
 
 
+def _prefill_s(engine, tokens: list[int]) -> float:
+    """Seconds from sending `tokens` (alone, max_tokens=1) to its first token."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    engine.add_request(f"probe-{time.perf_counter_ns()}", tokens, SamplingParams(temperature=0.0, max_tokens=1))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def restore_bound(engine, workload: MultiTurnChat, block_size: int, h2d_bytes_per_s: float) -> dict:
+    """What restoring can win at most for one typical turn: its prefill against copying its prefix plus the
+    prefill of its user message (best of 3 each, fresh tokens, an idle engine)."""
+    prefix_tokens = workload.system_prompt_tokens + (workload.min_user_tokens + workload.max_user_tokens
+                                                     + workload.min_output_tokens + workload.max_output_tokens) // 2
+    prefix_tokens -= prefix_tokens % block_size  # what a cache can hold: whole blocks
+    user_tokens = (workload.min_user_tokens + workload.max_user_tokens) // 2
+    generator = torch.Generator().manual_seed(workload.seed)
+
+    def fresh(n: int) -> list[int]:
+        return torch.randint(1, workload.vocab_size, (n,), generator=generator).tolist()
+
+    full_s = min(_prefill_s(engine, fresh(prefix_tokens + user_tokens)) for _ in range(3))
+    user_s = min(_prefill_s(engine, fresh(user_tokens)) for _ in range(3))
+    copy_s = prefix_tokens // block_size * engine.pool.bytes_per_block / h2d_bytes_per_s
+    return {"prefix_tokens": prefix_tokens, "user_tokens": user_tokens, "prefill_s": full_s, "user_prefill_s": user_s,
+            "copy_s": copy_s, "h2d_bytes_per_s": h2d_bytes_per_s, "max_ttft_gain": full_s / (copy_s + user_s),
+            "recompute_over_copy": max(full_s - user_s, 0.0) / copy_s}
+
+
 def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
-    """The three configurations and the restart for one model shape."""
+    """The three configurations, the restore bound and the restart for one model shape."""
     from pagedkv.engine.llm import LLM
     from pagedkv.models.loader import random_model
 
@@ -131,14 +193,15 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     workload = MultiTurnChat(num_system_prompts=systems, num_conversations=conversations, num_turns=num_turns,
                              num_concurrent=conversations, system_prompt_tokens=system_len,
                              min_user_tokens=8 if smoke else 32, max_user_tokens=16 if smoke else 128,
-                             min_output_tokens=4 if smoke else 16, max_output_tokens=8 if smoke else 48,
+                             min_output_tokens=4 if smoke else 8, max_output_tokens=8 if smoke else 24,
                              vocab_size=min(model.config.get_text_config().vocab_size, 32000))
     block_size = 16
     mean_turn = (workload.min_user_tokens + workload.max_user_tokens + workload.min_output_tokens
                  + workload.max_output_tokens) / 2
-    live_prefix_tokens = conversations * (system_len + mean_turn * (num_turns - 1) / 2)
-    batch_tokens = max_num_seqs * workload.max_conversation_tokens
-    num_blocks = int(max(0.1 * live_prefix_tokens, 1.2 * batch_tokens) // block_size)
+    # What a cache could reuse by the last turn: each system prompt once, and every conversation's history.
+    prefix_tokens_estimate = systems * system_len + conversations * mean_turn * (num_turns - 1)
+    batch_tokens = max_num_seqs * workload.max_conversation_tokens  # the running turns must fit
+    num_blocks = int(max(0.1 * prefix_tokens_estimate, 1.2 * batch_tokens) // block_size)
     host_bytes = args.kv_offload_memory or (64 * 2**20 if smoke else 16 * 2**30)
     # Prefill and mixed steps run eagerly (decode steps replay graphs): eight engines start in this run, and
     # capturing the piecewise graphs of each would take most of its time. The same in every configuration.
@@ -150,37 +213,50 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}),
                ("GPU + host + disk", dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir),
                                           kv_offload_disk_bytes=disk_bytes))]
-    result = {"workload": workload.__dict__, "num_blocks": num_blocks, "block_size": block_size,
-              "live_prefix_tokens": live_prefix_tokens, "gpu_pool_share_of_live_prefixes":
-                  num_blocks * block_size / live_prefix_tokens, "host_bytes": host_bytes, "configs": {}}
+    result = {"workload": workload.__dict__, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
+              "block_size": block_size, "host_bytes": host_bytes, "configs": {}}
     if device.type == "cuda":
         result["pinned_bandwidth"] = pinned_bandwidth(device)
+    h2d = result["pinned_bandwidth"]["h2d_bytes_per_s"] if device.type == "cuda" else SMOKE_H2D_BYTES_PER_S
     tiered = None
     for label, options in configs:
         llm = LLM(**common, **options)
         run_chat(llm.engine, MultiTurnChat(**{**workload.__dict__, "num_conversations": 2, "num_concurrent": 2,
-                                              "seed": workload.seed + 1}))  # warm-up: kernels, graphs
+                                              "seed": workload.seed + 1}), max_num_seqs)  # warm-up: kernels
         stats_before = llm.stats()
-        run = run_chat(llm.engine, workload)
+        run = run_chat(llm.engine, workload, max_num_seqs)
         stats = {k: v - stats_before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in llm.stats().items()}
         prompts = run.pop("prompts")
-        result["configs"][label] = {**run, **_tier_summary(stats, block_size, prompts),
-                                    "prompts_hash": hash(tuple(tuple(p) for p in prompts.values()))}
+        row = {**run, **_tier_summary(stats, block_size, llm.engine.pool.bytes_per_block, prompts,
+                                            "kv_offload_memory" in options),
+               "prompts_hash": hash(tuple(tuple(p) for p in prompts.values()))}
+        result["configs"][label] = row
         print(f"{name} | {label}: TTFT P50 {run['ttft_p50_s'] * 1e3:.1f} ms, P99 {run['ttft_p99_s'] * 1e3:.1f} ms, "
-              f"{run['output_tokens_per_s']:,.0f} output tok/s", flush=True)
+              f"{run['output_tokens_per_s']:,.0f} output tok/s, hits GPU {row['gpu_hit_rate'] * 100:.0f}% host "
+              f"{row['host_hit_rate'] * 100:.0f}%", flush=True)
+        if label == "GPU only":  # after its run, so the probes' prompts leave the measured run alone
+            result["restore_bound"] = bound = restore_bound(llm.engine, workload, block_size, h2d)
+            print(f"{name} | bound: a {bound['prefix_tokens']}-token prefix + {bound['user_tokens']}-token message "
+                  f"prefill {bound['prefill_s'] * 1e3:.1f} ms; copying the prefix {bound['copy_s'] * 1e3:.1f} ms "
+                  f"+ the message's prefill {bound['user_prefill_s'] * 1e3:.1f} ms: TTFT at most "
+                  f"{bound['max_ttft_gain']:.2f}x lower", flush=True)
         if options.get("kv_offload_dir"):
             tiered = (llm, prompts)
         else:
             llm.shutdown()
             del llm
+    distinct = {key for p in prompts.values() for key in hittable_keys(p, block_size)}
+    result["distinct_prefix_blocks"] = len(distinct)
+    result["gpu_pool_share_of_prefixes"] = num_blocks / len(distinct) if distinct else 0.0
+    result["same_prompts"] = len({row["prompts_hash"] for row in result["configs"].values()}) == 1
     llm, prompts = tiered
     llm.shutdown()  # writes what is only on the GPU and in host memory
     del llm
-    result["restart"] = restart(LLM, common, configs[2][1], workload, prompts, block_size)
+    result["restart"] = r = restart(LLM, common, configs[2][1], workload, prompts, block_size)
     shutil.rmtree(offload_dir, ignore_errors=True)
-    print(f"{name} | restart: {result['restart']['disk_share'] * 100:.1f}% of prompt blocks read from disk, "
-          f"{result['restart']['not_computed_share'] * 100:.1f}% not computed, first TTFT "
-          f"{result['restart']['first_ttft_s'] * 1e3:.1f} ms", flush=True)
+    print(f"{name} | restart: per distinct prompt block {r['disk_share'] * 100:.1f}% read from disk, "
+          f"{r['not_computed_share'] * 100:.1f}% not computed; first TTFT {r['first_ttft_s'] * 1e3:.1f} ms",
+          flush=True)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -188,7 +264,10 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
 
 
 def restart(LLM, common: dict, options: dict, workload: MultiTurnChat, prompts: dict, block_size: int) -> dict:
-    """A new engine on the same directory serves the last turns of the last conversations again."""
+    """A new engine on the same directory serves the last turns of the last conversations again, one at a time.
+
+    Per distinct prompt block: read from disk (restored from a host block that a disk read filled: the host
+    tier starts empty) and not computed (read from disk, or shared on the GPU after a prompt read it)."""
     from pagedkv.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
@@ -199,7 +278,12 @@ def restart(LLM, common: dict, options: dict, workload: MultiTurnChat, prompts: 
     engine = llm.engine
     engine.stream_outputs = True
     ttfts = []
+    read, computed, distinct = set(), set(), set()
+    hit_fields = ("kv_gpu_hit_blocks", "kv_host_hit_blocks", "kv_disk_hit_blocks")
     for index, prompt in enumerate(replay):  # one at a time: each TTFT is a cold engine's
+        keys = hittable_keys(prompt, block_size)
+        distinct.update(keys)
+        before = llm.stats()
         engine.add_request(f"r{index}", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         begin = time.perf_counter()
         first = None
@@ -208,56 +292,22 @@ def restart(LLM, common: dict, options: dict, workload: MultiTurnChat, prompts: 
                 if first is None and output.outputs[0].token_ids:
                     first = time.perf_counter() - begin
         ttfts.append(first)
+        after = llm.stats()
+        gpu, host, disk = (after[f] - before[f] for f in hit_fields)
+        read.update(keys[gpu:gpu + host + disk])  # a prompt's hits: GPU first, then the restored run
+        computed.update(keys[gpu + host + disk:])
     stats = llm.stats()
     hittable = sum((len(p) - 1) // block_size for p in replay)
     llm.shutdown()
     return {"startup_s": startup_s, "num_requests": len(replay), "hittable_blocks": hittable,
-            "disk_hit_blocks": stats["kv_disk_hit_blocks"], "gpu_hit_blocks": stats["kv_gpu_hit_blocks"],
-            "disk_share": stats["kv_disk_hit_blocks"] / hittable if hittable else 0.0,
-            # a block loaded from disk once is then shared on the GPU by the next prompt with that prefix
-            "not_computed_share": (stats["kv_disk_hit_blocks"] + stats["kv_gpu_hit_blocks"]
-                                   + stats["kv_host_hit_blocks"]) / hittable if hittable else 0.0,
+            "distinct_blocks": len(distinct), "disk_hit_blocks": stats["kv_disk_hit_blocks"],
+            "gpu_hit_blocks": stats["kv_gpu_hit_blocks"], "host_hit_blocks": stats["kv_host_hit_blocks"],
+            # a block computed here and spilled is restored from the host later: that is no disk read
+            "disk_share": len((read - computed) & distinct) / len(distinct) if distinct else 0.0,
+            "not_computed_share": 1 - len(computed & distinct) / len(distinct) if distinct else 0.0,
+            "request_disk_share": stats["kv_disk_hit_blocks"] / hittable if hittable else 0.0,
             "disk_load_misses": stats["kv_disk_load_misses"], "first_ttft_s": ttfts[0] if ttfts else None,
             "ttft_s": ttfts, "disk_read_seconds": stats["kv_disk_read_seconds"]}
-
-
-def markdown(result: dict) -> str:
-    """The results as markdown tables."""
-    lines = [f"# KV tiers on multi-turn chat ({result['provenance'].get('device')}, {result['provenance']['date']}, "
-             f"commit {result['provenance']['commit']})", ""]
-    for name, model in result["models"].items():
-        w = model["workload"]
-        lines += [f"## random:{name}: {w['num_conversations']} conversations x {w['num_turns']} turns over "
-                  f"{w['num_system_prompts']} system prompts of {w['system_prompt_tokens']} tokens; GPU pool "
-                  f"{model['num_blocks']} blocks ({model['gpu_pool_share_of_live_prefixes'] * 100:.0f}% of live "
-                  f"prefixes), host tier {model['host_bytes'] / 2**30:g} GiB; prefill steps eager, decode steps "
-                  f"graphed, in every configuration", "",
-                  "| config | TTFT P50 ms | TTFT P99 ms | output tok/s | GPU hits | host hits | disk hits | "
-                  "restored GB | restore GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for label, row in model["configs"].items():
-            rate = row["restore_bytes_per_s"]
-            lines.append(f"| {label} | {row['ttft_p50_s'] * 1e3:.1f} | {row['ttft_p99_s'] * 1e3:.1f} | "
-                         f"{row['output_tokens_per_s']:,.0f} | {row['gpu_hit_rate'] * 100:.0f}% | "
-                         f"{row['host_hit_rate'] * 100:.0f}% | {row['disk_hit_rate'] * 100:.0f}% | "
-                         f"{row['kv_h2d_bytes'] / 1e9:.2f} | {'-' if rate is None else f'{rate / 1e9:.1f}'} |")
-        gpu, tiers = model["configs"]["GPU only"], model["configs"]["GPU + host + disk"]
-        lines.append("")
-        lines.append(f"TTFT vs GPU-only: P50 {gpu['ttft_p50_s'] / tiers['ttft_p50_s']:.2f}x lower, P99 "
-                     f"{gpu['ttft_p99_s'] / tiers['ttft_p99_s']:.2f}x lower (target >= 3x); output tok/s "
-                     f"{tiers['output_tokens_per_s'] / gpu['output_tokens_per_s']:.2f}x (target >= 1x)")
-        if "pinned_bandwidth" in model:
-            pinned = model["pinned_bandwidth"]["h2d_bytes_per_s"]
-            rate = tiers["restore_bytes_per_s"]
-            lines.append(f"Pinned copy bandwidth in this run: H2D {pinned / 1e9:.1f} GB/s, D2H "
-                         f"{model['pinned_bandwidth']['d2h_bytes_per_s'] / 1e9:.1f} GB/s; restore rate "
-                         f"{'-' if rate is None else f'{rate / pinned * 100:.0f}%'} of H2D (target >= 80%)")
-        r = model["restart"]
-        lines.append(f"Restart: {r['disk_share'] * 100:.1f}% of prompt blocks read from disk, "
-                     f"{r['not_computed_share'] * 100:.1f}% not computed (read from disk, or shared on the GPU "
-                     f"after another prompt read them; target >= 90%), {r['disk_load_misses']} bad files, first "
-                     f"request TTFT {r['first_ttft_s'] * 1e3:.1f} ms, engine startup {r['startup_s']:.1f} s")
-        lines.append("")
-    return "\n".join(lines)
 
 
 def run(args) -> int:

@@ -61,6 +61,7 @@ class OffloadStats:
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0  # staged copies plus the scatter into the pool
     h2d_copy_seconds: float = 0.0  # the pinned host -> device copies alone
+    h2d_num_copies: int = 0  # host -> device copies issued (one per run of consecutive host blocks)
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
@@ -195,35 +196,35 @@ class KVOffload:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
+    # Both directions go in host-block order: the gather and the scatter on the device take any order
+    # for free, and a prefix spilled tail first (the GPU cache's eviction order) sits on descending host
+    # blocks, which in prefix order would be one small copy per block instead of one copy per run.
     def _d2h(self, copies) -> None:
         """(device block, host block) pairs: gather on the device, then one copy per run of host blocks."""
         if not copies:
             return
+        copies = sorted(copies, key=lambda c: c[1])
         start = self._mark()
         src = self._ids([c[0] for c in copies])
         dst = [c[1] for c in copies]
-        blocks = self._storage.index_select(2, src).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, B, Hkv, D]
-        if not self.is_cuda:
-            self.host.index_copy_(0, torch.tensor(dst), blocks)
-        else:
-            blocks = blocks.contiguous()
-            for index, first, length in _runs(dst):
-                self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
+        blocks = self._storage.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, 2, L, B, Hkv, D]
+        for index, first, length in _runs(dst):
+            self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
         self._done("d2h", len(copies) * self.block_nbytes, start)
 
     def _h2d(self, copies) -> None:
         """(host block, device block) pairs: one copy per run of host blocks into a staging tensor, one scatter."""
         if not copies:
             return
+        copies = sorted(copies, key=lambda c: c[0])
         src = [c[0] for c in copies]
         dst = self._ids([c[1] for c in copies])
         start = self._mark()
-        if not self.is_cuda:
-            staged = self.host.index_select(0, torch.tensor(src))
-        else:
-            staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
-            for index, first, length in _runs(src):
-                staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
+        staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
+        runs = _runs(src)
+        for index, first, length in runs:
+            staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
+        self.stats.h2d_num_copies += len(runs)
         copied = self._mark()
         self._storage.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))  # [2, L, n, B, Hkv, D]
         self._done("h2d", len(copies) * self.block_nbytes, start, copied)
@@ -293,7 +294,8 @@ class KVOffload:
             kv_host_blocks=tiers.host.num_blocks, kv_host_cached_blocks=tiers.host.num_cached,
             kv_disk_blocks=tiers.disk.num_blocks if tiers.disk is not None else 0,
             kv_d2h_bytes=o.d2h_bytes, kv_d2h_seconds=o.d2h_seconds, kv_h2d_bytes=o.h2d_bytes,
-            kv_h2d_seconds=o.h2d_seconds, kv_h2d_copy_seconds=o.h2d_copy_seconds, kv_disk_read_bytes=o.disk_read_bytes,
+            kv_h2d_seconds=o.h2d_seconds, kv_h2d_copy_seconds=o.h2d_copy_seconds,
+            kv_h2d_num_copies=o.h2d_num_copies, kv_disk_read_bytes=o.disk_read_bytes,
             kv_disk_read_seconds=o.disk_read_seconds, kv_disk_write_bytes=o.disk_write_bytes,
         )
 

@@ -31,13 +31,15 @@ def add_chat_tiers_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV tiers on multi-turn chat (--chat-tiers)")
     add = group.add_argument
     add("--chat-tiers", action="store_true", help="sweep host-tier sizes on a multi-turn chat workload")
-    add("--chat-system-prompts", type=int, default=8, metavar="K", help="shared system prompts (default %(default)s)")
-    add("--chat-conversations", type=int, default=64, metavar="M", help="conversations (default %(default)s)")
-    add("--chat-turns", type=int, default=4, help="turns per conversation (default %(default)s)")
-    add("--chat-concurrent", type=int, default=32, help="conversations live at once (default %(default)s)")
+    add("--chat-system-prompts", type=int, default=64, metavar="K", help="shared system prompts (default %(default)s)")
+    add("--chat-conversations", type=int, default=128, metavar="M", help="conversations (default %(default)s)")
+    add("--chat-turns", type=int, default=3, help="turns per conversation (default %(default)s)")
+    add("--chat-concurrent", type=int, default=128, help="conversations live at once (default %(default)s)")
     add("--chat-system-len", type=int, default=1024, help="tokens per system prompt (default %(default)s)")
+    # 64 x 64 system prompt blocks plus 128 histories of ~2 x 128 tokens: ~6,100 distinct prefix blocks
     add("--chat-gpu-blocks", type=int, default=600,
-        help="GPU pool blocks of --block-size tokens (default %(default)s, about a tenth of the live prefixes)")
+        help="GPU pool blocks of --block-size tokens (default %(default)s, about a tenth of the distinct prefix "
+             "blocks of the default workload)")
     add("--host-memory", type=_sizes, default=_sizes("1GiB,4GiB,16GiB"), metavar="SIZES",
         help="host-tier sizes to try, comma-separated (default 1GiB,4GiB,16GiB)")
 

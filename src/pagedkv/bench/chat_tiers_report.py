@@ -1,0 +1,93 @@
+"""The chat-tiers benchmark's report: its results as markdown, each figure beside its target.
+
+`pagedkv.bench.engine_chat_tiers` measures; this module only formats. Targets: TTFT P50 and P99
+at least 3x lower than GPU-only prefix caching, output tok/s not lower, a restore rate of at
+least 80% of the pinned host-to-device bandwidth measured in the same run, and after a restart
+at least 90% of prompt blocks served from disk. Beside the TTFT target stands what is possible at
+all: one turn's prefill against copying its prefix plus its user message's prefill.
+"""
+
+from __future__ import annotations
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _gbps(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate / 1e9:.1f}"
+
+
+def _share(part: float | None, whole: float) -> str:
+    return "-" if part is None or not whole else f"{part / whole * 100:.0f}%"
+
+
+def _header(name: str, model: dict) -> list[str]:
+    w = model["workload"]
+    return [f"## random:{name}: {w['num_conversations']} conversations x {w['num_turns']} turns over "
+            f"{w['num_system_prompts']} system prompts of {w['system_prompt_tokens']} tokens, {model['max_num_seqs']} "
+            f"turns in flight; GPU pool {model['num_blocks']} blocks = "
+            f"{model['gpu_pool_share_of_prefixes'] * 100:.0f}% of the {model['distinct_prefix_blocks']} distinct "
+            f"prefix blocks the turns reuse (target ~10%), host tier {model['host_bytes'] / 2**30:g} GiB; prefill "
+            f"steps eager, decode steps graphed, in every configuration; same prompts in every configuration: "
+            f"{'yes' if model['same_prompts'] else 'NO'}", "",
+            "| config | TTFT P50 ms | TTFT P99 ms | output tok/s | GPU hits | host hits | disk hits | restored GB | "
+            "H2D copy GB/s | with scatter GB/s | blocks per copy |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def _row(label: str, row: dict) -> str:
+    per_copy = row["blocks_per_h2d_copy"]
+    return (f"| {label} | {_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} | {row['output_tokens_per_s']:,.0f} | "
+            f"{row['gpu_hit_rate'] * 100:.0f}% | {row['host_hit_rate'] * 100:.0f}% | {row['disk_hit_rate'] * 100:.0f}% | "
+            f"{row['kv_h2d_bytes'] / 1e9:.2f} | {_gbps(row['restore_copy_bytes_per_s'])} | "
+            f"{_gbps(row['restore_bytes_per_s'])} | {'-' if per_copy is None else f'{per_copy:.1f}'} |")
+
+
+def _verdict(value: float | None, target: float) -> str:
+    return "-" if value is None else ("met" if value >= target else "missed")
+
+
+def _summary(model: dict) -> list[str]:
+    gpu, tiers = model["configs"]["GPU only"], model["configs"]["GPU + host + disk"]
+    p50, p99 = gpu["ttft_p50_s"] / tiers["ttft_p50_s"], gpu["ttft_p99_s"] / tiers["ttft_p99_s"]
+    throughput = tiers["output_tokens_per_s"] / gpu["output_tokens_per_s"]
+    lines = [f"- TTFT vs GPU-only: P50 {p50:.2f}x lower, P99 {p99:.2f}x lower (target >= 3x: "
+             f"{_verdict(min(p50, p99), 3.0)}); output tok/s {throughput:.2f}x (target >= 1x: "
+             f"{_verdict(throughput, 1.0)})"]
+    bound = model.get("restore_bound")
+    if bound:
+        lines.append(f"- What is possible: a turn with a {bound['prefix_tokens']}-token prefix and a "
+                     f"{bound['user_tokens']}-token message prefills in {_ms(bound['prefill_s'])} ms on an idle "
+                     f"engine; copying the prefix at {_gbps(bound['h2d_bytes_per_s'])} GB/s takes "
+                     f"{_ms(bound['copy_s'])} ms and the message's prefill {_ms(bound['user_prefill_s'])} ms, so its "
+                     f"TTFT can fall at most {bound['max_ttft_gain']:.2f}x (the prefix recomputes "
+                     f"{bound['recompute_over_copy']:.1f}x slower than it copies). GPU-only already serves "
+                     f"{gpu['gpu_hit_rate'] * 100:.0f}% of the blocks that could hit; only the rest can gain.")
+    if "pinned_bandwidth" in model:
+        pinned = model["pinned_bandwidth"]["h2d_bytes_per_s"]
+        copy_rate, rate = tiers["restore_copy_bytes_per_s"], tiers["restore_bytes_per_s"]
+        lines.append(f"- Pinned copy bandwidth in this run: H2D {_gbps(pinned)} GB/s, D2H "
+                     f"{_gbps(model['pinned_bandwidth']['d2h_bytes_per_s'])} GB/s. Restores: the H2D copies alone "
+                     f"{_gbps(copy_rate)} GB/s = {_share(copy_rate, pinned)} of H2D (target >= 80%: "
+                     f"{_verdict(None if copy_rate is None else copy_rate / pinned, 0.8)}); with the scatter into "
+                     f"the pool {_gbps(rate)} GB/s = {_share(rate, pinned)}")
+    r = model["restart"]
+    lines.append(f"- Restart: of the {r['distinct_blocks']} distinct prompt blocks of {r['num_requests']} replayed "
+                 f"turns, {r['disk_share'] * 100:.1f}% read from disk (target >= 90%: "
+                 f"{_verdict(r['disk_share'], 0.9)}) and {r['not_computed_share'] * 100:.1f}% not computed (read "
+                 f"from disk, or shared on the GPU after another prompt read them); per request "
+                 f"{r['request_disk_share'] * 100:.1f}% of prompt blocks were disk hits. {r['disk_load_misses']} bad "
+                 f"files, first request TTFT {_ms(r['first_ttft_s'])} ms, engine startup {r['startup_s']:.1f} s")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """The results as markdown: per model a table of the three configurations and the lines with the targets."""
+    p = result["provenance"]
+    lines = [f"# KV tiers on multi-turn chat ({p.get('device')}, {p['date']}, commit {p['commit']})", ""]
+    for name, model in result["models"].items():
+        lines += _header(name, model)
+        lines += [_row(label, row) for label, row in model["configs"].items()]
+        lines += [""] + _summary(model) + [""]
+    return "\n".join(lines)
