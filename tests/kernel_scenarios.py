@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from pagedkv.bench.kernel_common import shuffled_layout
 from pagedkv.kernels import DecodeTuning, reference_write_kv, write_kv
 
 #: (atol, rtol) against the float64 reference. fp16: the output and the P @ V operand are rounded to fp16.
@@ -137,24 +138,6 @@ LENGTHS = [1, 16, 17, 128, 129, 1000, 4095, 4096]
 SCHEDULES = {"split": DecodeTuning(), "in_kernel": DecodeTuning(merge="in_kernel")}
 #: Engine models' attention: Qwen3-0.6B, SmolLM2-135M, GPT-2 as (q heads, kv heads, head_dim).
 ENGINE_HEADS = [(16, 8, 128), (9, 3, 64), (12, 12, 64)]
-
-
-def shuffled_layout(seq_lens, block_size, generator, extra_blocks=31):
-    """(num_blocks, block_tables [B, max_blocks + 3] int32, slots) on CUDA: each sequence's blocks drawn in
-    shuffled order from a pool of its blocks plus `extra_blocks`, the table's unused columns pointing at
-    blocks nobody owns (so a kernel that reads past a sequence's end reads NaN)."""
-    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + extra_blocks
-    order = torch.randperm(num_blocks, generator=generator)
-    owned, unowned = order[: sum(blocks_per_seq)], order[sum(blocks_per_seq):]
-    table = unowned[torch.randint(len(unowned), (len(seq_lens), max(blocks_per_seq) + 3), generator=generator)]
-    slots, start = [], 0
-    for b, (n, num) in enumerate(zip(seq_lens, blocks_per_seq)):
-        table[b, :num] = owned[start : start + num]
-        start += num
-        positions = torch.arange(n)
-        slots.append(table[b, positions // block_size] * block_size + positions % block_size)
-    return num_blocks, table.to(torch.int32).cuda(), torch.cat(slots).cuda()
 
 
 class GpuScenario:

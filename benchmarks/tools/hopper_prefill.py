@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from pagedkv.bench.kernel_common import shuffled_layout
 
 SMOKE = os.environ.get("HOPPER_PREFILL_SMOKE") == "1"  # CPU, the Triton interpreter, fp16, tiny shapes
 DEVICE, DTYPE = ("cpu", torch.float16) if SMOKE else ("cuda", torch.bfloat16)
@@ -75,24 +76,14 @@ def make_step(seq_lens, q_lens, page, seed, poison=True, heads=None):
     nh, nkv, dim = heads or (H, HKV, D)
 
     gen = torch.Generator().manual_seed(seed)
-    blocks = [math.ceil(n / page) for n in seq_lens]
-    num_blocks = sum(blocks) + 8
-    order = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), max(blocks) + 2, dtype=torch.int64)
-    table[:] = int(order[-1])  # padding entries: a block nobody owns
-    slots, start = [], 0
-    for b, (n, nb) in enumerate(zip(seq_lens, blocks)):
-        table[b, :nb] = order[start:start + nb]
-        start += nb
-        pos = torch.arange(n)
-        slots.append(table[b, pos // page] * page + pos % page)
+    num_blocks, table, slots = shuffled_layout(seq_lens, page, gen, extra_blocks=8, device=DEVICE)
     fill = float("nan") if poison else 0.0
     k_cache = torch.full((num_blocks, page, nkv, dim), fill, dtype=DTYPE, device=DEVICE)
     v_cache = torch.full_like(k_cache, fill)
     total = sum(seq_lens)
     keys = torch.randn(total, nkv, dim, generator=gen).to(DEVICE, DTYPE)
     values = torch.randn(total, nkv, dim, generator=gen).to(DEVICE, DTYPE)
-    write_kv(keys, values, k_cache, v_cache, torch.cat(slots).to(DEVICE))
+    write_kv(keys, values, k_cache, v_cache, slots)
     num_tokens = sum(q_lens)
     qkv = torch.randn(num_tokens, (nh + 2 * nkv) * dim, generator=gen).to(DEVICE, DTYPE)
     q = qkv[:, :nh * dim].view(num_tokens, nh, dim)
@@ -105,7 +96,7 @@ def make_step(seq_lens, q_lens, page, seed, poison=True, heads=None):
         offset, row = offset + n, row + ql
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    return dict(query=q, key=k, value=v, k_cache=k_cache, v_cache=v_cache, table=table.to(DEVICE, torch.int32),
+    return dict(query=q, key=k, value=v, k_cache=k_cache, v_cache=v_cache, table=table,
                 lens=lens, cu=cu, max_q=max(q_lens), max_seq_len=max(seq_lens), scale=dim ** -0.5)
 
 

@@ -135,6 +135,28 @@ def make_paged(batch: int, seq_len: int, page: int, shuffled: bool, device, dtyp
     return query, k_cache, v_cache, block_tables, seq_lens
 
 
+def shuffled_layout(seq_lens, block_size: int, generator, extra_blocks: int = 31, device="cuda"):
+    """(num_blocks, block_tables `[B, max_blocks + 3]` int32, slots) on `device`: each sequence's blocks
+    drawn in shuffled order from a pool of its blocks plus `extra_blocks`, the table's unused columns
+    pointing at blocks nobody owns (so a kernel that reads past a sequence's end reads whatever poisons them).
+
+    The layout the kernel tests and the prefill tuning tool share."""
+    import torch
+
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    order = torch.randperm(num_blocks, generator=generator)
+    owned, unowned = order[: sum(blocks_per_seq)], order[sum(blocks_per_seq):]
+    table = unowned[torch.randint(len(unowned), (len(seq_lens), max(blocks_per_seq) + 3), generator=generator)]
+    slots, start = [], 0
+    for b, (n, num) in enumerate(zip(seq_lens, blocks_per_seq)):
+        table[b, :num] = owned[start : start + num]
+        start += num
+        positions = torch.arange(n)
+        slots.append(table[b, positions // block_size] * block_size + positions % block_size)
+    return num_blocks, table.to(torch.int32).to(device), torch.cat(slots).to(device)
+
+
 def chunk_kv(k_cache, v_cache, block_tables, seq_lens: list[int], q_lens: list[int]):
     """(key, value) `[sum(q_lens), Hkv, D]`, contiguous: each chunk's own K/V rows as the pool holds them.
 
