@@ -13,7 +13,7 @@ from helpers import tiny
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 
-MODELS = ["tiny-llama", "tiny-qwen3"]
+MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]  # tiny-gemma3: layer groups (sliding windows)
 MODES = ["full", "piecewise"]
 
 
@@ -54,7 +54,8 @@ def _emulated(llm: LLM, mode: str) -> list[int]:
     return used
 
 
-@pytest.mark.parametrize("name, mode", [("tiny-llama", "full"), ("tiny-qwen3", "full"), ("tiny-qwen3", "piecewise")])
+@pytest.mark.parametrize("name, mode", [("tiny-llama", "full"), ("tiny-qwen3", "full"), ("tiny-qwen3", "piecewise"),
+                                        ("tiny-gemma3", "full"), ("tiny-gemma3", "piecewise")])
 def test_padded_layout_equals_eager_steps(name, mode):
     model = tiny(name)
     options = dict(kv_cache_memory=8 * 2**20, max_num_batched_tokens=48, max_num_seqs=8)

@@ -27,6 +27,10 @@ a chunk of one token), padding sequences have no query tokens and length 0, and 
 begins by gathering the step's table rows, lengths and query offsets on the device. A step then
 costs its staging copy and one replay.
 
+Layer groups (sliding-window models): the graph gathers every group's tables (the same rows of
+each group's persistent tables), each layer writes its group's slots, and each layer's
+attention reads its group's metadata (`AttentionBackend.layer_meta`), as in an eager step.
+
 On CPU there is nothing to capture; `PiecewiseGraphs(..., capture=False)` runs the same padded
 layout eagerly (the forward once per step; attention on the real rows into the static buffer,
 or the unified call over the padded metadata), so the padding and row bookkeeping are testable
@@ -37,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +92,8 @@ class SplitAttention:
         self.mode = mode
         self.meta = meta  # "emulate" only: the step's metadata
         self.num_real_tokens = num_real_tokens
-        self.slot_mapping = owner.slot_mapping[:num_tokens]
+        # Group 0's slots, then each further layer group's (sliding-window models): views at fixed addresses.
+        self.slot_mappings = [slots[:num_tokens] for slots in (owner.slot_mapping, *owner.group_slot_mappings)]
         self.calls: list[AttentionCall] = []
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
@@ -97,8 +102,9 @@ class SplitAttention:
         # `written_kv` (the fused kernel's K/V rows in QKV, for the eager split prefill kernel) is not kept:
         # graphed steps read every key from the pool.
         if self.mode == "unified":
-            return self.owner.backend.forward_unified(self.meta, layer_idx, q, k, v, scale=scale,
-                                                      sliding_window=sliding_window, soft_cap=soft_cap)
+            backend = self.owner.backend
+            return backend.forward_unified(backend.layer_meta(self.meta, layer_idx), layer_idx, q, k, v, scale=scale,
+                                           sliding_window=sliding_window, soft_cap=soft_cap)
         out = self.owner.output_buffer(q)[:self.num_tokens]
         if self.mode == "emulate":
             self.owner.attend(AttentionCall(layer_idx, q, k, v, scale, sliding_window, soft_cap), self.meta,
@@ -115,8 +121,9 @@ class SplitAttention:
         return out
 
     def slot_mapping_for(self, layer_idx: int) -> torch.Tensor:
-        """The slots layer `layer_idx` writes (every layer's: mixed-step graphs run only without layer groups)."""
-        return self.slot_mapping
+        """The slots layer `layer_idx` writes: its layer group's."""
+        groups = self.owner.backend.layer_groups
+        return self.slot_mappings[groups[layer_idx] if groups else 0]
 
     def kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.owner.backend.pool
@@ -146,7 +153,7 @@ class PiecewiseGraphs:
     def __init__(self, model, backend: AttentionBackend, *, input_ids: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, logits_indices: torch.Tensor, buckets: list[int], capture: bool = True,
                  capture_attention: bool = False, prepare_replay: Callable[[], None] | None = None,
-                 max_num_seqs: int = 0):
+                 max_num_seqs: int = 0, group_slot_mappings: Sequence[torch.Tensor] = ()):
         self.model = model
         # capture_attention: `prepare_replay()` gathers the step's metadata for all `max_num_seqs` rows on the
         # device (the first op of each graph), and attention is the unified launch over them.
@@ -156,6 +163,7 @@ class PiecewiseGraphs:
         self.backend = backend
         self.input_ids, self.positions = input_ids, positions
         self.slot_mapping, self.logits_indices = slot_mapping, logits_indices
+        self.group_slot_mappings = list(group_slot_mappings)  # layer groups 1.. (sliding-window models)
         self.buckets = sorted(buckets)
         self.max_tokens = self.buckets[-1]
         self.max_logit_rows = logits_indices.shape[0]
@@ -253,7 +261,8 @@ class PiecewiseGraphs:
         """One layer's eager attention over the step's real rows, into the static output buffer."""
         k = call.k[:num_tokens] if call.k is not None else None
         v = call.v[:num_tokens] if call.v is not None else None
-        self.backend.forward(meta, call.layer_idx, call.q[:num_tokens], k, v, scale=call.scale,
+        self.backend.forward(self.backend.layer_meta(meta, call.layer_idx), call.layer_idx, call.q[:num_tokens], k, v,
+                             scale=call.scale,
                              sliding_window=call.sliding_window, soft_cap=call.soft_cap, out=self._out[:num_tokens])
 
     @torch.inference_mode()
@@ -277,7 +286,8 @@ class PiecewiseGraphs:
     def _attention(self, bucket: int, mode: str) -> SplitAttention:
         if mode != "unified":
             return SplitAttention(self, bucket, mode)
-        meta = self.backend.prepare_for_mixed_capture(bucket, self.max_num_seqs, self.slot_mapping)
+        meta = self.backend.prepare_for_mixed_capture(bucket, self.max_num_seqs, self.slot_mapping,
+                                                      self.group_slot_mappings)
         return SplitAttention(self, bucket, mode, meta)
 
     def _forward(self, bucket: int, attn: SplitAttention) -> torch.Tensor:

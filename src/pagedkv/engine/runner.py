@@ -179,7 +179,7 @@ class ModelRunner:
                                slot_mapping=self.slot_mapping, logits_indices=self.logits_indices,
                                buckets=token_buckets(self._max_tokens), capture=capture,
                                capture_attention=self.capture_attention, prepare_replay=prepare_replay,
-                               max_num_seqs=self._max_seqs)
+                               max_num_seqs=self._max_seqs, group_slot_mappings=self.group_slot_mappings)
 
     # ------------------------------------------------------------------ block movement
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -195,11 +195,6 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
             fields = disk_fingerprint_fields(config, setup, tp)
             disk = DiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block)
         offload = KVOffload(pool, plan.num_host_blocks, disk=disk, tp=tp)
-    mixed_step_graphs = config.mixed_step_graphs
-    if layout is not None and mixed_step_graphs != "off":
-        # Mixed-step graphs gather one set of block tables; a sliding-window model's steps run them eagerly.
-        logger.info("mixed-step CUDA graphs: off for layer groups (prefill and mixed steps run eagerly)")
-        mixed_step_graphs = "off"
     runner = ModelRunner(setup.model, pool, is_own_model=setup.model_impl == "pagedkv",
                          offload=offload, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
@@ -207,7 +202,7 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
                          num_table_rows=num_table_rows(config), max_model_len=plan.max_model_len,
                          vocab_size=setup.vocab_size, eos_token_ids=setup.eos_token_ids,
                          scratch_slot=plan.num_blocks * config.block_size, enforce_eager=config.enforce_eager,
-                         mixed_step_graphs=mixed_step_graphs, tp=tp,
+                         mixed_step_graphs=config.mixed_step_graphs, tp=tp,
                          layer_groups=layout.layer_group if layout is not None else None)
     return pool, runner
 

@@ -209,24 +209,33 @@ class AttentionBackend:
         """The device half of a decode step (captured in the graph): gather its table rows and lengths."""
         self._gather(rows[:batch_size], seq_lens[:batch_size], batch_size)
 
-    def prepare_for_mixed_capture(self, num_tokens: int, num_seqs: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def prepare_for_mixed_capture(self, num_tokens: int, num_seqs: int, slot_mapping: torch.Tensor,
+                                  group_slot_mappings=()) -> AttentionMetadata:
         """Metadata of any step padded to `num_tokens` tokens and `num_seqs` sequences, every sequence a chunk
         (a decode row is a chunk of one token), over fixed buffer slices: what a captured mixed step reads.
 
         Padding sequences have no query tokens and length 0; padding tokens belong to no sequence.
+        With layer groups, each group's metadata reads its own gathered tables and slots.
         """
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_tokens=num_tokens, slot_mapping=slot_mapping[:num_tokens], num_decode_tokens=0,
             decode_block_tables=None, decode_seq_lens=None, decode_num_splits=1, max_decode_seq_len=0,
             prefill_block_tables=self.block_tables[:num_seqs], prefill_seq_lens=self.seq_lens[:num_seqs],
             cu_seqlens_q=self.cu_seqlens_q[:num_seqs + 1], max_seqlen_q=num_tokens,
             max_prefill_seq_len=self.max_model_len)
+        return self._with_groups(meta, group_slot_mappings, 0, num_seqs)
 
     def prepare_for_mixed_replay(self, rows: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                  num_seqs: int) -> None:
         """The device half of a captured mixed step: its table rows, lengths and query offsets (all sequences)."""
         self._gather(rows[:num_seqs], seq_lens[:num_seqs], num_seqs)
         self.cu_seqlens_q[:num_seqs + 1].copy_(cu_seqlens_q[:num_seqs + 1])
+
+    def layer_meta(self, meta: AttentionMetadata, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer `layer_idx` reads: its layer group's (`meta` itself without groups)."""
+        if meta.group_metas is None:
+            return meta
+        return meta.group_metas[self.layer_groups[layer_idx]]
 
     def bind(self, meta: AttentionMetadata) -> BoundAttention:
         """The attention the model's layers call for this step (each layer reads its group's tables)."""
