@@ -5,6 +5,9 @@ import random
 import pytest
 
 from pagedkv.core.block_manager import KVBlockManager
+from pagedkv.core.group_tiers import group_key
+from pagedkv.core.hybrid_block_manager import HybridBlockManager
+from pagedkv.core.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, group_layers
 from pagedkv.core.kv_tiers import DiskIndex, HostTier, KVTiers
 from pagedkv.core.prefix_cache import hash_blocks
 
@@ -160,10 +163,22 @@ def test_restores_within_the_in_step_budget_compute_in_their_step_and_the_rest_i
     bm.check_integrity()
 
 
-def test_random_lifecycles_leave_every_tier_clean():
+def _one_table_manager():
+    return KVBlockManager(16, 4, num_offload_blocks=12, num_swap_blocks=4, disk_capacity_blocks=20)
+
+
+def _layer_group_manager():
+    """Gemma-like: a full group and two sliding groups (window 6 tokens), each block one layer."""
+    layout = group_layers((SLIDING_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION), 6, bytes_per_token_per_layer=64)
+    return HybridBlockManager(layout, 40, 4, num_offload_blocks=30, num_swap_blocks=10, disk_capacity_blocks=60,
+                              max_query_tokens=64)
+
+
+@pytest.mark.parametrize("make", [_one_table_manager, _layer_group_manager], ids=["one table", "layer groups"])
+def test_random_lifecycles_leave_every_tier_clean(make):
     """1,000 requests over shared prefixes with aborts and swaps: every tier's integrity holds throughout."""
     rng = random.Random(5)
-    bm = KVBlockManager(16, 4, num_offload_blocks=12, num_swap_blocks=4, disk_capacity_blocks=20)
+    bm = make()
     heads = [[rng.randint(0, 50) for _ in range(12)] for _ in range(5)]
     live: dict[int, list[int]] = {}
     for seq_id in range(1000):
@@ -176,9 +191,11 @@ def test_random_lifecycles_leave_every_tier_clean():
             bm.tiers.finish_writes([(key, rng.random() < 0.95) for key, _ in copies.disk_writes])
             continue
         if bm.can_admit(bm.blocks_to_admit(prompt), 0.0):
-            bm.admit(seq_id, prompt)
+            num_cached = bm.admit(seq_id, prompt)
             bm.append_slots(seq_id, len(prompt) - bm.num_tokens(seq_id))
+            bm.schedule(seq_id, num_cached, len(prompt) - num_cached)
             bm.commit(seq_id, prompt, len(prompt))
+            bm.release_out_of_window(seq_id, len(prompt))
             live[seq_id] = prompt
         copies = bm.take_tier_copies()
         bm.tiers.finish_writes([(key, rng.random() < 0.95) for key, _ in copies.disk_writes])
@@ -196,14 +213,31 @@ def test_random_lifecycles_leave_every_tier_clean():
     bm.begin_step()
     bm.check_integrity()
     assert bm.num_used_blocks == 0 and bm.tiers.host.allocator.num_used == bm.tiers.host.num_cached
-    assert bm.tiers.stats.host_hit_blocks > 0 and bm.tiers.stats.offloaded_blocks > 0
+    stats = bm.tiers.stats
+    assert stats.host_hit_blocks > 0 and stats.offloaded_blocks > 0 and stats.disk_hit_blocks > 0
 
 
-def test_kv_tiers_are_refused_for_sliding_window_layer_groups():
-    from pagedkv.core.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, group_layers
-    from pagedkv.engine.scheduler import SchedulerConfig
-    from pagedkv.errors import ConfigError
-
-    layout = group_layers((SLIDING_ATTENTION, FULL_ATTENTION), 8, bytes_per_token_per_layer=64)
-    with pytest.raises(ConfigError, match="sliding-window"):
-        SchedulerConfig(num_blocks=16, block_size=4, kv_layout=layout, num_offload_blocks=8)
+@pytest.mark.parametrize("held, num_cached_tokens", [
+    ({0: range(5), 1: (3, 4), 2: (3, 4)}, 20),  # every full block, and the window at position 20 (blocks 3, 4)
+    ({0: (0, 1, 3, 4), 1: range(5), 2: range(5)}, 8),  # the full group lacks block 2: the hit stops before it
+    ({0: range(5), 1: (2, 3, 4), 2: (2, 3)}, 16),  # a window lacks block 4: the longest hit whose windows are held
+])
+def test_a_layer_group_hit_over_the_tiers_needs_the_full_prefix_and_only_the_windows(held, num_cached_tokens):
+    """Blocks only in the host tier, keyed per group: a hit takes the full group's whole prefix and the sliding
+    groups' windows, and restores exactly those."""
+    bm = _layer_group_manager()
+    prompt = list(range(21))  # 5 blocks could hit
+    keys = hash_blocks(prompt, 4)[:5]
+    for g, blocks in held.items():
+        for i in blocks:
+            bm.tiers.host.insert(group_key(keys[i], g), bm.tiers.host.allocate(1)[0])
+    bm.begin_step()
+    assert bm.admit(1, prompt) == num_cached_tokens and bm.is_restoring(1)
+    num_hit = num_cached_tokens // 4
+    restored = sum(num_hit - group.first_live_block(num_cached_tokens, 4) for group in bm.groups)
+    assert len(bm.take_tier_copies().restore) == restored == bm.tiers.stats.host_hit_blocks
+    for g, group in enumerate(bm.groups):
+        assert getattr(bm.group_table(1, g), "num_dropped", 0) == group.first_live_block(num_cached_tokens, 4)
+    bm.free(1)
+    bm.begin_step()
+    bm.check_integrity()

@@ -239,22 +239,30 @@ def test_a_host_tier_smaller_than_a_block_is_refused():
         _llm(kv_offload_memory=16)
 
 
+#: GPU pools per model: small enough that prefixes spill and sequences swap, large enough for one request. A layer
+#: group model (tiny Gemma 3: window 8, 2 sliding layers to 1 global) keeps a table per group over the same pool.
+GPU_POOLS = {"tiny-qwen3": dict(num_blocks=48), "tiny-gemma3": dict(num_blocks=72, max_num_batched_tokens=32)}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_POOLS))
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype):
+def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name):
     """The CUDA path: spills, pre-spills and restores on the side stream beside graphed steps, swap through the
-    same pool, disk writes after a CUDA event, then a restart: the tokens of a pool with no tiers, every time."""
+    same pool, disk writes after a CUDA event, then a restart: the tokens of a pool with no tiers, every time.
+    For the layer-group model every group's blocks take that path, keyed per group."""
     from pagedkv.models.loader import random_model
 
-    model = random_model("tiny-qwen3", torch.float32, "cuda")
+    model = random_model(name, torch.float32, "cuda")
     prompts = _chat_prompts(num_heads=4, per_head=3, head_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     options = dict(hf_model=model, block_size=BLOCK, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     expected = _tokens(LLM(num_blocks=2048, enable_prefix_caching=False, **options).generate(prompts, params))
-    tiers = dict(kv_offload_memory=8 * 2**20, kv_offload_dir=str(tmp_path), num_blocks=48, watermark=0.0,
-                 preemption_mode="swap", swap_space=2**20)
+    tiers = dict(kv_offload_memory=8 * 2**20, kv_offload_dir=str(tmp_path), watermark=0.0,
+                 preemption_mode="swap", swap_space=2**20, **GPU_POOLS[name])
     first = LLM(**options, **tiers)
     assert first.engine.runner.graphs
+    assert first.engine.scheduler.block_manager.num_groups == (3 if name == "tiny-gemma3" else 1)
     assert _tokens(first.generate(prompts, params)) == expected
     assert _tokens(_one_by_one(first, prompts, params)) == expected  # host hits restored beside the steps
     stats = first.stats()

@@ -48,8 +48,8 @@ class PoolQueries:
 
     @property
     def num_free_swap_blocks(self) -> int:
-        """CPU swap blocks still free (0 without swap space)."""
-        return self.swap_allocator.num_free if self.swap_allocator else 0
+        """Host blocks a swap-out could get (0 without a host pool); blocks freed this step count as free."""
+        return self.tiers.host.num_available + self.tiers.host.num_releasing if self.tiers else 0
 
     def watermark_blocks(self, watermark: float) -> int:
         """Blocks that admission keeps free for running sequences to grow into."""
@@ -67,14 +67,36 @@ class PoolQueries:
         """Whether the sequence's KV lives in the swap space."""
         return seq_id in self._swapped
 
-    tiers = None  # KV tiers: below is what a manager without them answers (`KVBlockManager` overrides it)
+    # KV tiers (None: none). A manager with them fills `_restoring_blocks` (GPU blocks whose restore copy runs
+    # beside this step) and `_restoring_seqs` (sequences that wait a step for those blocks) as it admits.
+    tiers = None
+    _restoring_blocks: set[int] = frozenset()
+    _restoring_seqs: set[int] = frozenset()
+    max_in_step_restore_blocks = 0  # restored blocks a step copies before its kernels
+    _num_in_step_restore_blocks = 0  # restored this step before its kernels
 
     def begin_step(self) -> None:
-        """A new step begins (no KV tiers: nothing to do)."""
+        """A new step: last step's restores are ordered before it, so their sequences may compute."""
+        if self.tiers is not None:
+            self._restoring_blocks.clear()
+            self._restoring_seqs.clear()
+            self._num_in_step_restore_blocks = 0
+            self.tiers.begin_step()
 
     def is_restoring(self, seq_id: int) -> bool:
-        """Whether the sequence waits this step for restored blocks (never, without KV tiers)."""
-        return False
+        """Whether the sequence's blocks are being restored beside this step (it computes from the next)."""
+        return seq_id in self._restoring_seqs
+
+    def _queue_restore(self, seq_id: int, host_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> None:
+        """Queue the copies of a request's restored blocks: before the step's kernels while the step's in-step
+        budget lasts (it computes in this step), else beside the step (it computes from the next)."""
+        in_step = self._num_in_step_restore_blocks + len(gpu_blocks) <= self.max_in_step_restore_blocks
+        self.tiers.restore(host_blocks, gpu_blocks, in_step=in_step)
+        if in_step:
+            self._num_in_step_restore_blocks += len(gpu_blocks)
+        else:
+            self._restoring_blocks.update(gpu_blocks)
+            self._restoring_seqs.add(seq_id)
 
     def prefetch(self, token_ids: Sequence[int]) -> bool:
         """Whether the prompt waits for disk loads (never, without KV tiers)."""
@@ -84,8 +106,8 @@ class PoolQueries:
         """Copy next evictions to the host tier ahead of time (no KV tiers: nothing to do)."""
 
     def take_tier_copies(self) -> TierCopies:
-        """The KV tiers' copies for this step (none)."""
-        return TierCopies()
+        """The KV tiers' copies for this step (empty without tiers)."""
+        return self.tiers.take_copies() if self.tiers is not None else TierCopies()
 
 
 #: Blocks per step the host tier copies ahead of their eviction (see `KVBlockManager.pre_spill`).
@@ -118,13 +140,7 @@ class KVBlockManager(PoolQueries):
         self._restoring_blocks: set[int] = set()  # GPU blocks whose restore copy runs beside this step
         self._restoring_seqs: set[int] = set()  # sequences that wait a step for those blocks
         self.max_in_step_restore_blocks = max_in_step_restore_blocks
-        self._num_in_step_restore_blocks = 0  # restored this step before its kernels
         self.num_prefix_hit_tokens = 0
-
-    @property
-    def num_free_swap_blocks(self) -> int:
-        """Host blocks a swap-out could get (0 without a host pool); blocks freed this step count as free."""
-        return self.tiers.host.num_available + self.tiers.host.num_releasing if self.tiers else 0
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -224,28 +240,10 @@ class KVBlockManager(PoolQueries):
         gpu_blocks = self.allocator.allocate(len(host_blocks))
         for key, block in zip(keys, gpu_blocks):
             self.prefix_cache.adopt(key, block)  # the allocation's reference is the cache's
-        in_step = self._num_in_step_restore_blocks + len(gpu_blocks) <= self.max_in_step_restore_blocks
-        self.tiers.restore(host_blocks, gpu_blocks, in_step=in_step)
-        if in_step:
-            self._num_in_step_restore_blocks += len(gpu_blocks)
-        else:
-            self._restoring_blocks.update(gpu_blocks)
-            self._restoring_seqs.add(seq_id)
+        self._queue_restore(seq_id, host_blocks, gpu_blocks)
         return gpu_blocks
 
     # ------------------------------------------------------------------ KV tiers
-    def begin_step(self) -> None:
-        """A new step: last step's restores are ordered before it, so their sequences may compute."""
-        self._restoring_blocks.clear()
-        self._restoring_seqs.clear()
-        self._num_in_step_restore_blocks = 0
-        if self.tiers is not None:
-            self.tiers.begin_step()
-
-    def is_restoring(self, seq_id: int) -> bool:
-        """Whether the sequence's blocks are being restored beside this step (it computes from the next)."""
-        return seq_id in self._restoring_seqs
-
     def prefetch(self, token_ids: Sequence[int]) -> bool:
         """Start disk loads for the prompt's prefix beyond the GPU and host hits; whether the prompt must wait."""
         tiers = self.tiers
@@ -258,10 +256,6 @@ class KVBlockManager(PoolQueries):
         """Copy the GPU cache's next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""
         if self.tiers is not None and self.prefix_cache is not None and self.prefix_cache.num_evictable:
             self.tiers.pre_spill(self.prefix_cache.next_evicted(2 * max_blocks), max_blocks)
-
-    def take_tier_copies(self) -> TierCopies:
-        """The KV tiers' copies for this step (empty without tiers)."""
-        return self.tiers.take_copies() if self.tiers is not None else TierCopies()
 
     def persist(self) -> tuple[list[tuple[BlockHash, int]], list[tuple[BlockHash, int]]]:
         """Cached blocks to write to disk at shutdown, ((key, GPU block), (key, host block)) (see `KVTiers.persist`)."""

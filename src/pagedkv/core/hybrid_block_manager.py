@@ -25,6 +25,11 @@ prefix is the null block:
 
 Eviction reclaims cached blocks of any group when the free list runs short (the group with
 the most evictable blocks first).
+
+With KV tiers, an evicted block of any group spills to the host tier (and disk) under a key that
+includes its group, and the hit rule above runs over all tiers at once (`group_tiers.py`): a hit
+block missing on the GPU is restored from the host, or loaded from disk first. Swap preemption
+takes its host blocks from the same host pool.
 """
 
 from __future__ import annotations
@@ -32,21 +37,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.core.allocator import BlockAllocator
-from pagedkv.core.block_manager import PoolQueries
+from pagedkv.core.block_manager import PRE_SPILL_BLOCKS, PoolQueries
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
+from pagedkv.core.group_tiers import GroupHit, GroupTiers, eviction_hook
 from pagedkv.core.kv_groups import KVLayout
+from pagedkv.core.kv_tiers import KVTiers
 from pagedkv.core.prefix_cache import BlockHash, PrefixCache, block_keys
 from pagedkv.core.sliding_table import SlidingBlockTable
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
 
 class HybridBlockManager(PoolQueries):
-    """Per-group block tables over one GPU pool (and one CPU swap pool), with per-group prefix caches."""
+    """Per-group block tables over one GPU pool, with per-group prefix caches, and a host pool of
+    `num_swap_blocks` (swap preemption) plus `num_offload_blocks` (the host tier) behind them;
+    `disk_capacity_blocks` > 0 adds the disk tier."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, max_num_tokens: int | None = None, max_query_tokens: int = 2048):
+                 num_swap_blocks: int = 0, max_num_tokens: int | None = None, max_query_tokens: int = 2048,
+                 num_offload_blocks: int = 0, disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0):
         require_positive_int("block_size", block_size)
+        require_positive_int("max_in_step_restore_blocks", max_in_step_restore_blocks, allow_zero=True)
         require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
+        require_positive_int("num_offload_blocks", num_offload_blocks, allow_zero=True)
         require_positive_int("max_query_tokens", max_query_tokens)
         self.layout = layout
         self.block_size = block_size
@@ -55,15 +67,24 @@ class HybridBlockManager(PoolQueries):
         self.allocator = BlockAllocator(num_blocks)
         self.null_block = num_blocks  # the pool's scratch block: what dropped entries hold
         self.groups = layout.groups
-        self.caches = [PrefixCache(self.allocator) for _ in self.groups] if enable_prefix_caching else None
+        num_host_blocks = num_swap_blocks + num_offload_blocks
+        cache_on_host = bool(num_offload_blocks) and enable_prefix_caching
+        self.tiers = KVTiers(num_host_blocks, cache_on_host=cache_on_host,
+                             disk_capacity_blocks=disk_capacity_blocks) if num_host_blocks else None
+        spills = self.tiers is not None and cache_on_host
+        self.caches = [PrefixCache(self.allocator, eviction_hook(self.tiers, g) if spills else None)
+                       for g in range(len(self.groups))] if enable_prefix_caching else None
         # The hit-rate statistics live on one cache: a hit is decided for all groups at once.
         self.prefix_cache = self.caches[0] if self.caches else None
-        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        self._group_tiers = GroupTiers(self.groups, self.caches, self.tiers, block_size) if self.caches else None
         self._tables: dict[int, list[BlockTable]] = {}
         self._num_tokens: dict[int, int] = {}  # tokens with slots in the full groups (the scheduler's view)
         # seq id -> (per group: table tokens, dropped entries, CPU blocks in logical order), tokens
         self._swapped: dict[int, tuple[list[tuple[int, int, list[int]]], int]] = {}
         self._block_keys: dict[int, list[BlockHash]] = {}
+        self._restoring_blocks: set[int] = set()  # GPU blocks whose restore copy runs beside this step
+        self._restoring_seqs: set[int] = set()  # sequences that wait a step for those blocks
+        self.max_in_step_restore_blocks = max_in_step_restore_blocks
         self.num_prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ capacity
@@ -99,36 +120,21 @@ class HybridBlockManager(PoolQueries):
 
     # ------------------------------------------------------------------ admission
     def _match(self, token_ids: Sequence[int],
-               known_keys: Sequence[BlockHash] = ()) -> tuple[int, list[BlockHash], list[list[int]]]:
-        """(hit blocks k, keys of the prompt's full blocks, each group's hit blocks for k); `known_keys` reused."""
-        if self.caches is None:
-            return 0, [], [[] for _ in self.groups]
-        keys = block_keys(token_ids, self.block_size, known_keys)
-        num_hit = (len(token_ids) - 1) // self.block_size
-        for group, cache in zip(self.groups, self.caches):
-            if not group.is_sliding:
-                num_hit = min(num_hit, len(cache.match(keys[:num_hit])))
-        while num_hit:
-            hits = self._group_hits(keys, num_hit)
-            if hits is not None:
-                return num_hit, keys, hits
-            num_hit -= 1
-        return 0, keys, [[] for _ in self.groups]
+               known_keys: Sequence[BlockHash] = ()) -> tuple[int, list[BlockHash], list[GroupHit]]:
+        """(hit blocks k, keys of the prompt's full blocks, each group's hit for k); `known_keys` reused.
 
-    def _group_hits(self, keys: list[BlockHash], num_hit: int) -> list[list[int]] | None:
-        """Each group's cached blocks for a hit of `num_hit` blocks, or None if a sliding group lacks its window."""
-        hits = []
-        for group, cache in zip(self.groups, self.caches):
-            first = group.first_live_block(num_hit * self.block_size, self.block_size)
-            blocks = cache.match(keys[first:num_hit])
-            if len(blocks) != num_hit - first:
-                return None
-            hits.append(blocks)
-        return hits
+        With KV tiers a hit block may be in host memory (a restore); see `group_tiers.py`.
+        """
+        if self.caches is None:
+            return 0, [], [GroupHit(0, [], []) for _ in self.groups]
+        keys = block_keys(token_ids, self.block_size, known_keys)
+        num_hit, hits = self._group_tiers.match(keys, (len(token_ids) - 1) // self.block_size)
+        return num_hit, keys, hits
 
     def blocks_to_admit(self, token_ids: Sequence[int], reserve_tokens: int | None = None,
                         known_keys: Sequence[BlockHash] = ()) -> int:
-        """New blocks a prompt takes at admission: every full block of it, and a first chunk in sliding groups."""
+        """New blocks a prompt takes at admission: every full block of it, and a first chunk in sliding groups
+        (restored blocks are new blocks too)."""
         if reserve_tokens is not None:
             raise InvalidArgumentError("naive max-length reservation is for one-table models only")
         num_hit, _, hits = self._match(token_ids, known_keys)
@@ -136,14 +142,15 @@ class HybridBlockManager(PoolQueries):
         chunk_blocks = num_blocks_for(min(len(token_ids), num_hit * self.block_size + self.max_query_tokens),
                                       self.block_size)
         new = 0
-        for group, group_hits in zip(self.groups, hits):
-            new += (chunk_blocks if group.is_sliding else total) - num_hit
-            new += sum(1 for b in group_hits if self.allocator.ref_count(b) == 1)  # evictable hits stop being free
+        for group, hit in zip(self.groups, hits):
+            new += (chunk_blocks if group.is_sliding else total) - num_hit + hit.gpu.count(None)
+            new += sum(1 for b in hit.gpu_hits if self.allocator.ref_count(b) == 1)  # evictable hits stop being free
         return new
 
     def admit(self, seq_id: int, token_ids: Sequence[int], reserve_tokens: int | None = None,
               known_keys: Sequence[BlockHash] = ()) -> int:
-        """Create the sequence's tables, sharing cached prefix blocks per group; returns the cached token count."""
+        """Create the sequence's tables, sharing cached prefix blocks per group (restoring those the host
+        tier holds); returns the cached token count."""
         if seq_id in self._tables or seq_id in self._swapped:
             raise InvalidArgumentError(f"sequence {seq_id} already has blocks")
         if reserve_tokens is not None:
@@ -151,22 +158,61 @@ class HybridBlockManager(PoolQueries):
         num_hit, keys, hits = self._match(token_ids, known_keys)
         if self.caches is not None:
             self.prefix_cache.record_lookup(min(len(keys), (len(token_ids) - 1) // self.block_size), num_hit)
+            for cache, hit in zip(self.caches, hits):
+                cache.acquire(hit.gpu_hits)  # before any restore allocates: an eviction must not take them
+            if self._restoring_blocks and any(not self._restoring_blocks.isdisjoint(h.gpu_hits) for h in hits):
+                self._restoring_seqs.add(seq_id)  # another request's restore fills these this step
+            if self.tiers is not None:
+                self.tiers.stats.gpu_hit_blocks += sum(len(hit.gpu_hits) for hit in hits)
+                self._restore(seq_id, keys, hits)
         tables = []
-        for g, group in enumerate(self.groups):
-            if self.caches is not None:
-                self.caches[g].acquire(hits[g])
+        for group, hit in zip(self.groups, hits):
             if group.is_sliding:
                 table = SlidingBlockTable(self.allocator, self.block_size, self.max_num_tokens)
-                table.extend_window(num_hit, hits[g])
+                table.extend_window(num_hit, hit.gpu)
             else:
                 table = BlockTable(self.allocator, self.block_size, self.max_num_tokens)
-                table.extend_shared(hits[g])
+                table.extend_shared(hit.gpu)
             tables.append(table)
         self._tables[seq_id] = tables
         self._num_tokens[seq_id] = num_hit * self.block_size
         self._block_keys[seq_id] = keys[:num_hit]
         self.num_prefix_hit_tokens += num_hit * self.block_size
         return num_hit * self.block_size
+
+    def _restore(self, seq_id: int, keys: list[BlockHash], hits: list[GroupHit]) -> None:
+        """Fill the hit's blocks that are on the host with fresh GPU blocks (cached, then shared like GPU hits)."""
+        wanted = [(g, i) for g, hit in enumerate(hits) for i, gpu in enumerate(hit.gpu) if gpu is None]
+        if not wanted:
+            return
+        host_blocks = [hits[g].host[i] for g, i in wanted]
+        self.tiers.host.mark_busy(host_blocks)  # the GPU evictions below spill to the host: not over these
+        self._ensure_free(len(wanted))
+        gpu_blocks = self.allocator.allocate(len(wanted))
+        for (g, i), block in zip(wanted, gpu_blocks):
+            self.caches[g].adopt(keys[hits[g].first + i], block)  # the allocation's reference is the cache's
+            hits[g].gpu[i] = block
+        self._queue_restore(seq_id, host_blocks, gpu_blocks)
+
+    # ------------------------------------------------------------------ KV tiers
+    def prefetch(self, token_ids: Sequence[int]) -> bool:
+        """Start disk loads for the blocks of the prompt's longest hit over every tier that only the disk has;
+        whether the prompt must wait for them (see `GroupTiers.prefetch`)."""
+        if self._group_tiers is None or self.tiers is None or self.tiers.disk is None:
+            return False
+        return self._group_tiers.prefetch(block_keys(token_ids, self.block_size), (len(token_ids) - 1) // self.block_size)
+
+    def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
+        """Copy the GPU caches' next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""
+        if self.tiers is not None and self._group_tiers is not None and self.num_free_blocks > self.allocator.num_free:
+            self.tiers.pre_spill(self._group_tiers.spill_candidates(2 * max_blocks), max_blocks)
+
+    def persist(self) -> tuple[list[tuple[BlockHash, int]], list[tuple[BlockHash, int]]]:
+        """Cached blocks of every group to write to disk at shutdown, ((tier key, GPU block), (tier key, host
+        block)) (see `KVTiers.persist`)."""
+        if self.tiers is None or self._group_tiers is None:
+            return [], []
+        return self.tiers.persist(self._group_tiers.cached_blocks())
 
     # ------------------------------------------------------------------ growth
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
@@ -271,7 +317,7 @@ class HybridBlockManager(PoolQueries):
         if swapped is not None:
             cpu = [b for _, _, blocks in swapped[0] for b in blocks]
             if cpu:
-                self.swap_allocator.free(cpu)
+                self.tiers.free_swap(cpu)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent in every group (parallel sampling)."""
@@ -287,9 +333,8 @@ class HybridBlockManager(PoolQueries):
                 for t in self._tables[seq_id]]
 
     def can_swap_out(self, seq_id: int) -> bool:
-        """Whether the swap space can take every held block of the sequence."""
-        return self.swap_allocator is not None and \
-            sum(map(len, self._held(seq_id))) <= self.swap_allocator.num_free
+        """Whether the host pool can take every held block of the sequence (evicting cached host blocks)."""
+        return self.tiers is not None and sum(map(len, self._held(seq_id))) <= self.tiers.host.num_available
 
     def swap_out(self, seq_id: int) -> list[BlockCopy]:
         """Move the sequence's held blocks to CPU blocks; returns (GPU src, CPU dst) copies to run before reuse."""
@@ -297,7 +342,7 @@ class HybridBlockManager(PoolQueries):
         num_held = sum(map(len, held))
         if not self.can_swap_out(seq_id):
             raise OutOfBlocksError(num_held, self.num_free_swap_blocks)
-        cpu_blocks = self.swap_allocator.allocate(num_held) if num_held else []
+        cpu_blocks = self.tiers.allocate_swap(num_held)
         copies, groups, cursor = [], [], 0
         for table, blocks in zip(self._tables[seq_id], held):
             mine = cpu_blocks[cursor:cursor + len(blocks)]
@@ -337,7 +382,7 @@ class HybridBlockManager(PoolQueries):
         self._block_keys[seq_id] = []  # the next commit() re-hashes the full blocks, re-caching the held ones
         cpu_all = [b for _, _, blocks in groups for b in blocks]
         if cpu_all:
-            self.swap_allocator.free(cpu_all)
+            self.tiers.free_swap(cpu_all)  # reusable from the next step, once this step's copy has read them
         return copies
 
     # ------------------------------------------------------------------ internals
@@ -375,7 +420,6 @@ class HybridBlockManager(PoolQueries):
             count = self.allocator.ref_count(block_id)
             assert count == owners.get(block_id, 0), (
                 f"block {block_id}: ref count {count}, but {owners.get(block_id, 0)} owners found")
-        if self.swap_allocator is not None:
-            self.swap_allocator.check_integrity()
-            swapped = sum(len(blocks) for groups, _ in self._swapped.values() for _, _, blocks in groups)
-            assert swapped == self.swap_allocator.num_used, "swap space leaked"
+        if self.tiers is not None:
+            self.tiers.check_integrity(sum(len(blocks) for groups, _ in self._swapped.values()
+                                           for _, _, blocks in groups))

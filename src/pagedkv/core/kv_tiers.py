@@ -30,6 +30,7 @@ a swapped sequence owns host blocks, and may evict cached ones to get them.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -323,20 +324,35 @@ class KVTiers:
         if self.disk is None:
             return False
         keys = keys[len(self.match_host(keys)):]
+        # The chain goes on while keys are on disk; one the host has already is a later restore's.
+        return self.load(list(itertools.takewhile(lambda key: key not in self.host and self.can_load(key), keys)))
+
+    def can_load(self, key: BlockHash) -> bool:
+        """Whether `key` is on disk (or being loaded from it), so a prefetch could bring it to the host."""
+        return key in self._loading or (self.disk is not None and key in self.disk)
+
+    def load(self, keys: Sequence[BlockHash]) -> bool:
+        """Start loading `keys` (each on the host, on disk or loading already); whether any load is pending.
+
+        For callers that pick the keys themselves (layer groups need blocks that are not one chain).
+        """
         pending = False
         for key in keys:
             if key in self._loading:
                 pending = True
-                continue
-            if key in self.host or key not in self.disk:
-                break  # the host has it (a later restore), or the chain ends here
-            blocks = self._allocate_host(1)
-            if blocks is None:
-                break
-            self._loading[key] = blocks[0]
-            self.copies.disk_loads.append((key, blocks[0]))
-            pending = True
+            elif key not in self.host and self.disk is not None and key in self.disk:
+                if not self._start_load(key):
+                    break
+                pending = True
         return pending
+
+    def _start_load(self, key: BlockHash) -> bool:
+        blocks = self._allocate_host(1)
+        if blocks is None:
+            return False
+        self._loading[key] = blocks[0]
+        self.copies.disk_loads.append((key, blocks[0]))
+        return True
 
     def finish_loads(self, results: Sequence[tuple[BlockHash, bool]]) -> None:
         """The runner read these keys (True) or found their files missing, torn or foreign (False: a miss)."""

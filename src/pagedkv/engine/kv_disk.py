@@ -5,8 +5,8 @@
     header = magic "PKVBLK1\\0" | fingerprint (32) | key (32) | payload bytes (<Q) | sha256 of payload (32)
 
 The fingerprint hashes everything that decides what a block's bytes mean: the weights, the
-dtype, the KV dtype and its FP8 scales, the block size, the KV shape and the tensor-parallel
-rank. Files of another model or config live in another directory, and a file copied across
+dtype, the KV dtype and its FP8 scales, the block size, the KV shape, the layer groups and the
+tensor-parallel rank. Files of another model or config live in another directory, and a file copied across
 is still refused by the fingerprint in its header. A file that is torn, truncated, flipped or
 foreign is a miss with a log line, never KV.
 

@@ -99,9 +99,6 @@ class SchedulerConfig:
         if self.has_windows and self.reservation == "naive":
             raise ConfigError("reservation 'naive' reserves one full-length table per sequence; a model with "
                               "sliding-window layers is served paged only")
-        if self.has_windows and self.num_offload_blocks:
-            raise ConfigError("KV tiers (kv_offload_memory) keep one table's blocks per prefix; a model with "
-                              "sliding-window layers is served without them for now")
 
     @property
     def has_windows(self) -> bool:
@@ -226,12 +223,15 @@ class Scheduler:
         self.seq_ids = seq_ids if seq_ids is not None else itertools.count()  # shared with whoever creates seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self._has_windows = config.has_windows
+        # a budget's worth of restored KV copies in less time than computing it (kv_offload's docstring)
+        max_in_step_restores = config.max_num_batched_tokens // config.block_size
         if self._has_windows:
             self.block_manager = HybridBlockManager(
                 config.kv_layout, config.num_blocks, config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=config.num_swap_blocks,
                 max_num_tokens=max(config.max_model_len, config.block_size),
-                max_query_tokens=config.max_num_batched_tokens)
+                max_query_tokens=config.max_num_batched_tokens, num_offload_blocks=config.num_offload_blocks,
+                disk_capacity_blocks=config.disk_capacity_blocks, max_in_step_restore_blocks=max_in_step_restores)
         else:
             self.block_manager = KVBlockManager(
                 config.num_blocks,
@@ -241,8 +241,7 @@ class Scheduler:
                 max_num_tokens=max(config.max_model_len, config.block_size),
                 num_offload_blocks=config.num_offload_blocks,
                 disk_capacity_blocks=config.disk_capacity_blocks,
-                # a budget's worth of restored KV copies in less time than computing it (kv_offload's docstring)
-                max_in_step_restore_blocks=config.max_num_batched_tokens // config.block_size,
+                max_in_step_restore_blocks=max_in_step_restores,
             )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

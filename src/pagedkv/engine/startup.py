@@ -211,12 +211,17 @@ def disk_fingerprint_fields(config: EngineConfig, setup: ModelSetup, tp=None) ->
     """What decides the meaning of a KV block's bytes; the disk tier keys its files by their hash."""
     spec = setup.kv_spec
     scales = setup.kv_scales
+    layout = setup.kv_layout
+    # Layer groups: a block holds one group's layers, so the layout decides its bytes (absent: one table).
+    groups = {} if layout is None else {"kv_layout": tuple(
+        (group.attention_type, group.sliding_window, group.layer_indices, group.num_slots) for group in layout.groups)}
     return {
         "format": 1, "weights": weights_id(setup.model), "dtype": str(setup.dtype), "kv_dtype": str(setup.kv_dtype),
         "block_size": config.block_size, "kv_shape": (spec.num_layers, spec.num_kv_heads, spec.head_dim),
         "tp_rank": tp.rank if tp is not None else 0, "tp_size": config.tensor_parallel_size,
         "kv_scales": None if scales is None else hashlib.sha256(
             b"".join(t.float().cpu().numpy().tobytes() for t in (scales.k_scale, scales.v_scale))).hexdigest(),
+        **groups,
     }
 
 
