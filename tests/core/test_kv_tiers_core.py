@@ -174,6 +174,14 @@ def _layer_group_manager():
                               max_query_tokens=64)
 
 
+def _tier_key_of(bm, gpu_block):
+    """The tiers' key of the block a GPU prefix cache holds as `gpu_block`."""
+    if isinstance(bm, KVBlockManager):
+        return bm.prefix_cache._key_of.get(gpu_block)
+    group = next(g for g, cache in enumerate(bm.caches) if gpu_block in cache._key_of)
+    return group_key(bm.caches[group]._key_of[gpu_block], group)
+
+
 @pytest.mark.parametrize("make", [_one_table_manager, _layer_group_manager], ids=["one table", "layer groups"])
 def test_random_lifecycles_leave_every_tier_clean(make):
     """1,000 requests over shared prefixes with aborts and swaps: every tier's integrity holds throughout."""
@@ -198,6 +206,8 @@ def test_random_lifecycles_leave_every_tier_clean(make):
             bm.release_out_of_window(seq_id, len(prompt))
             live[seq_id] = prompt
         copies = bm.take_tier_copies()
+        for copy in copies.restore + copies.restore_in_step:  # a spill never took the host block a restore reads
+            assert bm.tiers.host._key_of.get(copy.src) == _tier_key_of(bm, copy.dst), copy
         bm.tiers.finish_writes([(key, rng.random() < 0.95) for key, _ in copies.disk_writes])
         for done in [s for s in live if rng.random() < 0.4]:
             if bm.is_swapped(done) and rng.random() < 0.5 and bm.can_admit(bm.blocks_to_swap_in(done), 0.0):
@@ -239,5 +249,29 @@ def test_a_layer_group_hit_over_the_tiers_needs_the_full_prefix_and_only_the_win
     for g, group in enumerate(bm.groups):
         assert getattr(bm.group_table(1, g), "num_dropped", 0) == group.first_live_block(num_cached_tokens, 4)
     bm.free(1)
+    bm.begin_step()
+    bm.check_integrity()
+
+
+def test_a_restore_keeps_its_host_blocks_from_the_spills_its_allocation_causes():
+    """A full host tier, a GPU pool of evictable blocks: restoring a prefix evicts GPU blocks, whose spills must
+    not take the host blocks being restored (the runner copies device -> host first: they would be overwritten)."""
+    bm = KVBlockManager(4, 4, num_offload_blocks=3)
+    first, second = list(range(13)), list(range(100, 113))
+    for seq_id, prompt in ((1, first), (2, second)):  # the second evicts the first: it spills, the host is full
+        bm.begin_step()
+        bm.admit(seq_id, prompt)
+        bm.append_slots(seq_id, len(prompt))
+        bm.commit(seq_id, prompt, len(prompt))
+        bm.free(seq_id)
+    bm.take_tier_copies()
+    bm.begin_step()
+    keys = hash_blocks(first, 4)[:3]
+    host_blocks = bm.tiers.host.match(keys)
+    assert bm.admit(3, first) == 12
+    copies = bm.take_tier_copies()
+    assert [c.src for c in copies.restore + copies.restore_in_step] == host_blocks
+    assert not copies.offload and bm.tiers.host.match(keys) == host_blocks  # the evicted GPU blocks are dropped
+    bm.free(3)
     bm.begin_step()
     bm.check_integrity()

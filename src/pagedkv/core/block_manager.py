@@ -236,6 +236,7 @@ class KVBlockManager(PoolQueries):
                 break
         if not host_blocks:
             return []
+        self.tiers.host.mark_busy(host_blocks)  # the GPU evictions below spill to the host: not over these
         self._ensure_free(len(host_blocks))
         gpu_blocks = self.allocator.allocate(len(host_blocks))
         for key, block in zip(keys, gpu_blocks):
