@@ -4,8 +4,8 @@
 # flight, a GPU pool of ~10% of the distinct prefix blocks), then a restart on the same disk directory;
 # Qwen3-0.6B and Llama-3-8B shapes with random weights, bf16.
 #
-# Run from the repository root on the GPU machine: `OUT=$OUT bash benchmarks/tools/kv_tiers.sh` (about 5
-# minutes on one H200; the bench is cut at 400 s). Writes $OUT/kv_tiers.json and $OUT/kv_tiers.md and prints
+# Run from the repository root on the GPU machine: `OUT=$OUT bash benchmarks/tools/kv_tiers.sh` (about 6
+# minutes on one H200; the bench is cut at 400 s, the layer-group case below at 120 s). Writes $OUT/kv_tiers.json and $OUT/kv_tiers.md and prints
 # the markdown: per model and configuration TTFT P50/P99, output tok/s, hit rates per tier, restored GB, the
 # restore rate of the H2D copies alone and with the scatter into the pool, blocks per copy; then, each beside
 # its target: TTFT vs GPU-only (>= 3x) next to the most a restore can win for one turn (its prefill against
@@ -33,3 +33,11 @@ timeout 400 $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" --
 say "exit ${PIPESTATUS[0]}"
 rm -rf "$DIR"
 [ -f "$OUT/kv_tiers.md" ] && cat "$OUT/kv_tiers.md"
+# Layer groups (Gemma-3-1B shape, random weights, bf16; under a minute): 16 prompts of 2,048 tokens through a GPU pool
+# of about two prompts' blocks, GPU-only against GPU + host + disk, then a restart: TTFT P50, where each group's hit
+# blocks came from, restored bytes per prompt against every layer full length. Writes $OUT/kv_tiers_groups.json.
+GROUPS_ARGS=(--model gemma3-1b); [ "${SMOKE:-0}" = 1 ] && GROUPS_ARGS=(--model tiny-gemma3 --prompts 4 \
+  --prompt-tokens 40 --question-tokens 6 --block-size 4 --device cpu --dtype float32 --host-bytes 1048576)
+timeout 120 $PY benchmarks/tools/kv_tiers_groups.py --out "$OUT" "${GROUPS_ARGS[@]}" 2>&1 \
+  | tee "$OUT/kv_tiers_groups.log" | grep -E "^\S+ \| " | while read -r line; do say "$line"; done
+say "layer groups: exit ${PIPESTATUS[0]}"
