@@ -134,10 +134,13 @@ def run_model(name: str, batches: list[int], bandwidth: float, impls: list[str],
     result = {"model": f"random:{name} (bf16)", "kv_bytes_per_token": kv_bytes_per_token, "impls": {}}
     for impl in impls:
         top = max(batches)
-        num_blocks = top * ((PROMPT_TOKENS + NEW_TOKENS) // 16 + 2) + 64
+        # Bytes, not blocks: a model with layer groups (sliding windows) spends one block per group per 16
+        # tokens, so a block count sized for one table would hold only a fraction of the batch. 1.25x covers
+        # each group's partly filled last block.
+        kv_cache_memory = int(1.25 * top * (PROMPT_TOKENS + NEW_TOKENS + 32) * kv_bytes_per_token) + 2**26
         options = {"model_impl": "hf"} if impl == "hf" else {"enforce_eager": impl == "pagedkv-eager"}
         start = time.perf_counter()
-        llm = LLM(hf_model=model, num_blocks=num_blocks, max_model_len=1024, max_num_seqs=top,
+        llm = LLM(hf_model=model, kv_cache_memory=kv_cache_memory, max_model_len=1024, max_num_seqs=top,
                   max_num_batched_tokens=max(2048, top), **options)
         startup_s = time.perf_counter() - start
         weights = weight_bytes(llm.engine.model)
