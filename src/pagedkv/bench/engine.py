@@ -36,7 +36,7 @@ import time
 import torch
 
 from pagedkv.bench.common import require_cuda
-from pagedkv.bench.engine_timing import timed_generate
+from pagedkv.bench.engine_timing import decode_share, timed_generate
 from pagedkv.cli import ArgumentParser, parse_size
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.results import add_out_argument, provenance, write_json
@@ -210,8 +210,11 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     prompts, output_lens = nano_vllm_workload(args.requests, args.min_len, args.max_len, args.seed, vocab)
     main_steps: list[dict] = []
     result["pagedkv"] = timed_generate(llm, prompts, output_lens, record=main_steps)
+    # The share of step time in steps with prefill tokens: what prefill (and its kernels) can move.
+    result["pagedkv"]["prefill_share"] = 1.0 - decode_share(main_steps) if main_steps else None
     console.print(f"pagedkv (own decoder, CUDA graphs): {result['pagedkv']['output_tokens_per_s']:,.0f} output tok/s "
-                  f"({result['pagedkv']['elapsed_s']:.1f} s)")
+                  f"({result['pagedkv']['elapsed_s']:.1f} s; steps with prefill tokens: "
+                  f"{100 * (result['pagedkv']['prefill_share'] or 0):.0f}% of step time)")
     del llm, engine
     torch.cuda.empty_cache()
     variants = (("pagedkv_piecewise", {"mixed_step_graphs": "piecewise"}),
@@ -284,6 +287,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     check = result["greedy_check"]
     lines += ["", f"Greedy check vs HF generate: {check['num_matching']}/{check['num_requests']} requests identical "
               f"for {check['num_tokens']} tokens."]
+    if result["pagedkv"].get("prefill_share") is not None:
+        lines += ["", f"Steps with prefill tokens took {100 * result['pagedkv']['prefill_share']:.1f}% of pagedkv's "
+                      f"step time."]
     from pathlib import Path
 
     Path(args.out, "engine.md").write_text("\n".join(lines) + "\n")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.bench.engine_timing import timed_generate
+from pagedkv.bench.engine_timing import decode_share, timed_generate
 
 #: FP8 output tok/s over the model dtype's, at least.
 TARGET_SPEEDUP = 1.4
@@ -42,12 +42,6 @@ def kv_bound_workload(num_requests: int, seed: int, vocab: int) -> tuple[list[li
         outputs.append(rng.randint(*OUTPUT_TOKENS))
         prompts.append([rng.randint(0, min(vocab, 10000) - 1) for _ in range(prompt_len)])
     return prompts, outputs
-
-
-def decode_share(steps: list[dict]) -> float:
-    """Seconds of steps that ran no prefill token over the seconds of all steps (0 for no steps)."""
-    total = sum(step["seconds"] for step in steps)
-    return sum(step["seconds"] for step in steps if not step["prefill_tokens"]) / total if total else 0.0
 
 
 def run_one(model, kv_cache_dtype: str, budget_bytes: int, prompts, output_lens, max_num_batched_tokens: int) -> dict:

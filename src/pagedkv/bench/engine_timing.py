@@ -11,6 +11,12 @@ import time
 import torch
 
 
+def decode_share(steps: list[dict]) -> float:
+    """Seconds of steps that ran no prefill token over the seconds of all steps (0 for no steps)."""
+    total = sum(step["seconds"] for step in steps)
+    return sum(step["seconds"] for step in steps if not step["prefill_tokens"]) / total if total else 0.0
+
+
 def timed_generate(llm, prompts, output_lens, record: list | None = None) -> dict:
     """Generate `output_lens[i]` tokens for each prompt (greedy, ignore_eos) in one `llm.generate`; time it.
 
