@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from pagedkv.bench.engine_kv_bound import decode_share, kv_bound_workload
+from pagedkv.bench.engine_kv_bound import kv_bound_workload
+from pagedkv.bench.engine_timing import decode_share
 from pagedkv.bench.kernel import main as kernel_main
 from pagedkv.cli import main
 
