@@ -82,11 +82,14 @@ def test_every_prefix_spills_when_the_pool_holds_one_request():
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("budget_tokens, where", [(64, "in the step"), (8, "beside the step")])
-def test_restored_requests_compute_the_same_tokens_in_their_step_or_the_next(budget_tokens, where):
+@pytest.mark.parametrize("budget_tokens, where, params", [(64, "in the step", "greedy"),
+                                                         (8, "beside the step", "seeded")])
+def test_restored_requests_compute_the_same_tokens_in_their_step_or_the_next(budget_tokens, where, params):
     """Restores within the step's budget (its tokens' worth of blocks) are copied before its kernels; a budget
-    of 8 tokens (2 blocks) sends the longer restores beside the step. Greedy and seeded, tokens as without tiers."""
-    prompts = _chat_prompts(num_heads=4, per_head=1, head_len=20)
+    of 8 tokens (2 blocks) sends the longer restores beside the step. Tokens as without tiers, either way."""
+    params = GREEDY if params == "greedy" else SEEDED
+    prompts = _chat_prompts(num_heads=3, per_head=1, head_len=20)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, params))
     llm = _llm(num_blocks=9, watermark=0.0, max_num_batched_tokens=budget_tokens, kv_offload_memory=512 * 2**10)
     restored = {"in the step": 0, "beside the step": 0}
     move = llm.engine.runner.offload.move
@@ -97,10 +100,8 @@ def test_restored_requests_compute_the_same_tokens_in_their_step_or_the_next(bud
         move(step)
 
     llm.engine.runner.offload.move = counting_move
-    for params in (GREEDY, SEEDED):
-        expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, params))
-        assert _tokens(_one_by_one(llm, prompts, params)) == expected
-        assert _tokens(_one_by_one(llm, prompts, params)) == expected  # every prefix restored from the host
+    assert _tokens(_one_by_one(llm, prompts, params)) == expected
+    assert _tokens(_one_by_one(llm, prompts, params)) == expected  # every prefix restored from the host
     assert restored[where] > 0 and restored[where] >= llm.stats()["kv_restored_blocks"] // 2
     llm.engine.check_integrity()
 
@@ -123,6 +124,43 @@ def test_restart_serves_every_prompt_block_from_disk(tmp_path):
     # The first prompt of each head loads its blocks from disk; its sibling then shares them on the GPU.
     assert stats["kv_disk_hit_blocks"] + stats["kv_gpu_hit_blocks"] == _hittable_blocks(prompts)
     assert stats["kv_disk_hit_blocks"] == _hittable_blocks(prompts[:2]) and stats["kv_disk_load_misses"] == 0
+    second.engine.check_integrity()
+
+
+def test_disk_reads_run_on_reader_threads_and_are_waited_for_after_the_launch(tmp_path):
+    import threading
+
+    prompt = _chat_prompts(num_heads=1, per_head=1)[0]
+    expected = _tokens(_llm(enable_prefix_caching=False).generate([prompt], GREEDY))
+    first = _disk_llm(tmp_path)
+    first.generate([prompt], GREEDY)
+    first.engine.shutdown()
+    second = _disk_llm(tmp_path)
+    offload, runner = second.engine.runner.offload, second.engine.runner
+    events = []
+    load, execute, finish = offload.disk.load, runner._execute, offload.finish_loads
+
+    def reading(key, out):
+        events.append(("read", threading.current_thread() is threading.main_thread()))
+        return load(key, out)
+
+    def launching(step, previous_tokens):
+        result = execute(step, previous_tokens)
+        events.append(("launched", bool(step.disk_loads)))
+        return result
+
+    def finishing(failed=False):
+        events.append(("finish", bool(offload._reading)))
+        finish(failed)
+
+    offload.disk.load, runner._execute, offload.finish_loads = reading, launching, finishing
+    assert _tokens(second.generate([prompt], GREEDY)) == expected
+    reads = [on_main for what, on_main in events if what == "read"]
+    assert len(reads) == second.stats()["kv_disk_hit_blocks"] == _hittable_blocks([prompt])
+    assert not any(reads)  # every file was read off the engine's thread
+    steps = [event for event in events if event[0] != "read"]
+    assert steps.count(("launched", True)) == 1  # one step read the prefix, and waited for it after its launch
+    assert steps[steps.index(("launched", True)) + 1] == ("finish", True)
     second.engine.check_integrity()
 
 

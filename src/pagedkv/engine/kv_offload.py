@@ -26,6 +26,11 @@ share of the copy, but the pool is [2, L, N, B, Hkv, D]: one block's layer is tw
 so a per-layer copy is 2n small strided copies per layer, and its L waits would sit inside the
 decode graphs, which capture the whole model. Within the cap the whole wait is a few ms.)
 
+Disk reads (a prompt's prefix found on disk) run on a few reader threads from the start of the
+step; the runner waits for them after it has launched the step's kernels, so a file read overlaps
+the launch and the GPU's work instead of holding both up, and the prompt is admitted at the next
+step, as before.
+
 A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
 writes, so that its eviction later needs no copy (and no wait) at all.
 
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +56,9 @@ import torch
 from pagedkv.engine.kv_disk import DiskStore
 
 logger = logging.getLogger("pagedkv")
+
+#: Threads that read a step's disk blocks into host memory, beside the step's launch.
+NUM_READ_THREADS = 4
 
 
 @dataclass
@@ -98,6 +107,8 @@ class KVOffload:
         self._timings: list[tuple] = []  # (direction, bytes, start, copied or None, end): CUDA events
         self._writing: dict[int, object] = {}  # host block -> done event of its pending disk write
         self.disk = disk
+        self._readers = ThreadPoolExecutor(NUM_READ_THREADS, "pagedkv-kv-read") if disk is not None else None
+        self._reading: list[tuple[list, object]] = []  # (loads, future) of this step's disk reads
         self.tp = tp
         self.reports = tp is None or tp.rank == 0  # only the scheduling rank consumes results
         self._load_results: list[tuple[bytes, bool]] = []
@@ -247,13 +258,44 @@ class KVOffload:
             self.stats.disk_write_bytes += self.block_nbytes
 
     def _load(self, loads) -> None:
-        """Read files into host blocks; under tensor parallelism a miss on any rank is a miss on all."""
-        if self.is_cuda:
-            self.stream.synchronize()  # earlier copies may still read the host blocks these loads fill
-        self._wait_writes(block for _, block in loads)
+        """Start reading files into host blocks on the reader threads; `finish_loads` collects them."""
+        ready = None
+        if self.is_cuda:  # copies issued before this step may still read the host blocks these loads fill
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        writes = [self._writing.pop(block, None) for _, block in loads]  # ... and disk writes read them
+        writes = [done for done in writes if done is not None]
+        size = -(-len(loads) // NUM_READ_THREADS)
+        for start in range(0, len(loads), size):
+            part = loads[start:start + size]
+            future = self._readers.submit(self._read, part, ready, writes) if self._readers is not None else None
+            self._reading.append((part, future))
+
+    def _read(self, loads, ready, writes) -> tuple[list[int], float]:
+        """On a reader thread: (1 if read, 0 if a miss) per load, and the seconds the reads took."""
+        if ready is not None:
+            ready.synchronize()
+        for done in writes:
+            done.wait()
         start = time.perf_counter()
-        flags = [int(self.disk is not None and self.disk.load(key, self._host_bytes[block])) for key, block in loads]
-        self.stats.disk_read_seconds += time.perf_counter() - start
+        flags = [int(self.disk.load(key, self._host_bytes[block])) for key, block in loads]
+        return flags, time.perf_counter() - start
+
+    def finish_loads(self, failed: bool = False) -> None:
+        """Wait for this step's disk reads (they ran beside its launch); under tensor parallelism a miss on any
+        rank is a miss on all. After a `failed` step only the wait: its loads are dropped (`KVTiers.begin_step`)."""
+        if not self._reading:
+            return
+        reading, self._reading = self._reading, []
+        loads, flags, seconds = [], [], 0.0
+        for part, future in reading:
+            part_flags, part_seconds = future.result() if future is not None else ([0] * len(part), 0.0)
+            loads += part
+            flags += part_flags
+            seconds = max(seconds, part_seconds)  # the threads read side by side
+        if failed:
+            return
+        self.stats.disk_read_seconds += seconds
         self.stats.disk_read_bytes += sum(flags) * self.block_nbytes
         if self.tp is not None:
             flags = self.tp.min_ints(flags)
@@ -328,5 +370,7 @@ class KVOffload:
 
     def close(self) -> None:
         """Finish queued disk work."""
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()

@@ -326,8 +326,20 @@ class ModelRunner:
         """Run one step; returns the sampler's output (its `token_ids()` waits for the device) or None.
 
         `previous_tokens` [rows] are the device-side first samples of the step before, which
-        `step.pending_inputs` refers to (async scheduling). Nothing here waits for the device.
+        `step.pending_inputs` refers to (async scheduling). Nothing here waits for the device; the
+        step's disk reads (KV tiers), started first, are waited for last, after the launch.
         """
+        if self.offload is None:
+            return self._execute(step, previous_tokens)
+        try:
+            result = self._execute(step, previous_tokens)
+        except BaseException:
+            self.offload.finish_loads(failed=True)  # its reads still write into host blocks: wait for them
+            raise
+        self.offload.finish_loads()
+        return result
+
+    def _execute(self, step: StepInput, previous_tokens: torch.Tensor | None):
         if self.offload is not None:
             self.offload.move(step)
         elif step.swap_out or step.swap_in or step.restore or step.restore_in_step or step.offload:
