@@ -27,7 +27,7 @@ DIR=${DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kv_tiers.XXXXXX")}
 start_log "$OUT"
 EXTRA=(); [ "${SMOKE:-0}" = 1 ] && EXTRA=(--smoke)
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"
-timeout 400 $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" --kv-offload-memory "$HOST_MEMORY" \
+timeout 360 $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" --kv-offload-memory "$HOST_MEMORY" \
   --kv-offload-dir "$DIR" --out "$OUT" "${EXTRA[@]}" 2>&1 | tee "$OUT/kv_tiers.log" | grep -E "^\S+ \| " \
   | while read -r line; do say "$line"; done
 say "exit ${PIPESTATUS[0]}"

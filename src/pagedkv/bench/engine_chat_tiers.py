@@ -321,13 +321,13 @@ def run(args) -> int:
     result = {"benchmark": "engine chat-tiers", "smoke": args.smoke,
               "provenance": provenance(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
               "models": {}}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pagedkv-kv-tiers-") as scratch:
         for name in names:
             directory = Path(args.kv_offload_dir or scratch) / name
             result["models"][name] = run_model(name, args, device, directory)
-    write_json(args.out, "kv_tiers", result)
-    text = markdown(result)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "kv_tiers.md").write_text(text + "\n")
+            write_json(args.out, "kv_tiers", result)  # after every model: a run cut short keeps what it measured
+            text = markdown(result)
+            (Path(args.out) / "kv_tiers.md").write_text(text + "\n")
     print(text)
     return 0
