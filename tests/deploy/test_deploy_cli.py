@@ -19,11 +19,14 @@ def test_serve_with_ray_goes_to_the_ray_front_end_with_the_same_flags():
     assert (layout.min_replicas, layout.max_replicas, layout.autoscales, layout.routing.value) == \
         (2, 4, True, "least_loaded")
     assert not ray_config(build_parser().parse_args(["--ray", "--min-replicas", "3"])).autoscales
+    # Where each replica runs its engine: the flag pagedkv serve takes, else serve's default (decided per replica).
+    assert ray_config(build_parser().parse_args(["--ray", "--engine-process"])).engine_process is True
+    assert ray_config(build_parser().parse_args(["--ray", "--in-process"])).engine_process is False
+    assert ray_config(build_parser().parse_args(["--ray"])).engine_process is None
 
 
 @pytest.mark.parametrize("flags, match", [
     (["--data-parallel-size", "2"], "--min-replicas"),
-    (["--engine-process"], "engine-process"),
     (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas"),
 ])
 def test_flags_that_do_not_fit_ray_are_refused(flags, match):

@@ -35,8 +35,9 @@ APP = "pagedkv"
 SCALING_APP = "scaling"
 MODEL = "random:tiny-llama"
 OPTIONS = dict(model=MODEL, device="cpu", block_size=4, num_blocks=256)
+# Its replicas run their engines in child processes (the default on CUDA); the scaling app's, on threads.
 FIXED = RayServeConfig(min_replicas=2, max_replicas=2, cpus_per_replica=1, ingress_cpus=0.5,
-                       routing_stats_period_s=0.2, health_check_period_s=1.0)
+                       routing_stats_period_s=0.2, health_check_period_s=1.0, engine_process=True)
 # No CPU reservation: its replicas fit anywhere, and leave the fixed app's layout alone.
 SCALING = RayServeConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
                          downscale_delay_s=2.0, cpus_per_replica=0, ingress_cpus=0, routing_stats_period_s=0.2,
@@ -294,6 +295,15 @@ def _stream_to_end(url: str, body: dict, results: list, index: int) -> None:
         results[index] = (error, time.monotonic() - start)
 
 
+def _is_running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie waiting to be reaped has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_killing_a_replica_mid_stream_ends_every_stream_and_the_restart_serves(app):
     body = {"max_tokens": 400, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
     results: list = [None] * 6
@@ -304,9 +314,12 @@ def test_killing_a_replica_mid_stream_ends_every_stream_and_the_restart_serves(a
         thread.start()
     busy = wait_for(lambda: [key for key, s in replica_stats().items() if s["num_running"] > 0], "the streams to start")
     victim = next(r for r in running() if r["replica_id"] == busy[0])
+    actor = ray.get_actor(victim["actor_name"], namespace=SERVE_NAMESPACE)
+    engine_pid = replica_stats()[victim["replica_id"]]["engine_pid"]
+    assert _is_running(engine_pid)
     before = {r["replica_id"] for r in running()}
     time.sleep(0.5)  # its streams are under way: the client has tokens
-    ray.kill(ray.get_actor(victim["actor_name"], namespace=SERVE_NAMESPACE), no_restart=True)
+    ray.kill(actor, no_restart=True)
     for thread in threads:
         thread.join(BOUND_S)
     assert not any(thread.is_alive() for thread in threads)  # nobody hangs
@@ -321,6 +334,7 @@ def test_killing_a_replica_mid_stream_ends_every_stream_and_the_restart_serves(a
         else:  # or the full answer
             assert sum(len(json.loads(e)["choices"][0].get("token_ids") or []) for e in events[:-1]) == 400
     assert num_failed >= 1  # the victim's streams ended with an error event
+    wait_for(lambda: not _is_running(engine_pid), "the killed replica's engine process to exit", BOUND_S)
     # Ray starts a new replica in the victim's place, and the router sends it requests.
     wait_for(lambda: len(running()) == 2 and victim["replica_id"] not in {r["replica_id"] for r in running()},
              "the replica to restart")

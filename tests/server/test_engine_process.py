@@ -47,9 +47,10 @@ def test_the_flag_is_accepted():
 
 def test_the_engine_runs_in_its_own_process_by_default_on_cuda_only():
     from pagedkv.engine.config import EngineConfig
-    from pagedkv.server.cli import _engine_process
+    from pagedkv.server.cli import uses_engine_process
 
     parse = build_parser().parse_args
     assert parse([]).engine_process is None and parse(["--in-process"]).engine_process is False
-    assert _engine_process(None, EngineConfig(device="cuda")) and not _engine_process(None, EngineConfig(device="cpu"))
-    assert not _engine_process(False, EngineConfig(device="cuda")) and _engine_process(True, EngineConfig(device="cpu"))
+    cuda, cpu = EngineConfig(device="cuda"), EngineConfig(device="cpu")
+    assert uses_engine_process(None, cuda) and not uses_engine_process(None, cpu)
+    assert not uses_engine_process(False, cuda) and uses_engine_process(True, cpu)

@@ -31,11 +31,9 @@ def ray_config(args: argparse.Namespace) -> RayServeConfig:
     if args.data_parallel_size > 1:
         raise ConfigError("--data-parallel-size is the in-process replica count; with --ray use --min-replicas "
                           "and --max-replicas")
-    if args.engine_process:
-        raise ConfigError("--engine-process does not apply with --ray: every replica is a Ray actor of its own")
     max_replicas = args.max_replicas if args.max_replicas is not None else max(1, args.min_replicas)
     return RayServeConfig(routing=args.routing, min_replicas=args.min_replicas, max_replicas=max_replicas,
-                          target_ongoing_requests=args.target_ongoing_requests)
+                          target_ongoing_requests=args.target_ongoing_requests, engine_process=args.engine_process)
 
 
 def flags_to_argv(args: dict) -> list[str]:

@@ -50,7 +50,9 @@ class RayServeConfig:
     `max_ongoing_requests` caps what one replica is sent at once; an engine batches hundreds,
     so it is high. `routing_stats_period_s` is how often each replica's queues reach the routers.
     `cpus_per_replica` is the CPU share Ray reserves per engine replica (GPUs follow the engine
-    config: one, or `tensor_parallel_size`, on CUDA; none on CPU).
+    config: one, or `tensor_parallel_size`, on CUDA; none on CPU). `engine_process` is where each
+    replica runs its engine, as `pagedkv serve --engine-process/--in-process` (None: a process of
+    its own on CUDA, the replica's own process on CPU).
     """
 
     routing: RoutingPolicy | str = RoutingPolicy.PREFIX
@@ -66,6 +68,7 @@ class RayServeConfig:
     ingress_cpus: float = 1.0
     max_attempts: int = 3  # calls per request when its replica fails before the first output
     health_check_period_s: float = 2.0
+    engine_process: bool | None = None
 
     def __post_init__(self):
         try:
@@ -75,6 +78,8 @@ class RayServeConfig:
                               f"got {self.routing!r}") from None
         require_positive_int("min_replicas", self.min_replicas, allow_zero=True)
         require_positive_int("max_replicas", self.max_replicas)
+        if self.engine_process not in (None, True, False):
+            raise ConfigError(f"engine_process must be True, False or None, got {self.engine_process!r}")
         if self.min_replicas > self.max_replicas:
             raise ConfigError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
         require_positive_int("max_ongoing_requests", self.max_ongoing_requests)
@@ -180,7 +185,7 @@ def build_app(engine: EngineConfig = EngineConfig(), ray_config: RayServeConfig 
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": ray_config.ingress_cpus},
         max_ongoing_requests=ray_config.max_ongoing_requests)
-    engines = engine_deployment(engine, ray_config).bind(engine)
+    engines = engine_deployment(engine, ray_config).bind(engine, ray_config.engine_process)
     return ingress.bind(engines, engine.model, name, server_config, ray_config.routing.value,
                         ray_config.max_attempts)
 

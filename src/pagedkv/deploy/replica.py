@@ -1,12 +1,16 @@
 """One Ray Serve replica: one pagedkv engine (one GPU, or a tensor-parallel group) behind its engine thread.
 
-The replica is `LLMEngine` driven by the server's own `AsyncEngine` (the thread that owns the
+The replica drives its engine with the server's own `AsyncEngine` (the thread that owns the
 engine, contains failures to the requests they touch, and hands outputs to asyncio consumers),
-so a request served through Ray runs exactly the code `pagedkv serve` runs. Ray Serve calls:
+so a request served through Ray runs exactly the code `pagedkv serve` runs. Where the engine runs
+is `pagedkv serve`'s choice too (`uses_engine_process`): on CUDA, in a process of its own
+(`DataParallelEngine` with one replica), so the engine's step loop never waits for the
+interpreter lock that Ray's streaming holds; on CPU, in the replica's process. That child process
+exits when the replica's actor dies. Ray Serve calls:
 
     generate(request_id, token_ids, params, block_hashes, sender)   an async generator of messages
     record_routing_stats()                                           the router's view of this replica
-    check_health()                                                   raises once the engine loop died
+    check_health()                                                   raises once the engine loop (or process) died
     describe()                                                       what the ingress needs at startup
 
 `generate` yields `("output", OutputDelta, load)` per output the engine thread delivers (a
@@ -30,15 +34,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
 
+from pagedkv.distributed.data_parallel import DataParallelEngine
 from pagedkv.distributed.output_deltas import DeltaEncoder
+from pagedkv.distributed.router import RouterConfig, RoutingPolicy
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import EngineDeadError
 from pagedkv.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from pagedkv.server.cli import uses_engine_process
 
 logger = logging.getLogger("pagedkv.deploy")
 
@@ -71,14 +79,42 @@ def replica_identity() -> tuple[str, str]:
         return "local", "local"
 
 
-class EngineReplica:
-    """The body of the engine deployment (see the module docstring); `build_app` wraps it with `serve.deployment`."""
+def _published_block_hashes(engine) -> list:
+    """The keys of the blocks `engine` cached most recently (at most MAX_PUBLISHED_BLOCK_HASHES); engine thread only."""
+    if isinstance(engine, DataParallelEngine):
+        return engine.published_block_hashes()
+    cache = engine.scheduler.block_manager.prefix_cache
+    return cache.recent_keys(MAX_PUBLISHED_BLOCK_HASHES) if cache is not None else []
 
-    def __init__(self, config: EngineConfig):
+
+def _engine_stats(engine) -> dict:
+    """The engine's latest stats as a plain dict (one engine's, not a one-replica sum); engine thread only."""
+    stats = engine.latest_stats()
+    if isinstance(engine, DataParallelEngine):
+        return stats.per_replica[0] or {}
+    return stats.as_dict()
+
+
+class EngineReplica:
+    """The body of the engine deployment (see the module docstring); `build_app` wraps it with `serve.deployment`.
+
+    `engine_process`: True runs the engine in a child process, False on a thread of this one,
+    None decides as `pagedkv serve` does (a child process on CUDA).
+    """
+
+    def __init__(self, config: EngineConfig, engine_process: bool | None = None):
         from pagedkv.engine.engine import LLMEngine
 
-        engine = LLMEngine(config)  # model, KV pool and (on CUDA) decode graphs: warm before any traffic
-        engine.stream_outputs = True
+        # The model, KV pool and (on CUDA) decode graphs are built here: the replica is warm before any traffic.
+        if uses_engine_process(engine_process, config):
+            # One replica, so nothing to route; the prompt hashes come with each request (see generate).
+            engine = DataParallelEngine(config, 1, router_config=RouterConfig(RoutingPolicy.ROUND_ROBIN),
+                                        num_published_block_hashes=MAX_PUBLISHED_BLOCK_HASHES)
+            self._process = engine.replicas[0]
+        else:
+            engine = LLMEngine(config)
+            engine.stream_outputs = True
+            self._process = None
         self._engine = engine
         self._async_engine = AsyncEngine(engine)
         self._async_engine.start()
@@ -110,48 +146,64 @@ class EngineReplica:
             if not finished:  # the caller went away (or cancelled): free the blocks now
                 self._async_engine.abort(request_id)
 
+    def _queues(self) -> tuple[int, int, int]:
+        """(waiting, running, free blocks), read beside the engine thread."""
+        if self._process is not None:  # the child process publishes them in shared memory
+            view = self._process.view
+            return view.num_waiting, view.num_running, view.num_free_blocks
+        sched = self._engine.scheduler
+        return len(sched.waiting), len(sched.running), sched.block_manager.num_free_blocks
+
     def _load(self) -> Load:
-        engine = self._engine
-        sched = engine.scheduler
         stats = None
         now = time.perf_counter()
-        if now - self._last_stats_s >= STATS_PERIOD_S or not engine.has_unfinished_requests():
+        if now - self._last_stats_s >= STATS_PERIOD_S or not self._engine.has_unfinished_requests():
             self._last_stats_s = now
-            try:  # read beside the engine thread: a torn read is skipped, the next output carries fresh ones
-                stats = engine.latest_stats().as_dict()
-            except Exception:  # noqa: BLE001 - see above
-                logger.debug("stats read raced the engine thread", exc_info=True)
-        return Load(self._replica, self._node, len(sched.waiting), len(sched.running),
-                    sched.block_manager.num_free_blocks, stats)
+            if self._process is not None:
+                stats = self._process.latest_stats  # what the child last pushed
+            else:
+                try:  # read beside the engine thread: a torn read is skipped, the next output carries fresh ones
+                    stats = self._engine.latest_stats().as_dict()
+                except Exception:  # noqa: BLE001 - see above
+                    logger.debug("stats read raced the engine thread", exc_info=True)
+        return Load(self._replica, self._node, *self._queues(), stats)
 
     # ------------------------------------------------------------------ Ray Serve hooks
     async def record_routing_stats(self) -> dict:
-        """The router's view of this replica, read on the engine thread (so it is consistent)."""
+        """The router's view of this replica, read on the engine thread (so it is consistent), and its engine's pid."""
         started = dict(self._num_started)
 
         def read(engine) -> dict:
-            sched = engine.scheduler
-            bm = sched.block_manager
-            cache = bm.prefix_cache
-            keys = cache.recent_keys(MAX_PUBLISHED_BLOCK_HASHES) if cache is not None else []
-            return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
-                    "num_free_blocks": bm.num_free_blocks, "num_started": started, "block_hashes": keys}
+            num_waiting, num_running, num_free_blocks = self._queues()
+            return {"num_waiting": num_waiting, "num_running": num_running, "num_free_blocks": num_free_blocks,
+                    "num_started": started, "block_hashes": _published_block_hashes(engine),
+                    "engine_pid": self._process.process.pid if self._process is not None else os.getpid()}
 
         return await asyncio.wrap_future(self._async_engine.call(read))
 
     def check_health(self) -> None:
-        """Ray Serve restarts a replica whose health check raises: one whose engine loop has died."""
+        """Ray Serve restarts a replica whose health check raises: one whose engine loop (or process) has died."""
         if not self._async_engine.is_alive:
             raise EngineDeadError(f"the engine loop of replica {self._replica} has stopped: "
                                   f"{self._async_engine.error}")
+        if self._process is not None and not self._process.process.is_alive():
+            raise EngineDeadError(f"the engine process of replica {self._replica} has exited "
+                                  f"(exit code {self._process.process.exitcode})")
 
-    def describe(self) -> dict:
+    async def describe(self) -> dict:
         """What the ingress needs before serving: limits, block size, the scheduler config and stats."""
-        engine = self._engine
-        bm = engine.scheduler.block_manager
-        return {"max_model_len": engine.max_model_len, "block_size": bm.block_size, "vocab_size": engine.vocab_size,
-                "scheduler_config": engine.scheduler.config, "stats": engine.latest_stats().as_dict(),
-                "replica": self._replica, "node": self._node, "device": str(engine.device)}
+
+        def read(engine) -> dict:
+            if self._process is not None:
+                info = self._process.info
+                facts = {key: info[key] for key in ("block_size", "vocab_size", "scheduler_config", "device")}
+            else:
+                facts = {"block_size": engine.scheduler.block_manager.block_size, "vocab_size": engine.vocab_size,
+                         "scheduler_config": engine.scheduler.config, "device": str(engine.device)}
+            return {**facts, "max_model_len": engine.max_model_len, "stats": _engine_stats(engine),
+                    "replica": self._replica, "node": self._node}
+
+        return await asyncio.wrap_future(self._async_engine.call(read))
 
     async def check_integrity(self) -> int:
         """Assert the engine's block accounting holds; returns the KV blocks in use (tests call it)."""

@@ -20,7 +20,12 @@ would send the whole burst to one replica. What it has cached is not
 queried across processes: the router's memory of which replica it sent each prompt block to
 stands in for it, as sglang's router does with its approximate tree (see the router's
 docstring). A replica that dies fails its requests with `EngineDeadError` and leaves the
-others serving; `health()` reports each one.
+others serving; `health()` reports each one. A replica whose parent dies (its pipe reaches end of
+file) stops its engine and exits, so no replica outlives the process that started it.
+
+A parent that routes elsewhere (a Ray Serve replica, `pagedkv.deploy.replica`) passes each
+request's prompt block hashes in, and can ask the replica to push the keys its prefix cache holds
+(`num_published_block_hashes`), which `published_block_hashes()` then returns without a round trip.
 """
 
 from __future__ import annotations
@@ -51,10 +56,13 @@ logger = logging.getLogger("pagedkv")
 _LOAD_FIELDS = 5  # waiting, running, free blocks, alive, add commands consumed (written in this order)
 #: A busy replica pushes its stats at most this often (and once more when it goes idle).
 _STATS_PUSH_S = 0.05
+#: How often a busy replica pushes its prefix-cache keys, when asked to publish them (and once on going idle).
+_KEYS_PUSH_S = 0.5
 
 
-def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=None) -> None:
-    """A replica process: serve commands from `conn`, step the engine, send outputs back."""
+def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=None,
+                  num_published_block_hashes: int = 0) -> None:
+    """A replica process: serve commands from `conn`, step the engine, send outputs back; exit when the parent goes."""
     from pagedkv.engine.engine import LLMEngine
 
     # Ctrl-C reaches the whole process group; the parent handles it and stops the replicas in order.
@@ -68,7 +76,7 @@ def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=N
         gc.collect()
         gc.freeze()
         conn.send(("ready", {"max_model_len": engine.max_model_len, "num_blocks": bm.num_blocks,
-                             "device": str(engine.device),
+                             "device": str(engine.device), "vocab_size": engine.vocab_size,
                              "block_size": bm.block_size, "scheduler_config": engine.scheduler.config}))
     except BaseException as error:  # report, so the parent can refuse to start with a clear message
         conn.send(("failed", f"{type(error).__name__}: {error}"))
@@ -90,18 +98,25 @@ def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=N
         load[index * _LOAD_FIELDS:(index + 1) * _LOAD_FIELDS] = [len(sched.waiting), len(sched.running),
                                                                    sched.block_manager.num_free_blocks, 1, consumed]
 
-    last_push = 0.0
+    last_push = last_keys_push = 0.0
+    cache = bm.prefix_cache if num_published_block_hashes else None
 
     def push_stats() -> None:  # the parent's `latest_stats()`: metrics that never wait on this process
-        nonlocal last_push
+        nonlocal last_push, last_keys_push
         last_push = time.perf_counter()
         send(("load", engine.stats().as_dict()))
+        if cache is not None and (last_push - last_keys_push >= _KEYS_PUSH_S or not engine.has_unfinished_requests()):
+            last_keys_push = last_push
+            send(("keys", cache.recent_keys(num_published_block_hashes)))
 
     push_stats()
     while True:
         busy = engine.has_unfinished_requests()
-        if conn.poll(0 if busy else 0.05):
-            command, payload = conn.recv()
+        try:
+            command, payload = conn.recv() if conn.poll(0 if busy else 0.05) else (None, None)
+        except (EOFError, OSError):  # the parent is gone (killed, or its actor was): stop, leave no orphan
+            break
+        if command is not None:
             if command == "stop":
                 break
             if command == "add":
@@ -116,6 +131,8 @@ def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=N
                 encoder.forget(payload)
             elif command == "stats":
                 send(("stats", engine.stats().as_dict()))
+            elif command == "check":
+                send(("checked", _integrity_error(engine)))
             elif command == "stream":
                 engine.stream_outputs = payload
             publish()
@@ -136,6 +153,17 @@ def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=N
     outbox.put(None)
     sender.join(timeout=10)
     engine.shutdown()
+
+
+def _integrity_error(engine) -> str | None:
+    """None if the engine's block accounting holds, else what `check_integrity` said was wrong."""
+    try:
+        engine.check_integrity()
+    except AssertionError as error:
+        return f"AssertionError: {error}"
+    except PagedKVError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _pickled(message) -> bytes:
@@ -201,6 +229,7 @@ class _Replica:
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     sender: threading.Thread | None = None
     latest_stats: dict | None = None  # the replica's last pushed stats (a "load" message)
+    published_block_hashes: list = field(default_factory=list)  # its last pushed prefix-cache keys
     closed: bool = False  # its pipe reached EOF: the process is gone
 
     def start_sender(self, index: int) -> None:
@@ -236,6 +265,8 @@ class _Replica:
         """A message from the replica: pushed stats update `latest_stats`, the rest waits in `inbox` for step()."""
         if message[0] == "load":
             self.latest_stats = message[1]
+        elif message[0] == "keys":
+            self.published_block_hashes = message[1]
         else:
             self.inbox.append(message)
 
@@ -244,9 +275,12 @@ class DataParallelEngine:
     """`data_parallel_size` engine replicas behind one router (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, data_parallel_size: int, tokenizer=None,
-                 router_config: RouterConfig = RouterConfig(), engine_factory=None):
+                 router_config: RouterConfig = RouterConfig(), engine_factory=None,
+                 num_published_block_hashes: int = 0):
         """`engine_factory(config)` builds each replica's engine in its process (default `LLMEngine`; it
-        must pickle). With a factory the parent loads no tokenizer: `tokenizer` is the one it uses."""
+        must pickle). With a factory the parent loads no tokenizer: `tokenizer` is the one it uses.
+        `num_published_block_hashes` > 0: each replica pushes that many of its most recently cached
+        prefix keys (see `published_block_hashes`)."""
         import torch
 
         from pagedkv.engine.scheduler import Scheduler
@@ -269,7 +303,7 @@ class DataParallelEngine:
             # run at exit) stops them.
             process = context.Process(target=_replica_main, daemon=config.tensor_parallel_size == 1,
                                       args=(replace(config, device=device), index, child, self._load,
-                                            engine_factory))
+                                            engine_factory, num_published_block_hashes))
             process.start()
             pending.append((index, process, parent))
         for index, process, conn in pending:
@@ -328,8 +362,11 @@ class DataParallelEngine:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return chat_token_ids(self.tokenizer, messages)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
-        """Route and queue a request; raises (queueing nothing) if it is malformed or can never fit."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
+                    block_hashes: list[bytes] | None = None) -> None:
+        """Route and queue a request; raises (queueing nothing) if it is malformed or can never fit.
+
+        `block_hashes`: the prompt's prefix-cache keys when the caller has them (they are not computed again)."""
         params = params or SamplingParams()
         if request_id in self._request_replica:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
@@ -339,7 +376,8 @@ class DataParallelEngine:
         if not alive:
             raise EngineDeadError("every data-parallel replica has died")
         # Hashed once, here: the router matches on these keys and the replica's engine reuses them.
-        block_hashes = self.router.prompt_block_hashes(token_ids) if self._hashes_prompts else None
+        if block_hashes is None and self._hashes_prompts:
+            block_hashes = self.router.prompt_block_hashes(token_ids)
         try:  # pickled before routing: a request that cannot travel changes no state
             message = _pickled(("add", (request_id, prompt, params, priority, block_hashes)))
         except Exception as error:  # noqa: BLE001 - pickling: anything a custom object's reducer raises
@@ -431,28 +469,32 @@ class DataParallelEngine:
         A replica answers between steps, after the commands queued before this one. One that dies,
         or does not answer within `timeout_s`, counts as None (no figures) instead of blocking.
         """
+        return ReplicaStatsSum(self._ask("stats", "stats", timeout_s))
+
+    def _ask(self, command: str, reply: str, timeout_s: float) -> list:
+        """Send `command` to every live replica and collect each one's `reply` payload (None if it has none)."""
         asked = [r for r in self.replicas if r.process.is_alive()]
         for replica in asked:
-            replica.send(("stats", None))
-        per_replica = []
+            replica.send((command, None))
+        answers = []
         for replica in self.replicas:
-            found = None
+            found = missing = object()
             deadline = time.perf_counter() + timeout_s
-            while replica in asked and found is None:
+            while replica in asked and found is missing:
                 try:
                     if not replica.conn.poll(max(0.0, deadline - time.perf_counter())):
-                        logger.warning("data-parallel replica %d did not report its stats within %.0f s",
-                                       self.replicas.index(replica), timeout_s)
+                        logger.warning("data-parallel replica %d did not answer %r within %.0f s",
+                                       self.replicas.index(replica), command, timeout_s)
                         break
                     message = replica.conn.recv()
                 except (EOFError, OSError):
                     break  # it died meanwhile: step() fails its requests
-                if message[0] == "stats":
+                if message[0] == reply:
                     found = message[1]
                 else:
                     replica.take(message)  # outputs that came first wait for the next step()
-            per_replica.append(found)
-        return ReplicaStatsSum(per_replica)
+            answers.append(None if found is missing else found)
+        return answers
 
     def latest_stats(self):
         """The replicas' stats as each last pushed them (after a step, every 50 ms at most, and on going idle).
@@ -473,8 +515,15 @@ class DataParallelEngine:
                  "running": r.view.num_running, "free_blocks": r.view.num_free_blocks}
                 for i, r in enumerate(self.replicas)]
 
-    def check_integrity(self) -> None:
-        """Each replica checks its own engine after every step; nothing is shared to check here."""
+    def published_block_hashes(self, index: int = 0) -> list:
+        """The prefix-cache keys replica `index` last pushed (empty unless `num_published_block_hashes` > 0)."""
+        return self.replicas[index].published_block_hashes
+
+    def check_integrity(self, timeout_s: float = 30.0) -> None:
+        """Each live replica checks its engine's block accounting between steps; raises AssertionError if one fails."""
+        for index, error in enumerate(self._ask("check", "checked", timeout_s)):
+            if error is not None:
+                raise AssertionError(f"data-parallel replica {index}: {error}")
 
     def shutdown(self) -> None:
         """Stop every replica (idempotent; also registered to run at exit)."""
