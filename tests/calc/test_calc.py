@@ -391,3 +391,17 @@ def test_layer_groups_count_padding_slots():
     assert [g["num_layers"] for g in section["groups"]] == [10, 10, 10, 10, 10, 10, 2]
     assert section["bytes_per_seq"]["paged_per_group"] == (2048 + 6 * 65) * 16 * 10 * per_layer
     assert preset_sizing("mistral-7b").kv_layout().num_groups == 1  # every layer slides: one sliding group
+
+
+def test_kv_tiers_of_a_layer_group_model_restore_full_groups_and_windows(capsys):
+    """Gemma-3-12B: a cached token keeps a page in each of its 6 groups; a restore copies the full group's blocks
+    and each sliding group's window only."""
+    assert main(["calc", "--model", "gemma3-12b", "--kv-offload-memory", "64GiB", "--json"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["kv_tiers"]
+    page = 16 * 8 * 2 * 8 * 256 * 2  # 16 tokens x 8 layers a group x K and V x 8 KV heads x head_dim 256 x bf16
+    assert tiers["host_tokens"] == 64 * 2**30 // (6 * page) * 16
+    last = tiers["prompts"][-1]
+    assert last["prompt_tokens"] == 32_000
+    # 2,000 blocks of the full group; of each of 5 sliding groups the blocks from (32,000 - 1,024 + 1) // 16 on
+    assert last["kv_bytes"] == (2_000 + 5 * (2_000 - 1_936)) * page
+    assert last["restore_s"] == pytest.approx(last["kv_bytes"] / tiers["h2d_bytes_per_s"])

@@ -266,7 +266,9 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
                 notes.append("the budget cannot hold one sequence reserved at the max length")
             notes.append("the paged count assumes sequences average --mean-len; a batch of longer ones holds fewer")
         if args.kv_offload_memory is not None:
-            tiers = tiers_section(sizing.bytes_per_token, args.block_size, args.kv_offload_memory, args.kv_offload_disk)
+            layout = sizing.kv_layout() if sizing.num_sliding_layers else None
+            tiers = tiers_section(sizing.bytes_per_token, args.block_size, args.kv_offload_memory, args.kv_offload_disk,
+                                  layout)
             result["kv_tiers"] = tiers
             formulas += tiers_formulas(tiers, sizing.bytes_per_token, args.block_size)
     result["formulas"] = [formula._asdict() for formula in formulas]
