@@ -1,68 +1,126 @@
 #!/usr/bin/env bash
 # One replica through the Ray Serve app (`pagedkv serve --ray`) against direct `pagedkv serve`, same requests.
 #
-# Run from the repository root on one GPU: `OUT=$OUT bash benchmarks/tools/ray_vs_serve.sh`, with ray and the
-# server's dependencies importable from /tmp/site (SITE=...). For each server, in turn: start it, wait for
-# /health, then with `pagedkv bench serve` (same seed, so the same requests):
-#   warm   64 requests at full rate (JIT, allocator, Ray's first calls)
-#   sat    NUM_PROMPTS random requests (INPUT_LEN in, OUTPUT_LEN out) at full rate: output tok/s
-#   low    LOW_PROMPTS requests one at a time (--max-concurrency 1): TTFT P50 at low load
-# Writes $OUT/ray_vs_serve.md and .json: both servers' figures, the saturated throughput ratio (target >= 0.95x)
-# and the TTFT P50 that Ray adds at low load (target <= 3 ms). Expected: about 6 minutes on an H200.
-# CPU smoke: MODEL=random:tiny-llama VOCAB=512 NUM_PROMPTS=16 INPUT_LEN=16 OUTPUT_LEN=8 LOW_PROMPTS=4 MAX_MODEL_LEN=256
-#   DEVICE=cpu SITE= PYTHON=.venv/bin/python OUT=/tmp/rvs bash benchmarks/tools/ray_vs_serve.sh
+#   OUT=$OUT bash benchmarks/tools/ray_vs_serve.sh     # GPU machine: carry .whl (server wheels), .ray and .commit
+#
+# .ray/ray-site.tar.xz is Ray and what Serve imports beyond the machine's image (benchmarks/tools/ray_carry.sh
+# builds it); it is unpacked into $SITE with the server wheels from $WHEELS. Then for each MODE in turn (direct
+# serve first, so a Ray that does not stop cleanly cannot hold the GPU it needs): start the server (its default
+# engine placement: a process of its own on CUDA, in both), wait for /health, then with `pagedkv bench serve`:
+#   warm   requests_warm.json, then 64 random requests at full rate (JIT, allocator, Ray's first calls)
+#   sat    requests.json at full rate: nano-vllm's workload shape (NUM_REQUESTS requests, prompts and outputs of
+#          MIN_LEN..MAX_LEN random token ids, ignore_eos), as serve_at_limit.sh runs it: output tok/s
+#   low    LOW_PROMPTS requests of LOW_IN tokens in, LOW_OUT out, one at a time: TTFT P50 at low load
+# Writes $OUT/ray_vs_serve.md and .json (both servers' figures, the saturated throughput ratio, target >= 0.95x,
+# and the TTFT P50 that Ray adds at low load, target <= 3 ms) and results.tgz (every log). About 5 minutes on an
+# H200 (two server starts with graph capture, and Ray's); BUDGET_S bounds it. Benchmarks never assert.
+# CPU smoke (the local check of the archive; `PY_VERSION=3.11 bash benchmarks/tools/ray_carry.sh` first):
+#   MODEL=random:tiny-llama VOCAB=512 NUM_REQUESTS=32 MIN_LEN=8 MAX_LEN=48 LOW_PROMPTS=8 LOW_IN=16 LOW_OUT=4 WARM_IN=16 \
+#   WARM_OUT=8 MAX_MODEL_LEN=256 DEVICE=cpu WHEELS=none RAY_ARCHIVE=/work/ray-carry/.ray/ray-site-cp311.tar.xz \
+#   PYTHON=python3.11 OUT=/tmp/rvs bash benchmarks/tools/ray_vs_serve.sh
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu_env.sh
-SITE=${SITE-/tmp/site}
-[ -n "$SITE" ] && export PYTHONPATH="src:$SITE"
-export RAY_USAGE_STATS_ENABLED=0
-MODEL=${MODEL:-random:qwen3-0.6b}
-NUM_PROMPTS=${NUM_PROMPTS:-1024}; INPUT_LEN=${INPUT_LEN:-512}; OUTPUT_LEN=${OUTPUT_LEN:-256}
-LOW_PROMPTS=${LOW_PROMPTS:-64}; MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}; DEVICE=${DEVICE:-}; PORT=${PORT:-8125}
-VOCAB=${VOCAB:-}  # token ids drawn below this (a tiny model's vocabulary is small); default: bench serve's
-PY=${PYTHON:-python3}
+MODEL=${MODEL:-random:qwen3-0.6b}; VOCAB=${VOCAB:-151936}  # token ids are drawn below VOCAB (the model's)
+NUM_REQUESTS=${NUM_REQUESTS:-256}; MIN_LEN=${MIN_LEN:-100}; MAX_LEN=${MAX_LEN:-1024}
+LOW_PROMPTS=${LOW_PROMPTS:-64}; LOW_IN=${LOW_IN:-128}; LOW_OUT=${LOW_OUT:-16}; WARM_IN=${WARM_IN:-256}; WARM_OUT=${WARM_OUT:-64}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}; DEVICE=${DEVICE:-}; PORT=${PORT:-8125}; BUDGET_S=${BUDGET_S:-500}
+# serve and ray place the engine by default (own process on CUDA, a thread on CPU); a -engine-process or
+# -in-process suffix forces it. Each ray mode is compared with the serve mode of the same suffix, else serve.
+MODES=${MODES:-"serve ray"}
+PY=${PYTHON:-python3}; WHEELS=${WHEELS:-.whl}; RAY_ARCHIVE=${RAY_ARCHIVE:-.ray/ray-site.tar.xz}
+SITE=${SITE:-/tmp/ray-site}
+# No usage report (no network), no memory monitor (it reads cgroup files a sandboxed kernel may not fill in).
+export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0 RAY_memory_monitor_refresh_ms=0
 W=$(mktemp -d "${TMPDIR:-/tmp}/ray_vs_serve.XXXXXX")
 start_log "$W"
-trap 'stop_server 45; cp "$W"/ray_vs_serve.* "$W/summary.log" "$OUT/" 2>/dev/null' EXIT
-say "ray: $($PY -c 'import ray; print(ray.__version__)' 2>&1 | tail -1)"
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+# `ray stop --force` ends every Ray process of the machine: right on the GPU machine, wrong on a shared one.
+RAY_STOP=${RAY_STOP:-$(command -v nvidia-smi > /dev/null && echo 1 || echo 0)}
+stop_all() {  # the server, then any Ray process it left (a killed driver leaves its cluster running)
+  stop_server 45
+  [ "$RAY_STOP" = 1 ] && timeout 60 $PY -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  return 0
+}
+trap 'stop_all; cp "$W"/ray_vs_serve.* "$W/summary.log" "$OUT/" 2>/dev/null; tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null' EXIT
+trap 'exit 130' INT TERM
+
+# Ray and the server's wheels, unpacked (no network here); PYTHONPATH absolute, as Ray's workers inherit it.
+if [ -f "$RAY_ARCHIVE" ]; then
+  mkdir -p "$SITE"
+  $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$RAY_ARCHIVE" "$SITE"
+  say "unpacked $RAY_ARCHIVE into $SITE: exit $?"
+fi
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl \
+    > "$W/wheels.log" 2>&1 || $PY -c "import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]" \
+    "$SITE" "$WHEELS"/*.whl
+fi
+export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH_EXTRA:+:$PYTHONPATH_EXTRA}"
+say "commit $PAGEDKV_COMMIT; $(nvidia-smi -L 2>/dev/null | head -1); $($PY --version 2>&1); ray $($PY -c 'import ray; print(ray.__version__)' 2>&1 | tail -1)"
+
+# The request files (the same token ids for both servers).
+$PY - "$W" "$NUM_REQUESTS" "$MIN_LEN" "$MAX_LEN" "$VOCAB" <<'EOF'
+import json, sys
+from pathlib import Path
+from pagedkv.bench.engine import nano_vllm_workload
+out, num, lo, hi, vocab = Path(sys.argv[1]), *map(int, sys.argv[2:])
+for name, args in (("requests.json", (num, lo, hi, 0)), ("requests_warm.json", (8, max(1, lo // 4), max(2, hi // 8), 20_000))):
+    prompts, output_lens = nano_vllm_workload(*args, vocab)
+    (out / name).write_text(json.dumps([{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, output_lens)]))
+EOF
 
 DEVICE_FLAG=(); [ -n "$DEVICE" ] && DEVICE_FLAG=(--device "$DEVICE")
-FLAGS=(--max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-memory 0.5
+FLAGS=(--max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-memory 0.3
        "${DEVICE_FLAG[@]}")
-BENCH=(--dataset random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --ignore-eos
-       --seed 0 --disable-tqdm)
-[ -n "$VOCAB" ] && BENCH+=(--vocab-size "$VOCAB")
-
-for mode in serve ray; do
-  extra=(); [ $mode = ray ] && extra=(--ray --routing prefix)
+URL="http://127.0.0.1:$PORT"
+BENCH=($PY -m pagedkv bench serve --base-url "$URL" --request-rate inf --ignore-eos --seed 0 --disable-tqdm)
+phase() {  # phase NAME LIMIT_S ARGS...: one `bench serve` run under timeout, never past the budget
+  local name=$1 t=$2; shift 2
+  local l=$(( $(left) - 60 )); [ "$l" -lt "$t" ] && t=$l
+  [ "$t" -lt 5 ] && { say "$name: skipped, budget spent"; return 1; }
+  timeout -k 5 "$t" "${BENCH[@]}" --out "$W/$name" "$@" > "$W/$name.log" 2>&1
+  say "$name: exit $? $(grep -E 'Output token throughput|^TTFT ' "$W/$name.log" | tr -s ' ' | tr '\n' ' ')"
+}
+for mode in $MODES; do
+  [ "$(left)" -lt 120 ] && { say "$mode: skipped, budget spent"; continue; }
+  extra=()
+  case $mode in ray*) extra+=(--ray) ;; serve*) ;; *) say "unknown mode $mode"; continue ;; esac
+  case $mode in *-engine-process) extra+=(--engine-process) ;; *-in-process) extra+=(--in-process) ;; esac
+  started=$(date +%s)
   $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$PORT" --log-level warning "${FLAGS[@]}" "${extra[@]}" \
     > "$W/server_$mode.log" 2>&1 &
   SERVER_PID=$!
-  started=$(date +%s)
-  for _ in $(seq 300); do
-    $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null && break
+  up=0
+  for _ in $(seq 300); do  # /health answers 200 only once the app is deployed (Serve's proxy 404s before)
+    $PY -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null && { up=1; break; }
     kill -0 "$SERVER_PID" 2>/dev/null || break
     sleep 1
   done
-  say "$mode: up after $(( $(date +%s) - started )) s"
-  URL="http://127.0.0.1:$PORT"
-  timeout 200 $PY -m pagedkv bench serve --base-url "$URL" "${BENCH[@]}" --num-prompts 64 --request-rate inf \
-    --out "$W/$mode-warm" > "$W/$mode-warm.log" 2>&1
-  say "$mode warm: exit $?"
-  timeout 300 $PY -m pagedkv bench serve --base-url "$URL" "${BENCH[@]}" --num-prompts "$NUM_PROMPTS" \
-    --request-rate inf --out "$W/$mode-sat" > "$W/$mode-sat.log" 2>&1
-  say "$mode sat: exit $? $(grep -E 'Output token throughput' "$W/$mode-sat.log" | tr -s ' ')"
-  timeout 300 $PY -m pagedkv bench serve --base-url "$URL" "${BENCH[@]}" --num-prompts "$LOW_PROMPTS" \
-    --request-rate inf --max-concurrency 1 --out "$W/$mode-low" > "$W/$mode-low.log" 2>&1
-  say "$mode low: exit $? $(grep -E '^TTFT ' "$W/$mode-low.log" | tr -s ' ')"
-  stop_server 45
+  say "$mode: up=$up after $(( $(date +%s) - started )) s"
+  if [ $up = 1 ]; then
+    phase "$mode-warm" 120 --dataset ids --dataset-path "$W/requests_warm.json" --num-prompts 8
+    phase "$mode-warm2" 120 --dataset random --random-input-len "$WARM_IN" --random-output-len "$WARM_OUT" --num-prompts 64 \
+      --vocab-size "$VOCAB"
+    phase "$mode-sat" 200 --dataset ids --dataset-path "$W/requests.json" --num-prompts "$NUM_REQUESTS"
+    phase "$mode-low" 120 --dataset random --random-input-len "$LOW_IN" --random-output-len "$LOW_OUT" \
+      --num-prompts "$LOW_PROMPTS" --max-concurrency 1 --vocab-size "$VOCAB"
+  else
+    tail -20 "$W/server_$mode.log"
+  fi
+  if [ "${mode#ray}" != "$mode" ]; then  # Ray's own logs (the tail of each), for a replica that failed
+    mkdir -p "$W/ray-logs-$mode"
+    for f in /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/serve/*.log; do
+      [ -s "$f" ] && tail -c 100000 "$f" > "$W/ray-logs-$mode/$(basename "$f")"
+    done
+  fi
+  stop_all
 done
 
-$PY - "$W" <<'EOF' > "$W/ray_vs_serve.md"
+$PY - "$W" "$MODES" <<'EOF' > "$W/ray_vs_serve.md"
 import json, os, sys
 from pathlib import Path
-w = Path(sys.argv[1])
+w, modes = Path(sys.argv[1]), sys.argv[2].split()
 
 def summary(name):
     path = w / name / "serve.json"
@@ -71,9 +129,9 @@ def summary(name):
 def p50(m, key):
     return round(m[key]["p50"], 2) if m and m.get(key) else None
 
-result = {"commit": os.environ.get("PAGEDKV_COMMIT")}
+result = {"benchmark": "ray_vs_serve", "commit": os.environ.get("PAGEDKV_COMMIT")}
 rows = []
-for mode in ("serve", "ray"):
+for mode in modes:
     sat, low = summary(f"{mode}-sat"), summary(f"{mode}-low")
     result[mode] = {"sat_output_tokens_per_s": sat and sat["output_throughput"], "sat_failed": sat and sat["num_failed"],
                     "sat_ttft_p50_ms": p50(sat, "ttft_ms"), "sat_tpot_p50_ms": p50(sat, "tpot_ms"),
@@ -83,17 +141,22 @@ for mode in ("serve", "ray"):
     tps = f"{r['sat_output_tokens_per_s']:,.0f}" if r["sat_output_tokens_per_s"] else "(no result)"
     rows.append(f"| {mode} | {tps} | {r['sat_ttft_p50_ms']} | {r['sat_tpot_p50_ms']} | {r['low_ttft_p50_ms']} "
                 f"| {r['low_tpot_p50_ms']} | {r['sat_failed']} / {r['low_failed']} |")
-direct, ray = result["serve"], result["ray"]
-if direct["sat_output_tokens_per_s"] and ray["sat_output_tokens_per_s"]:
-    result["throughput_ratio"] = round(ray["sat_output_tokens_per_s"] / direct["sat_output_tokens_per_s"], 3)
-if direct["low_ttft_p50_ms"] is not None and ray["low_ttft_p50_ms"] is not None:
-    result["ttft_p50_added_ms"] = round(ray["low_ttft_p50_ms"] - direct["low_ttft_p50_ms"], 2)
+for mode in modes:
+    if not mode.startswith("ray"):
+        continue
+    ray, direct = result[mode], result.get("serve" + mode[3:], result.get("serve", {}))
+    if direct.get("sat_output_tokens_per_s") and ray["sat_output_tokens_per_s"]:
+        ray["throughput_ratio"] = round(ray["sat_output_tokens_per_s"] / direct["sat_output_tokens_per_s"], 3)
+    if direct.get("low_ttft_p50_ms") is not None and ray["low_ttft_p50_ms"] is not None:
+        ray["ttft_p50_added_ms"] = round(ray["low_ttft_p50_ms"] - direct["low_ttft_p50_ms"], 2)
 (w / "ray_vs_serve.json").write_text(json.dumps(result, indent=2))
 print(f"# One replica through Ray Serve vs direct pagedkv serve (commit {result['commit']})\n")
 print("| server | saturated output tok/s | sat TTFT P50 ms | sat TPOT P50 ms | low-load TTFT P50 ms "
       "| low-load TPOT P50 ms | failed (sat / low) |\n|---|---:|---:|---:|---:|---:|---:|")
 print("\n".join(rows))
-print(f"\nthroughput ratio ray / serve: {result.get('throughput_ratio')} (target >= 0.95)")
-print(f"TTFT P50 added at low load: {result.get('ttft_p50_added_ms')} ms (target <= 3)")
+for mode in modes:
+    if mode.startswith("ray"):
+        print(f"\n{mode}: throughput ratio {result[mode].get('throughput_ratio')} (target >= 0.95); "
+              f"TTFT P50 added at low load {result[mode].get('ttft_p50_added_ms')} ms (target <= 3)")
 EOF
 cat "$W/ray_vs_serve.md"

@@ -284,6 +284,9 @@ def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(app):
     # The client has gone: within the bound, no replica runs anything and every block is free again.
     wait_for(lambda: all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == 256
                          for s in replica_stats().values()), "the aborted request's blocks to come back")
+    # And the engines' own accounting agrees (asked in each engine process: the router spreads these calls).
+    engines = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP)
+    assert [engines.check_integrity.remote().result(timeout_s=30) for _ in range(4)] == [0] * 4
 
 
 def _stream_to_end(url: str, body: dict, results: list, index: int) -> None:
