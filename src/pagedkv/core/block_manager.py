@@ -98,8 +98,8 @@ class PoolQueries:
             self._restoring_blocks.update(gpu_blocks)
             self._restoring_seqs.add(seq_id)
 
-    def prefetch(self, token_ids: Sequence[int]) -> bool:
-        """Whether the prompt waits for disk loads (never, without KV tiers)."""
+    def prefetch(self, token_ids: Sequence[int], known_keys: Sequence[BlockHash] = ()) -> bool:
+        """Whether the prompt waits for disk loads (never, without KV tiers). `known_keys`: see `match_prefix`."""
         return False
 
     def pre_spill(self) -> None:
@@ -245,12 +245,12 @@ class KVBlockManager(PoolQueries):
         return gpu_blocks
 
     # ------------------------------------------------------------------ KV tiers
-    def prefetch(self, token_ids: Sequence[int]) -> bool:
+    def prefetch(self, token_ids: Sequence[int], known_keys: Sequence[BlockHash] = ()) -> bool:
         """Start disk loads for the prompt's prefix beyond the GPU and host hits; whether the prompt must wait."""
         tiers = self.tiers
         if tiers is None or tiers.disk is None or self.prefix_cache is None:
             return False
-        hits, keys = self.match_prefix(token_ids)
+        hits, keys = self.match_prefix(token_ids, known_keys)
         return tiers.prefetch(keys[len(hits):(len(token_ids) - 1) // self.block_size])
 
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:

@@ -195,12 +195,14 @@ class HybridBlockManager(PoolQueries):
         self._queue_restore(seq_id, host_blocks, gpu_blocks)
 
     # ------------------------------------------------------------------ KV tiers
-    def prefetch(self, token_ids: Sequence[int]) -> bool:
+    def prefetch(self, token_ids: Sequence[int], known_keys: Sequence[BlockHash] = ()) -> bool:
         """Start disk loads for the blocks of the prompt's longest hit over every tier that only the disk has;
-        whether the prompt must wait for them (see `GroupTiers.prefetch`)."""
+        whether the prompt must wait for them (see `GroupTiers.prefetch`). `known_keys`: leading keys already
+        hashed."""
         if self._group_tiers is None or self.tiers is None or self.tiers.disk is None:
             return False
-        return self._group_tiers.prefetch(block_keys(token_ids, self.block_size), (len(token_ids) - 1) // self.block_size)
+        return self._group_tiers.prefetch(block_keys(token_ids, self.block_size, known_keys),
+                                          (len(token_ids) - 1) // self.block_size)
 
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
         """Copy the GPU caches' next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""

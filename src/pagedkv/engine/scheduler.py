@@ -583,11 +583,11 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         reserve = cfg.max_model_len if cfg.reservation == "naive" else None
-        if reserve is None and bm.prefetch(seq.token_ids):
-            return None  # its prefix is being loaded from disk: admitted once it is in host memory
         if bm.prefix_cache is not None and len(seq.block_hashes) < seq.first_pending_index // cfg.block_size:
             # Hashed once per sequence (or never, when the router sent the keys), not per admission attempt.
             seq.block_hashes = block_keys(seq.token_ids[:seq.first_pending_index], cfg.block_size, seq.block_hashes)
+        if reserve is None and bm.prefetch(seq.token_ids, seq.block_hashes):
+            return None  # its prefix is being loaded from disk: admitted once it is in host memory
         new_blocks = bm.blocks_to_admit(seq.token_ids, reserve, seq.block_hashes)
         # Alone in the pool, a request may use the reserve: holding it back could only stall.
         watermark = cfg.watermark if self.running or self.swapped else 0.0
