@@ -12,7 +12,7 @@
 # Tune, LLM, workflows and the dashboard's web client. What stays is mostly three binaries (raylet, gcs_server,
 # _raylet.so: 119 MB, which xz packs together into about 20 MB).
 #
-# PY_VERSION=3.11 builds the same set for a local check (see ray_vs_serve.sh's CPU smoke line).
+# PY_VERSION=3.11 builds the same set as $DIR/ray-site-cp311.tar.xz for a local check (ray_vs_serve.sh's smoke line).
 set -eu
 DIR=${DIR:-/work/ray-carry}; PY_VERSION=${PY_VERSION:-3.12}; PY=${PYTHON:-python3}
 PACKAGES=(ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
@@ -37,6 +37,7 @@ for wheel in sys.argv[2:]:
                 os.chmod(path, mode & 0o777)
 EOF
 (cd "$site" && rm -rf "${STRIP[@]}")
-name=ray-site.tar.xz; [ "$tag" = 312 ] || name=ray-site-cp$tag.tar.xz
-tar -C "$site" -cf - . | xz -9e -T2 > "$DIR/.ray/$name"
-ls -la "$DIR/.ray/$name"
+# The GPU machine's archive goes to .ray/ (the folder to carry); another version's beside it, not carried.
+archive="$DIR/.ray/ray-site.tar.xz"; [ "$tag" = 312 ] || archive="$DIR/ray-site-cp$tag.tar.xz"
+tar -C "$site" -cf - . | xz -9e -T2 > "$archive"
+ls -la "$archive"

@@ -4,20 +4,25 @@
 #   OUT=$OUT bash benchmarks/tools/ray_vs_serve.sh     # GPU machine: carry .whl (server wheels), .ray and .commit
 #
 # .ray/ray-site.tar.xz is Ray and what Serve imports beyond the machine's image (benchmarks/tools/ray_carry.sh
-# builds it); it is unpacked into $SITE with the server wheels from $WHEELS. Then for each MODE in turn (direct
-# serve first, so a Ray that does not stop cleanly cannot hold the GPU it needs): start the server (its default
-# engine placement: a process of its own on CUDA, in both), wait for /health, then with `pagedkv bench serve`:
-#   warm   requests_warm.json, then 64 random requests at full rate (JIT, allocator, Ray's first calls)
+# builds it); it is unpacked into $SITE with the server wheels from $WHEELS. Then for each of MODES in turn:
+#   serve        direct `pagedkv serve` (first, so a Ray that does not stop cleanly cannot hold the GPU it needs)
+#   ray          `pagedkv serve --ray`: Serve's HTTP proxy, the ingress replica, one engine replica
+#   ray-direct   the same with Ray Serve's direct ingress (no proxy hop; the ingress listens on PORT + 1)
+# each with its default engine placement (a process of its own on CUDA, a thread on CPU; a -engine-process or
+# -in-process suffix forces one). Start the server, wait for /health, then with `pagedkv bench serve`:
+#   warm   requests_warm.json, then 64 random requests (WARM_IN in, WARM_OUT out) at full rate
 #   sat    requests.json at full rate: nano-vllm's workload shape (NUM_REQUESTS requests, prompts and outputs of
 #          MIN_LEN..MAX_LEN random token ids, ignore_eos), as serve_at_limit.sh runs it: output tok/s
 #   low    LOW_PROMPTS requests of LOW_IN tokens in, LOW_OUT out, one at a time: TTFT P50 at low load
-# Writes $OUT/ray_vs_serve.md and .json (both servers' figures, the saturated throughput ratio, target >= 0.95x,
-# and the TTFT P50 that Ray adds at low load, target <= 3 ms) and results.tgz (every log). About 5 minutes on an
-# H200 (two server starts with graph capture, and Ray's); BUDGET_S bounds it. Benchmarks never assert.
-# CPU smoke (the local check of the archive; `PY_VERSION=3.11 bash benchmarks/tools/ray_carry.sh` first):
+# Writes $OUT/ray_vs_serve.md and .json (each server's figures; per Ray mode the saturated throughput ratio,
+# target >= 0.95x, and the TTFT P50 it adds at low load, target <= 3 ms) and results.tgz (every log, Ray's too).
+# About 6 minutes on an H200 (three server starts with graph capture, two with Ray's); BUDGET_S (500) bounds it.
+# Benchmarks never assert.
+# CPU smoke from a clean python (the local check of the archive; `PY_VERSION=3.11 bash benchmarks/tools/ray_carry.sh`
+# first; PYTHONPATH_EXTRA holds torch, transformers and the server's packages, as the GPU image and .whl do):
 #   MODEL=random:tiny-llama VOCAB=512 NUM_REQUESTS=32 MIN_LEN=8 MAX_LEN=48 LOW_PROMPTS=8 LOW_IN=16 LOW_OUT=4 WARM_IN=16 \
-#   WARM_OUT=8 MAX_MODEL_LEN=256 DEVICE=cpu WHEELS=none RAY_ARCHIVE=/work/ray-carry/.ray/ray-site-cp311.tar.xz \
-#   PYTHON=python3.11 OUT=/tmp/rvs bash benchmarks/tools/ray_vs_serve.sh
+#   WARM_OUT=8 MAX_MODEL_LEN=256 DEVICE=cpu WHEELS=none RAY_ARCHIVE=/work/ray-carry/ray-site-cp311.tar.xz \
+#   PYTHONPATH_EXTRA=... PYTHON=python3.11 OUT=/tmp/rvs bash benchmarks/tools/ray_vs_serve.sh
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu_env.sh
@@ -26,8 +31,10 @@ NUM_REQUESTS=${NUM_REQUESTS:-256}; MIN_LEN=${MIN_LEN:-100}; MAX_LEN=${MAX_LEN:-1
 LOW_PROMPTS=${LOW_PROMPTS:-64}; LOW_IN=${LOW_IN:-128}; LOW_OUT=${LOW_OUT:-16}; WARM_IN=${WARM_IN:-256}; WARM_OUT=${WARM_OUT:-64}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}; DEVICE=${DEVICE:-}; PORT=${PORT:-8125}; BUDGET_S=${BUDGET_S:-500}
 # serve and ray place the engine by default (own process on CUDA, a thread on CPU); a -engine-process or
-# -in-process suffix forces it. Each ray mode is compared with the serve mode of the same suffix, else serve.
-MODES=${MODES:-"serve ray"}
+# -in-process suffix forces it. ray-direct is ray with Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1:
+# HTTP reaches the ingress replica on a port of its own, PORT + 1 here, without the proxy's hop). Each ray mode is
+# compared with the serve mode of the same suffix, else serve.
+MODES=${MODES:-"serve ray ray-direct"}
 PY=${PYTHON:-python3}; WHEELS=${WHEELS:-.whl}; RAY_ARCHIVE=${RAY_ARCHIVE:-.ray/ray-site.tar.xz}
 SITE=${SITE:-/tmp/ray-site}
 # No usage report (no network), no memory monitor (it reads cgroup files a sandboxed kernel may not fill in).
@@ -73,8 +80,6 @@ EOF
 DEVICE_FLAG=(); [ -n "$DEVICE" ] && DEVICE_FLAG=(--device "$DEVICE")
 FLAGS=(--max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-memory 0.3
        "${DEVICE_FLAG[@]}")
-URL="http://127.0.0.1:$PORT"
-BENCH=($PY -m pagedkv bench serve --base-url "$URL" --request-rate inf --ignore-eos --seed 0 --disable-tqdm)
 phase() {  # phase NAME LIMIT_S ARGS...: one `bench serve` run under timeout, never past the budget
   local name=$1 t=$2; shift 2
   local l=$(( $(left) - 60 )); [ "$l" -lt "$t" ] && t=$l
@@ -84,12 +89,16 @@ phase() {  # phase NAME LIMIT_S ARGS...: one `bench serve` run under timeout, ne
 }
 for mode in $MODES; do
   [ "$(left)" -lt 120 ] && { say "$mode: skipped, budget spent"; continue; }
-  extra=()
+  extra=(); envs=(); URL="http://127.0.0.1:$PORT"
   case $mode in ray*) extra+=(--ray) ;; serve*) ;; *) say "unknown mode $mode"; continue ;; esac
   case $mode in *-engine-process) extra+=(--engine-process) ;; *-in-process) extra+=(--in-process) ;; esac
+  case $mode in ray-direct*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=$((PORT + 1))
+                                   RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1)  # no load balancer to leave
+                             URL="http://127.0.0.1:$((PORT + 1))" ;; esac
+  BENCH=($PY -m pagedkv bench serve --base-url "$URL" --request-rate inf --ignore-eos --seed 0 --disable-tqdm)
   started=$(date +%s)
-  $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$PORT" --log-level warning "${FLAGS[@]}" "${extra[@]}" \
-    > "$W/server_$mode.log" 2>&1 &
+  env "${envs[@]}" $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$PORT" --log-level warning "${FLAGS[@]}" \
+    "${extra[@]}" > "$W/server_$mode.log" 2>&1 &
   SERVER_PID=$!
   up=0
   for _ in $(seq 300); do  # /health answers 200 only once the app is deployed (Serve's proxy 404s before)
