@@ -265,3 +265,21 @@ def test_two_replicas_on_two_gpus_equal_one_engine_fp32(name, impl):
         assert llm.stats()["num_used_blocks"] == 0
     finally:
         llm.engine.shutdown()
+
+
+def _die_before_ready(config):
+    """An engine factory whose replica process dies abruptly, before it can report anything."""
+    import os
+
+    os._exit(3)
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_that_dies_before_it_is_ready_fails_startup_instead_of_hanging():
+    # One replica, as a Ray Serve replica's engine process: the parent's copy of the child's pipe end must be
+    # closed, or the parent's read never sees the child go.
+    from pagedkv.distributed.data_parallel import DataParallelEngine
+    from pagedkv.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=r"replica 0 failed to start: its process exited \(code 3\)"):
+        DataParallelEngine(EngineConfig(model="random:tiny-qwen3", device="cpu"), 1, engine_factory=_die_before_ready)

@@ -305,9 +305,14 @@ class DataParallelEngine:
                                       args=(replace(config, device=device), index, child, self._load,
                                             engine_factory, num_published_block_hashes))
             process.start()
+            child.close()  # the child holds its end now: if it dies, this end reads EOF instead of waiting forever
             pending.append((index, process, parent))
         for index, process, conn in pending:
-            kind, info = conn.recv()
+            try:
+                kind, info = conn.recv()
+            except (EOFError, OSError):
+                process.join(timeout=5)
+                kind, info = "failed", f"its process exited (code {process.exitcode}) before it was ready"
             if kind != "ready":
                 for ready in self.replicas:  # started ones stop cleanly; the rest are not serving yet
                     ready.stop()
