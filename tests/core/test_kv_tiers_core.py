@@ -128,14 +128,19 @@ def test_block_manager_restores_host_hits_and_swaps_through_the_same_pool():
     bm.check_integrity()
 
 
-def _spill_two_prefixes(bm, first, second):
-    """Cache `first` and `second`, then fill the pool with another prompt so both spill to the host tier."""
-    for seq_id, prompt in ((1, first), (2, second)):
+def _cache(bm, prompts):
+    """Run each prompt (as sequences 1, 2, ...) to the end of its prefill and free it: its blocks stay cached."""
+    for seq_id, prompt in enumerate(prompts, start=1):
         bm.begin_step()
         bm.admit(seq_id, prompt)
         bm.append_slots(seq_id, len(prompt))
         bm.commit(seq_id, prompt, len(prompt))
         bm.free(seq_id)
+
+
+def _spill_two_prefixes(bm, first, second):
+    """Cache `first` and `second`, then fill the pool with another prompt so both spill to the host tier."""
+    _cache(bm, [first, second])
     bm.begin_step()
     filler = list(range(500, 500 + 4 * bm.num_blocks - 1))
     bm.admit(3, filler)
@@ -258,12 +263,7 @@ def test_a_restore_keeps_its_host_blocks_from_the_spills_its_allocation_causes()
     not take the host blocks being restored (the runner copies device -> host first: they would be overwritten)."""
     bm = KVBlockManager(4, 4, num_offload_blocks=3)
     first, second = list(range(13)), list(range(100, 113))
-    for seq_id, prompt in ((1, first), (2, second)):  # the second evicts the first: it spills, the host is full
-        bm.begin_step()
-        bm.admit(seq_id, prompt)
-        bm.append_slots(seq_id, len(prompt))
-        bm.commit(seq_id, prompt, len(prompt))
-        bm.free(seq_id)
+    _cache(bm, [first, second])  # the second evicts the first: it spills, the host is full
     bm.take_tier_copies()
     bm.begin_step()
     keys = hash_blocks(first, 4)[:3]
