@@ -47,11 +47,11 @@ def test_data_parallel_refuses_a_loaded_model():
 
 def test_unconsumed_adds_count_as_waiting_so_a_burst_spreads():
     """A burst routed between two replica steps must see its own earlier requests, not a stale zero load."""
-    from pagedkv.distributed.data_parallel import _LOAD_FIELDS, _ProcessReplica
+    from pagedkv.distributed.replica_process import LOAD_FIELDS, ProcessReplica
     from pagedkv.distributed.router import Router, RouterConfig
 
-    load = [0] * (2 * _LOAD_FIELDS)
-    views = [_ProcessReplica(i, 4, load) for i in range(2)]
+    load = [0] * (2 * LOAD_FIELDS)
+    views = [ProcessReplica(i, 4, load) for i in range(2)]
     router = Router(views, RouterConfig())
     gen = torch.Generator().manual_seed(0)
     for _ in range(8):  # distinct prompts: no prefix to follow, so load decides
@@ -59,9 +59,9 @@ def test_unconsumed_adds_count_as_waiting_so_a_burst_spreads():
         views[decision.replica].sent += 1
     assert [v.sent for v in views] == [4, 4]
     # Replica 0 consumes two adds and publishes them as waiting: the count is unchanged, not doubled.
-    load[0:_LOAD_FIELDS] = [2, 0, 0, 1, 2]
+    load[0:LOAD_FIELDS] = [2, 0, 0, 1, 2]
     assert views[0].num_waiting == 4
-    load[0:_LOAD_FIELDS] = [0, 4, 0, 1, 4]  # all four admitted and running
+    load[0:LOAD_FIELDS] = [0, 4, 0, 1, 4]  # all four admitted and running
     assert views[0].num_waiting == 0 and views[0].num_running == 4
 
 

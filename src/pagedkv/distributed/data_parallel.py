@@ -31,190 +31,25 @@ request's prompt block hashes in, and can ask the replica to push the keys its p
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
 import multiprocessing as mp
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from multiprocessing import connection
-from multiprocessing.reduction import ForkingPickler
 
-from pagedkv.distributed.output_deltas import DeltaDecoder, DeltaEncoder
+from pagedkv.distributed.output_deltas import DeltaDecoder
+from pagedkv.distributed.replica_process import LOAD_FIELDS, ProcessReplica, pickled, replica_main, send_all
 from pagedkv.distributed.router import Router, RouterConfig, RoutingPolicy
 from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, PagedKVError, StepFailedError
+from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError
 
 logger = logging.getLogger("pagedkv")
-
-_LOAD_FIELDS = 5  # waiting, running, free blocks, alive, add commands consumed (written in this order)
-#: A busy replica pushes its stats at most this often (and once more when it goes idle).
-_STATS_PUSH_S = 0.05
-#: How often a busy replica pushes its prefix-cache keys, when asked to publish them (and once on going idle).
-_KEYS_PUSH_S = 0.5
-
-
-def _replica_main(config: EngineConfig, index: int, conn, load, engine_factory=None,
-                  num_published_block_hashes: int = 0) -> None:
-    """A replica process: serve commands from `conn`, step the engine, send outputs back; exit when the parent goes."""
-    from pagedkv.engine.engine import LLMEngine
-
-    # Ctrl-C reaches the whole process group; the parent handles it and stops the replicas in order.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        engine = (engine_factory or LLMEngine)(config)
-        engine.stream_outputs = True
-        bm = engine.scheduler.block_manager
-        # The engine's startup objects live as long as the process: keep full collections off them. Done
-        # before "ready", so a replica that the parent sees ready enters its loop (and pushes its stats) at once.
-        gc.collect()
-        gc.freeze()
-        conn.send(("ready", {"max_model_len": engine.max_model_len, "num_blocks": bm.num_blocks,
-                             "device": str(engine.device), "vocab_size": engine.vocab_size,
-                             "block_size": bm.block_size, "scheduler_config": engine.scheduler.config}))
-    except BaseException as error:  # report, so the parent can refuse to start with a clear message
-        conn.send(("failed", f"{type(error).__name__}: {error}"))
-        return
-    consumed = 0
-    encoder = DeltaEncoder()  # streamed outputs cross the pipe as what each request gained since its last
-    # Replies go out through a sender thread, never from this loop: the parent may be blocked
-    # sending this replica a burst of requests while not reading, and a loop blocked on its own
-    # send (its outputs filling the pipe) would then never read them - both sides stuck for good.
-    outbox: queue.SimpleQueue = queue.SimpleQueue()
-    sender = threading.Thread(target=_send_all, args=(conn, outbox), name="pagedkv-replica-send", daemon=True)
-    sender.start()
-
-    def send(message) -> None:
-        outbox.put(_pickled(message))
-
-    def publish() -> None:
-        sched = engine.scheduler
-        load[index * _LOAD_FIELDS:(index + 1) * _LOAD_FIELDS] = [len(sched.waiting), len(sched.running),
-                                                                   sched.block_manager.num_free_blocks, 1, consumed]
-
-    last_push = last_keys_push = 0.0
-    cache = bm.prefix_cache if num_published_block_hashes else None
-
-    def push_stats() -> None:  # the parent's `latest_stats()`: metrics that never wait on this process
-        nonlocal last_push, last_keys_push
-        last_push = time.perf_counter()
-        send(("load", engine.stats().as_dict()))
-        if cache is not None and (last_push - last_keys_push >= _KEYS_PUSH_S or not engine.has_unfinished_requests()):
-            last_keys_push = last_push
-            send(("keys", cache.recent_keys(num_published_block_hashes)))
-
-    push_stats()
-    while True:
-        busy = engine.has_unfinished_requests()
-        try:
-            command, payload = conn.recv() if conn.poll(0 if busy else 0.05) else (None, None)
-        except (EOFError, OSError):  # the parent is gone (killed, or its actor was): stop, leave no orphan
-            break
-        if command is not None:
-            if command == "stop":
-                break
-            if command == "add":
-                consumed += 1
-                request_id, prompt, params, priority, block_hashes = payload
-                try:
-                    engine.add_request(request_id, prompt, params, priority, block_hashes=block_hashes)
-                except PagedKVError as error:
-                    send(("rejected", (request_id, f"{type(error).__name__}: {error}")))
-            elif command == "abort":
-                engine.abort(payload)
-                encoder.forget(payload)
-            elif command == "stats":
-                send(("stats", engine.stats().as_dict()))
-            elif command == "check":
-                send(("checked", _integrity_error(engine)))
-            elif command == "stream":
-                engine.stream_outputs = payload
-            publish()
-            continue
-        if busy:
-            try:
-                outputs = engine.step()
-            except StepFailedError as error:  # the engine failed that step's requests; the replica goes on
-                send(("failed", (error.request_ids, str(error))))
-                for request_id in error.request_ids:
-                    encoder.forget(request_id)
-                outputs = []
-            if outputs:
-                send(("outputs", [encoder.encode(output) for output in outputs]))
-            if time.perf_counter() - last_push >= _STATS_PUSH_S or not engine.has_unfinished_requests():
-                push_stats()
-        publish()
-    outbox.put(None)
-    sender.join(timeout=10)
-    engine.shutdown()
-
-
-def _integrity_error(engine) -> str | None:
-    """None if the engine's block accounting holds, else what `check_integrity` said was wrong."""
-    try:
-        engine.check_integrity()
-    except AssertionError as error:
-        return f"AssertionError: {error}"
-    except PagedKVError as error:
-        return f"{type(error).__name__}: {error}"
-    return None
-
-
-def _pickled(message) -> bytes:
-    """`message` as `Connection.send` would write it, pickled in the caller's thread (so errors reach the caller)."""
-    return bytes(ForkingPickler.dumps(message))
-
-
-def _send_all(conn, outbox: queue.SimpleQueue) -> None:
-    """A sender thread (replica or parent side): each pickled message put in `outbox`, in order, until None.
-
-    The other end reads them with `conn.recv()`. It stops when the peer is gone.
-    """
-    while (message := outbox.get()) is not None:
-        try:
-            conn.send_bytes(message)
-        except (OSError, EOFError, ValueError):
-            return
-
-
-class _ProcessReplica:
-    """The router's view of one replica process (its load, from shared memory)."""
-
-    def __init__(self, index: int, block_size: int, load):
-        self.index = index
-        self._block_size = block_size
-        self._load = load
-        self.sent = 0  # `add` commands sent to this replica; the ones not yet consumed count as waiting
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    def _field(self, k: int) -> int:
-        return int(self._load[self.index * _LOAD_FIELDS + k])
-
-    @property
-    def num_waiting(self) -> int:
-        consumed = self._field(4)  # read before `waiting`, which the replica writes first: never an undercount
-        return self._field(0) + max(0, self.sent - consumed)
-
-    @property
-    def num_running(self) -> int:
-        return self._field(1)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._field(2)
-
-    def num_cached_blocks(self, block_hashes) -> int:
-        return 0  # not queried across processes: the router's memory of where it sent each block stands in
-
 
 @dataclass
 class _Replica:
@@ -222,7 +57,7 @@ class _Replica:
 
     process: mp.Process
     conn: object
-    view: _ProcessReplica
+    view: ProcessReplica
     info: dict
     requests: set
     inbox: list
@@ -242,13 +77,13 @@ class _Replica:
         prefix-aware routing ran at 10.5k and 11.1k output tok/s against round-robin's 16.6k with
         the same prefix-hit rate; this stall is the suspected cause.)
         """
-        self.sender = threading.Thread(target=_send_all, args=(self.conn, self.outbox), daemon=True,
+        self.sender = threading.Thread(target=send_all, args=(self.conn, self.outbox), daemon=True,
                                        name=f"pagedkv-dp-send-{index}")
         self.sender.start()
 
     def send(self, message) -> None:
         """Queue `message` for the replica; pickled here, so an unpicklable one raises in the caller."""
-        self.outbox.put(_pickled(message))
+        self.outbox.put(pickled(message))
 
     def stop(self) -> None:
         """Queue the stop command (when the process lives) and the sender's end; `join_sender` waits for it."""
@@ -293,7 +128,7 @@ class DataParallelEngine:
         self.tokenizer = tokenizer if tokenizer is not None or engine_factory is not None else \
             load_tokenizer(config.model)
         context = mp.get_context("spawn")
-        self._load = context.Array("q", [0] * (_LOAD_FIELDS * data_parallel_size), lock=False)
+        self._load = context.Array("q", [0] * (LOAD_FIELDS * data_parallel_size), lock=False)
         self.replicas: list[_Replica] = []
         pending = []
         for index, device in enumerate(devices):
@@ -301,7 +136,7 @@ class DataParallelEngine:
             # A replica that leads a tensor-parallel group spawns its workers, and multiprocessing lets
             # no daemonic process have children: such replicas are non-daemonic, and `shutdown` (also
             # run at exit) stops them.
-            process = context.Process(target=_replica_main, daemon=config.tensor_parallel_size == 1,
+            process = context.Process(target=replica_main, daemon=config.tensor_parallel_size == 1,
                                       args=(replace(config, device=device), index, child, self._load,
                                             engine_factory, num_published_block_hashes))
             process.start()
@@ -321,7 +156,7 @@ class DataParallelEngine:
                     other.kill()
                 self._stop_all([p for _, p, _ in pending])
                 raise ConfigError(f"data-parallel replica {index} failed to start: {info}")
-            self.replicas.append(_Replica(process, conn, _ProcessReplica(index, info["block_size"], self._load),
+            self.replicas.append(_Replica(process, conn, ProcessReplica(index, info["block_size"], self._load),
                                           info, set(), []))
             self.replicas[-1].start_sender(index)
         atexit.register(self.shutdown)
@@ -384,7 +219,7 @@ class DataParallelEngine:
         if block_hashes is None and self._hashes_prompts:
             block_hashes = self.router.prompt_block_hashes(token_ids)
         try:  # pickled before routing: a request that cannot travel changes no state
-            message = _pickled(("add", (request_id, prompt, params, priority, block_hashes)))
+            message = pickled(("add", (request_id, prompt, params, priority, block_hashes)))
         except Exception as error:  # noqa: BLE001 - pickling: anything a custom object's reducer raises
             raise InvalidArgumentError(f"request {request_id!r} cannot be sent to a replica process: "
                                        f"{type(error).__name__}: {error}") from error
