@@ -105,6 +105,19 @@ def output_token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def assert_preempts_and_matches(small_llm, prompts, params, expected: list[list[int]], mode: str) -> None:
+    """Generate on a pool too small for `prompts`: it must preempt (and, for swap, bring back every swapped
+    sequence), give `expected`'s tokens, and end with no block in use and its accounting intact."""
+    outputs = small_llm.generate(prompts, params)
+    stats = small_llm.stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] == stats["num_swap_outs"]
+    assert output_token_ids(outputs) == expected
+    assert stats["num_used_blocks"] == 0
+    small_llm.engine.check_integrity()
+
+
 def left_padded(lengths, vocab: int = 500, seed: int = 0):
     """A left-padded batch of random prompts with the given lengths: (input_ids, attention_mask) on CPU."""
     gen = torch.Generator().manual_seed(seed)

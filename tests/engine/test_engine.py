@@ -5,7 +5,7 @@ import random
 import pytest
 
 from fuzz_requests import random_lifecycles
-from helpers import hf_greedy, smollm2, tiny
+from helpers import assert_preempts_and_matches, hf_greedy, smollm2, tiny
 from helpers import output_token_ids as _tokens, random_prompts as _prompts
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ConfigError, InvalidArgumentError, RequestRejectedError, SamplingParamsError
@@ -56,14 +56,7 @@ def test_tiny_pool_preempts_and_matches_a_large_pool(mode, kv_cache_dtype):
     large = _llm("tiny-llama", kv_cache_dtype=kv_cache_dtype).generate(prompts, params)
     small_llm = _llm("tiny-llama", num_blocks=24, watermark=0.0, preemption_mode=mode, swap_space=64 * 2**10,
                      max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
-    small = small_llm.generate(prompts, params)
-    stats = small_llm.stats()
-    assert stats["num_preemptions"] > 0
-    if mode == "swap":
-        assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] == stats["num_swap_outs"]
-    assert _tokens(small) == _tokens(large)
-    assert stats["num_used_blocks"] == 0
-    small_llm.engine.check_integrity()
+    assert_preempts_and_matches(small_llm, prompts, params, _tokens(large), mode)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

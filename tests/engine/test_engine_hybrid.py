@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from helpers import hf_greedy, output_token_ids as _tokens, random_prompts
+from helpers import assert_preempts_and_matches, hf_greedy, output_token_ids as _tokens, random_prompts
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.core.hybrid_block_manager import HybridBlockManager
@@ -65,14 +65,7 @@ def test_preemption_per_group_matches_an_unpreempted_run(mode, kv_cache_dtype):
         expected = _tokens(_llm("tiny-gemma3", kv_cache_dtype=kv_cache_dtype).generate(prompts, GREEDY))
     small_llm = _llm("tiny-gemma3", num_blocks=32, watermark=0.0, preemption_mode=mode, swap_space=2**20,
                      max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
-    small = small_llm.generate(prompts, GREEDY)
-    stats = small_llm.stats()
-    assert stats["num_preemptions"] > 0
-    if mode == "swap":
-        assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] == stats["num_swap_outs"]
-    assert _tokens(small) == expected
-    assert stats["num_used_blocks"] == 0
-    small_llm.engine.check_integrity()
+    assert_preempts_and_matches(small_llm, prompts, GREEDY, expected, mode)
 
 
 def test_prefix_hit_past_the_window_equals_a_miss():
