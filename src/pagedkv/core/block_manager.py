@@ -70,10 +70,14 @@ class PoolQueries:
     # KV tiers (None: none). A manager with them fills `_restoring_blocks` (GPU blocks whose restore copy runs
     # beside this step) and `_restoring_seqs` (sequences that wait a step for those blocks) as it admits.
     tiers = None
-    _restoring_blocks: set[int] = frozenset()
-    _restoring_seqs: set[int] = frozenset()
-    max_in_step_restore_blocks = 0  # restored blocks a step copies before its kernels
-    _num_in_step_restore_blocks = 0  # restored this step before its kernels
+
+    def _init_restores(self, max_in_step_restore_blocks: int) -> None:
+        """The restore state both managers keep (see `_queue_restore`)."""
+        require_positive_int("max_in_step_restore_blocks", max_in_step_restore_blocks, allow_zero=True)
+        self.max_in_step_restore_blocks = max_in_step_restore_blocks  # restored blocks a step copies before its kernels
+        self._num_in_step_restore_blocks = 0  # restored this step before its kernels
+        self._restoring_blocks: set[int] = set()
+        self._restoring_seqs: set[int] = set()
 
     def begin_step(self) -> None:
         """A new step: last step's restores are ordered before it, so their sequences may compute."""
@@ -122,7 +126,7 @@ class KVBlockManager(PoolQueries):
                  num_swap_blocks: int = 0, max_num_tokens: int | None = None, num_offload_blocks: int = 0,
                  disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0):
         require_positive_int("block_size", block_size)
-        require_positive_int("max_in_step_restore_blocks", max_in_step_restore_blocks, allow_zero=True)
+        self._init_restores(max_in_step_restore_blocks)
         require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
         require_positive_int("num_offload_blocks", num_offload_blocks, allow_zero=True)
         self.block_size = block_size
@@ -137,9 +141,6 @@ class KVBlockManager(PoolQueries):
         self._tables: dict[int, BlockTable] = {}
         self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (host blocks, num tokens)
         self._block_keys: dict[int, list[BlockHash]] = {}  # seq id -> keys of its full blocks so far
-        self._restoring_blocks: set[int] = set()  # GPU blocks whose restore copy runs beside this step
-        self._restoring_seqs: set[int] = set()  # sequences that wait a step for those blocks
-        self.max_in_step_restore_blocks = max_in_step_restore_blocks
         self.num_prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ capacity

@@ -56,7 +56,7 @@ class HybridBlockManager(PoolQueries):
                  num_swap_blocks: int = 0, max_num_tokens: int | None = None, max_query_tokens: int = 2048,
                  num_offload_blocks: int = 0, disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0):
         require_positive_int("block_size", block_size)
-        require_positive_int("max_in_step_restore_blocks", max_in_step_restore_blocks, allow_zero=True)
+        self._init_restores(max_in_step_restore_blocks)
         require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
         require_positive_int("num_offload_blocks", num_offload_blocks, allow_zero=True)
         require_positive_int("max_query_tokens", max_query_tokens)
@@ -82,9 +82,6 @@ class HybridBlockManager(PoolQueries):
         # seq id -> (per group: table tokens, dropped entries, CPU blocks in logical order), tokens
         self._swapped: dict[int, tuple[list[tuple[int, int, list[int]]], int]] = {}
         self._block_keys: dict[int, list[BlockHash]] = {}
-        self._restoring_blocks: set[int] = set()  # GPU blocks whose restore copy runs beside this step
-        self._restoring_seqs: set[int] = set()  # sequences that wait a step for those blocks
-        self.max_in_step_restore_blocks = max_in_step_restore_blocks
         self.num_prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ capacity
