@@ -16,7 +16,7 @@
 set -eu
 DIR=${DIR:-/work/ray-carry}; PY_VERSION=${PY_VERSION:-3.12}; PY=${PYTHON:-python3}
 PACKAGES=(ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-          grpcio-reflection==1.85.1)  # the versions constraints.txt pins
+          grpcio-reflection==1.84.0)  # constraints.txt's versions, but grpcio-reflection matches the GPU image's grpcio 1.84.0
 STRIP=(ray/jars ray/rllib ray/data ray/train ray/tune ray/llm ray/workflow ray/dashboard/client ray/setup-dev.py)
 tag=${PY_VERSION/./}
 wheels="$DIR/wheels$tag"; site="$DIR/site$tag"
