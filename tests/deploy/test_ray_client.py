@@ -1,5 +1,6 @@
 """`RayEngineClient` over a scripted handle (no cluster): retries before the first output, fails after it, aborts."""
 
+import asyncio
 import time
 
 import pytest
@@ -29,53 +30,88 @@ def _output(request_id: str, tokens: list[int], finished: bool) -> RequestOutput
 
 
 class _Call:
-    """One scripted streaming call: yields `script` items (messages, or an exception to raise), then ends."""
+    """One scripted `generate` call on replica `replica`: names the replica, then queues `script`'s messages for
+    the output stream (an exception is raised on the call; "hang" waits until cancelled), then ends."""
 
-    def __init__(self, script):
-        self.script = script
+    def __init__(self, replica: "_Replica", script):
+        self.replica, self.script = replica, script
         self.cancelled = False
 
     def __aiter__(self):
         return self._run()
 
     async def _run(self):
+        import asyncio
+
+        yield self.replica.name
         for item in self.script:
             if isinstance(item, BaseException):
                 raise item
             if item == "hang":
-                import asyncio
-
                 await asyncio.sleep(3600)
-            yield item
+            self.replica.outbox.put_nowait(item)
+            await asyncio.sleep(0)
 
     def cancel(self):
         self.cancelled = True
 
 
+class _Replica:
+    """A scripted replica: one output stream (the `outputs` call), fed by the `generate` calls' scripts."""
+
+    def __init__(self, name: str):
+        import asyncio
+
+        self.name = name
+        self.outbox = asyncio.Queue()  # what the replica holds for the stream until it is read
+
+    def outputs(self, replica: str):
+        assert replica == self.name
+
+        async def run():
+            while True:
+                yield [await self.outbox.get()], Load(self.name, "n1", 0, 1, 60, None)
+
+        return run()
+
+
+class _Method:
+    def __init__(self, remote):
+        self.remote = remote
+
+
 class _Handle:
-    """A deployment handle whose `generate.remote` calls play `scripts` in turn, recording their arguments."""
+    """A deployment handle whose `generate.remote` calls play `scripts` in turn (each on a replica of its own),
+    recording their arguments; `outputs.remote` opens the named replica's output stream."""
 
     app_name, deployment_name = "app", "engine"
 
     def __init__(self, scripts):
         self.scripts = list(scripts)
+        self.replicas: dict[str, _Replica] = {}
         self.calls: list[tuple] = []
-        self.generate = self
+        self.generate = _Method(self._generate)
+        self.outputs = _Method(self._outputs)
 
     def options(self, stream: bool):
         assert stream
         return self
 
-    def remote(self, *args, **kwargs):
-        call = _Call(self.scripts.pop(0))
+    def _generate(self, *args, **kwargs):
+        name = f"r{len(self.calls)}"
+        self.replicas[name] = _Replica(name)
+        call = _Call(self.replicas[name], self.scripts.pop(0))
         self.calls.append((args, kwargs, call))
         return call
+
+    def _outputs(self, sender: str, replica: str):
+        assert sender == self.calls[0][1]["sender"]
+        return self.replicas[replica].outputs(replica)
 
 
 def _messages(request_id: str, num_tokens: int) -> list:
     encoder = DeltaEncoder()
-    load = Load("r1", "n1", 0, 1, 60, None)
-    return [("output", encoder.encode(_output(request_id, list(range(5, 5 + k)), k == num_tokens)), load)
+    return [("output", encoder.encode(_output(request_id, list(range(5, 5 + k)), k == num_tokens)))
             for k in range(1, num_tokens + 1)]
 
 
@@ -156,5 +192,41 @@ def test_bad_requests_are_refused_before_any_call():
         with pytest.raises(Exception, match="64"):
             client.add_request("b", list(range(1, 70)), SamplingParams(max_tokens=3))
         assert handle.calls == [] and not client.has_unfinished_requests()
+    finally:
+        client.shutdown()
+
+
+def test_outputs_of_many_requests_come_on_one_stream_per_replica():
+    scripts = [_messages(rid, 4) for rid in "abcde"]
+    handle = _Handle(scripts)
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        for rid in "abcde":
+            client.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=4))
+        outputs = _drain(client)
+        finals = {o.request_id: o.outputs[0].token_ids for o in outputs if o.finished}
+        assert finals == {rid: [5, 6, 7, 8] for rid in "abcde"} and all(o.error is None for o in outputs)
+        senders = {kwargs["sender"] for _, kwargs, _ in handle.calls}
+        assert len(senders) == 1  # every call names the same ingress, whose streams the replicas key by it
+    finally:
+        client.shutdown()
+    client.shutdown()  # idempotent
+
+
+def test_a_request_whose_replica_stream_ends_before_its_last_output_fails_and_does_not_hang():
+    handle = _Handle([_messages("a", 3)[:1]])  # the call ends after one output; the final never comes
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        deadline = time.monotonic() + 10
+        while "r0" not in handle.replicas or not handle.replicas["r0"].outbox.empty():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert client.has_unfinished_requests()  # waiting for its last output on the stream
+        asyncio.run_coroutine_threadsafe(client._close_channels(), client._loop).result(timeout=10)
+        outputs = _drain(client)
+        assert outputs[-1].finished and "output stream ended" in outputs[-1].error
+        assert not client.has_unfinished_requests()
     finally:
         client.shutdown()

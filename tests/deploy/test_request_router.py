@@ -116,3 +116,19 @@ def test_calls_other_than_generate_carry_no_prompt_and_no_sender():
     request.kwargs.clear()
     (first, *_) = _choose(router, [_replica("a"), _replica("b")], request)
     assert first[0].replica_id.unique_id == "a" and "sender" not in request.kwargs
+
+
+@_in_loop
+def test_an_output_stream_goes_to_the_replica_it_names_and_a_request_keeps_its_ingress_name():
+    router = _router()
+    replicas = [_replica("a"), _replica("b"), _replica("c")]
+    request = PendingRequest(["ingress-1"], {"replica": "b"},
+                             RequestMetadata(request_id="o", internal_request_id="o", call_method="outputs"))
+    assert [[r.replica_id.unique_id for r in rank] for rank in _choose(router, replicas, request)] == [["b"]]
+    # A replica that has gone: any will do (the one that takes it ends the stream, so the ingress sees it gone).
+    request.kwargs["replica"] = "gone"
+    assert len(_choose(router, replicas, request)[0]) == 3
+    generate = _request(PROMPT)
+    generate.kwargs["sender"] = "ingress-1"
+    _choose(router, replicas, generate)
+    assert generate.kwargs["sender"] == router.sender == "ingress-1"  # counted under the ingress's own name

@@ -4,18 +4,23 @@ The ingress runs the very app `pagedkv serve` runs (`pagedkv.server.app.create_a
 engine thread calls `add_request`, `abort` and `step` as it would on one `LLMEngine`. Here
 those become streaming calls on the engine deployment's handle:
 
-    engine thread                        client loop (a thread of its own)           engine replica
-    add_request: tokens, block hashes ─► handle.generate.remote(...) ── router ───► generate(): deltas
-    step(): outputs from the queue   ◄── decode deltas, note each replica's load ◄─┘
-    abort: cancel the call          ───► gen.cancel() ─────────────────────────────► closes: abort, blocks freed
+    engine thread                 client loop (a thread of its own)                 engine replica
+    add_request: tokens, hashes ─► handle.generate.remote(..., sender) ── router ──► generate(): its replica id
+    step(): outputs from the queue ◄─ decode deltas ◄─ outputs(sender) stream, one per replica ◄─┘ (lists of messages)
+    abort: cancel the call        ───► the generate call's cancellation ─────────────────► abort, blocks freed
+
+A request's outputs come on the stream this client holds with its replica (opened when a
+replica first names itself), many requests' messages per item: see `pagedkv.deploy.replica`
+for why. A request is over when its last message arrived on that stream.
 
 The prompt is hashed here, once (when routing by prefix): the request router matches on
 those keys and the replica's engine reuses them.
 
 Faults: a replica that fails (its actor killed, its node gone) before a request's first
 output is retried on another replica, up to `max_attempts` calls in all: its client has seen
-nothing, so nothing is lost. A request that had already streamed output ends with an error
-output, which the app turns into an error event and `[DONE]` (or a 500). Ray Serve restarts
+nothing, so nothing is lost. A request that had already streamed output, or whose replica's
+output stream ended before its last message, ends with an error output, which the app turns
+into an error event and `[DONE]` (or a 500). Ray Serve restarts
 the replica; the router takes it back once the controller reports it running.
 
 `health()` lists the engine deployment's replicas as the Serve controller reports them
@@ -30,6 +35,8 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import uuid
+from dataclasses import dataclass
 
 from pagedkv.deploy.replica import Load
 from pagedkv.distributed.data_parallel import ReplicaStatsSum
@@ -39,7 +46,7 @@ from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, PagedKVError
 
 logger = logging.getLogger("pagedkv.deploy")
 
@@ -52,6 +59,26 @@ _WAKE = None  # put in the output queue to end a waiting step() early (a new com
 def failed_output(request_id: str, message: str, reason: str = "error") -> RequestOutput:
     """The final output of a request that ended without an answer ("rejected" makes it a 400)."""
     return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], reason)], True, error=message)
+
+
+@dataclass
+class _Live:
+    """A request in flight, as the client loop tracks it."""
+
+    done: asyncio.Future  # set once its last message (final output, or failure) arrived
+    started: bool = False  # an output arrived: a retry elsewhere would repeat it
+
+
+class ReplicaStreamEndedError(PagedKVError):
+    """A replica's output stream ended before a request's last message came on it."""
+
+
+async def call_ended_and(done: asyncio.Future, channel: asyncio.Task | None) -> None:
+    """Once a request's call has ended: wait for its last message, or raise if its replica's stream ends first."""
+    if not done.done() and channel is not None:
+        await asyncio.wait((done, channel), return_when=asyncio.FIRST_COMPLETED)
+    if not done.done():
+        raise ReplicaStreamEndedError("the replica's output stream ended before the request's last output")
 
 
 class RayEngineClient:
@@ -69,11 +96,14 @@ class RayEngineClient:
         self._hashes_prompts = RoutingPolicy(policy) is RoutingPolicy.PREFIX
         self._fits = Scheduler(info["scheduler_config"])  # bookkeeping only: admission checks
         self._handle = handle.options(stream=True)
+        self._sender = uuid.uuid4().hex  # names this client's output streams at every replica
         self._app_name, self._deployment_name = handle.app_name, handle.deployment_name
         self._max_attempts = max_attempts
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, concurrent.futures.Future] = {}  # engine thread only
         self._decoder = DeltaDecoder()  # client loop only
+        self._live: dict[str, _Live] = {}  # request id -> its state here (client loop only)
+        self._channels: dict[str, asyncio.Task] = {}  # replica -> the task reading its output stream (client loop)
         self._loads: dict[str, Load] = {}
         self._stats: dict[str, dict] = {info["replica"]: info["stats"]}
         self._replicas: list[dict] = []
@@ -147,41 +177,83 @@ class RayEngineClient:
                      block_hashes: list[bytes] | None) -> None:
         from ray.exceptions import RayActorError
 
-        for attempt in range(1, self._max_attempts + 1):
-            call = self._handle.generate.remote(request_id, token_ids, params, block_hashes=block_hashes)
-            started = False
-            try:
-                async for message in call:
-                    started = True
-                    self._take(request_id, message)
-                return
-            except asyncio.CancelledError:
-                call.cancel()
-                self._decoder.forget(request_id)
-                raise
-            except Exception as error:  # noqa: BLE001 - whatever ended the call ends (or retries) this request
-                self._decoder.forget(request_id)
-                if started or attempt == self._max_attempts or not isinstance(error, RayActorError):
-                    logger.warning("request %s failed on its replica: %s: %s", request_id, type(error).__name__,
-                                   error)
-                    self._outputs.put(failed_output(request_id, f"the replica serving this request failed: "
-                                                                f"{type(error).__name__}: {error}"))
+        live = self._live[request_id] = _Live(self._loop.create_future())
+        try:
+            for attempt in range(1, self._max_attempts + 1):
+                call = self._handle.generate.remote(request_id, token_ids, params, block_hashes=block_hashes,
+                                                    sender=self._sender)
+                channel = None
+                try:
+                    async for replica in call:  # one item: the replica that took it
+                        channel = self._channel(replica)
+                    await call_ended_and(live.done, channel)
                     return
-                logger.warning("request %s: its replica failed before the first output (%s); retrying on another",
-                               request_id, type(error).__name__)
-                await asyncio.sleep(_RETRY_BACKOFF_S)
+                except asyncio.CancelledError:
+                    call.cancel()
+                    raise
+                except Exception as error:  # noqa: BLE001 - whatever ended the call ends (or retries) this request
+                    if live.started or attempt == self._max_attempts or not isinstance(error, RayActorError):
+                        logger.warning("request %s failed on its replica: %s: %s", request_id,
+                                       type(error).__name__, error)
+                        self._outputs.put(failed_output(request_id, f"the replica serving this request failed: "
+                                                                    f"{type(error).__name__}: {error}"))
+                        return
+                    logger.warning("request %s: its replica failed before the first output (%s); retrying on "
+                                   "another", request_id, type(error).__name__)
+                    await asyncio.sleep(_RETRY_BACKOFF_S)
+        finally:
+            del self._live[request_id]
+            self._decoder.forget(request_id)
 
-    def _take(self, request_id: str, message: tuple) -> None:
+    def _channel(self, replica: str) -> asyncio.Task:
+        """The task reading this client's output stream from `replica` (started on first use)."""
+        task = self._channels.get(replica)
+        if task is None:
+            task = self._channels[replica] = self._loop.create_task(self._read(replica))
+        return task
+
+    async def _read(self, replica: str) -> None:
+        call = self._handle.outputs.remote(self._sender, replica=replica)
+        try:
+            async for messages, load in call:
+                self._loads[load.replica] = load
+                if load.stats is not None:
+                    self._stats[load.replica] = load.stats
+                for message in messages:
+                    self._take(message)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 - the replica is gone; its requests end (see _serve)
+            logger.warning("the output stream of replica %s ended: %s: %s", replica, type(error).__name__, error)
+        finally:
+            if self._channels.get(replica) is asyncio.current_task():
+                del self._channels[replica]
+
+    async def _close_channels(self) -> None:
+        tasks = list(self._channels.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _take(self, message: tuple) -> None:
         if message[0] == "output":
-            _, delta, load = message
-            self._loads[load.replica] = load
-            if load.stats is not None:
-                self._stats[load.replica] = load.stats
+            delta = message[1]
+            live = self._live.get(delta.request_id)
+            if live is None:
+                return  # aborted since (or failed over): nobody waits for it
+            live.started = True
             self._outputs.put(self._decoder.decode(delta))
+            if delta.finished:
+                live.done.set_result(None)
         else:
-            _, text, status = message
+            _, request_id, text, status = message
+            live = self._live.get(request_id)
+            if live is None:
+                return
             self._decoder.forget(request_id)
             self._outputs.put(failed_output(request_id, text, "rejected" if status < 500 else "error"))
+            live.done.set_result(None)
 
     async def _watch_replicas(self) -> None:
         import ray
@@ -233,8 +305,14 @@ class RayEngineClient:
 
     def shutdown(self) -> None:
         """Cancel what is in flight and stop the client loop (idempotent)."""
+        if not self._thread.is_alive():
+            return
         for request_id in list(self._requests):
             self.abort(request_id)
         self._watcher.cancel()
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_channels(), self._loop).result(timeout=10)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            logger.warning("the output streams did not close in 10 s")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

@@ -133,8 +133,10 @@ def engine_deployment(engine: EngineConfig, ray_config: RayServeConfig):
         request_router_kwargs={"policy": ray_config.routing.value, "block_size": engine.block_size,
                                "balance_threshold": ray_config.balance_threshold},
         request_routing_stats_period_s=ray_config.routing_stats_period_s)
+    # No access-log line per call: the ingress logs each HTTP request; the engine's calls are internal ones.
     options = dict(name=ENGINE_DEPLOYMENT, max_ongoing_requests=ray_config.max_ongoing_requests,
                    request_router_config=router, health_check_period_s=ray_config.health_check_period_s,
+                   logging_config={"enable_access_log": False},
                    **replica_resources(engine, ray_config))
     if ray_config.autoscales:
         options["autoscaling_config"] = {

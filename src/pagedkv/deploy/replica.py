@@ -8,17 +8,30 @@ is `pagedkv serve`'s choice too (`uses_engine_process`): on CUDA, in a process o
 interpreter lock that Ray's streaming holds; on CPU, in the replica's process. That child process
 exits when the replica's actor dies. Ray Serve calls:
 
-    generate(request_id, token_ids, params, block_hashes, sender)   an async generator of messages
+    generate(request_id, token_ids, params, block_hashes, sender)   a streaming call, one item per request
+    outputs(sender, replica)                                          a streaming call, one per ingress
     record_routing_stats()                                           the router's view of this replica
     check_health()                                                   raises once the engine loop (or process) died
     describe()                                                       what the ingress needs at startup
 
-`generate` yields `("output", OutputDelta, load)` per output the engine thread delivers (a
-request's new tokens and text only, `pagedkv.distributed.output_deltas`), and once the request
-fails `("failed", message, status)`. `load` is `Load` below, so the ingress sees each replica's
-queues and stats without asking. When the caller stops reading (its client went away, or it
-cancelled the call), the generator is closed and the request is aborted, freeing its blocks at
-once.
+Outputs do not travel on the request's own call. A Ray streaming item costs the two processes
+a few hundred microseconds, so one item per request per step (256 streams at 150 steps/s) is
+more than Ray delivers, and a saturated replica would stream a fifth of what its engine makes.
+Instead each ingress (`sender`) holds one `outputs` stream per replica, and every message the
+replica has for that ingress since its last item goes out as one list: one item per step per
+ingress, whatever the batch size.
+
+`generate` yields one item, this replica's id, as soon as the request is added (so the ingress
+opens its `outputs` stream here if it has none yet), and ends once the request ended, its
+last message queued for the sender. It stays open meanwhile, which keeps Ray Serve's count of
+ongoing requests (autoscaling, `max_ongoing_requests`) and its cancellation honest: when the
+caller cancels it (its client went away), the request is aborted and its blocks freed at once.
+
+The messages: `("output", OutputDelta)` per output the engine thread delivers (a request's new
+tokens and text only, `pagedkv.distributed.output_deltas`), and `("failed", request_id,
+message, status)` once a request fails. Each `outputs` item is `(messages, load)`, `load`
+being `Load` below, so the ingress sees each replica's queues and stats without asking. An
+`outputs` stream that ends (the ingress went away) cancels that sender's requests here.
 
 Routing stats (`record_routing_stats`, polled by the Serve controller and handed to every
 router): the engine's waiting and running requests and free blocks, how many `generate` calls
@@ -66,6 +79,26 @@ class Load:
     num_running: int
     num_free_blocks: int
     stats: dict | None
+
+
+class _Outbox:
+    """What one sender (an ingress) has not read yet from this replica: its messages in order, and its requests."""
+
+    def __init__(self):
+        self.messages: list = []
+        self.requests: set[asyncio.Task] = set()  # the `generate` calls of this sender running here
+        self._ready = asyncio.Event()
+
+    def put(self, message: tuple) -> None:
+        self.messages.append(message)
+        self._ready.set()
+
+    async def take(self) -> list:
+        """Every message queued since the last call (waits for the first)."""
+        await self._ready.wait()
+        self._ready.clear()
+        messages, self.messages = self.messages, []
+        return messages
 
 
 def replica_identity() -> tuple[str, str]:
@@ -119,32 +152,64 @@ class EngineReplica:
         self._async_engine = AsyncEngine(engine)
         self._async_engine.start()
         self._num_started: Counter[str] = Counter()  # sender -> generate calls started here
+        self._outboxes: dict[str, _Outbox] = {}  # sender -> what it has yet to read
         self._replica, self._node = replica_identity()
         self._last_stats_s = 0.0
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        block_hashes: list[bytes] | None = None, sender: str = ""):
-        """Serve one request: yield its outputs as deltas (see the module docstring); abort it if closed early."""
+        """Serve one request (see the module docstring): yield this replica's id, queue its messages for
+        `sender`, end when it ended; abort it if the caller cancels."""
         self._num_started[sender] += 1
+        outbox = self._outbox(sender)
+        task = asyncio.current_task()
+        outbox.requests.add(task)
         stream = RequestStream(asyncio.get_running_loop())
         encoder = DeltaEncoder()
-        finished = False
+        finished = True  # until it is added: nothing to abort
         try:
+            yield self._replica
+            finished = False
             self._async_engine.add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
             while not finished:
                 output = await stream.get()
                 finished = output.finished
-                yield ("output", encoder.encode(output), self._load())
+                outbox.put(("output", encoder.encode(output)))
         except RequestFailedError as error:
             finished = True  # the engine thread ended it and freed its blocks
-            yield ("failed", str(error), error.status_code)
+            outbox.put(("failed", request_id, str(error), error.status_code))
         except EngineDeadError as error:
             finished = True
-            yield ("failed", f"the engine of replica {self._replica} died: {error}", 500)
+            outbox.put(("failed", request_id, f"the engine of replica {self._replica} died: {error}", 500))
         finally:
+            outbox.requests.discard(task)
             if not finished:  # the caller went away (or cancelled): free the blocks now
                 self._async_engine.abort(request_id)
+
+    async def outputs(self, sender: str, replica: str = ""):
+        """`sender`'s messages from this replica, as `(messages, load)` items (see the module docstring).
+
+        `replica` is the replica the caller asked for (the request router pins the call to it);
+        if this is another one, that replica is gone and the stream ends at once."""
+        if replica and replica != self._replica:
+            return
+        outbox = self._outbox(sender)
+        try:
+            while True:
+                messages = await outbox.take()
+                yield messages, self._load()
+        finally:  # the reader went away: nobody can receive these requests' outputs any more
+            if self._outboxes.get(sender) is outbox:
+                del self._outboxes[sender]
+            for task in list(outbox.requests):
+                task.cancel()
+
+    def _outbox(self, sender: str) -> _Outbox:
+        outbox = self._outboxes.get(sender)
+        if outbox is None:
+            outbox = self._outboxes[sender] = _Outbox()
+        return outbox
 
     def _queues(self) -> tuple[int, int, int]:
         """(waiting, running, free blocks), read beside the engine thread."""

@@ -43,6 +43,8 @@ from pagedkv.distributed.router import DEFAULT_BALANCE_THRESHOLD, DEFAULT_MAX_RE
 
 #: The engine deployment's method whose calls carry a prompt (others go to the least-loaded replica).
 GENERATE_METHOD = "generate"
+#: The method whose calls name the replica they are for (an ingress's output stream from that replica).
+OUTPUTS_METHOD = "outputs"
 
 
 class _ReplicaView:
@@ -88,8 +90,15 @@ class PagedKVRequestRouter(RequestRouter):
         block_hashes = None
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off, not spin, when all are full
-            if pending_request.metadata.call_method == GENERATE_METHOD:
-                pending_request.kwargs["sender"] = self.sender
+            method = pending_request.metadata.call_method
+            if method == OUTPUTS_METHOD:
+                # Pinned to the replica it names; if that one is gone, any replica ends the stream at once.
+                pinned = [r for r in candidate_replicas if r.replica_id.unique_id == pending_request.kwargs.get(
+                    "replica")]
+                return [pinned] if pinned else [candidate_replicas]
+            if method == GENERATE_METHOD:
+                # The ingress names itself (its output streams are keyed by it); the count below follows it.
+                self.sender = pending_request.kwargs.setdefault("sender", self.sender)
                 block_hashes = pending_request.kwargs.get("block_hashes")
                 if len(pending_request.args) > 1:
                     token_ids = pending_request.args[1]
