@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # KV tiers on multi-turn chat (`pagedkv bench engine --preset chat-tiers`): no prefix cache, GPU-only prefix
-# caching, and GPU + pinned host tier + disk tier on the same conversations (same prompts, same order, 4 turns in
-# flight, a GPU pool of ~10% of the distinct prefix blocks), then a restart on the same disk directory;
-# Qwen3-0.6B and Llama-3-8B shapes with random weights, bf16.
+# caching, and GPU + pinned host tier + disk tier on the same conversations (the same prompts in the same order:
+# fixed answers drawn from the seed in the histories, 4 turns in flight, a GPU pool of ~10% of the distinct prefix
+# blocks), then a restart on the same disk directory; Qwen3-0.6B and Llama-3-8B shapes with random weights, bf16.
+# Before the configurations, per model, a warm-up pass runs another seed's workload through the tiers once, so
+# that Triton's first-use compiles of the kernel variants each configuration needs stay out of the measured runs.
 #
-# Run from the repository root on the GPU machine: `OUT=$OUT bash benchmarks/tools/kv_tiers.sh` (about 6 minutes on
+# Run from the repository root on the GPU machine: `OUT=$OUT bash benchmarks/tools/kv_tiers.sh` (about 5 minutes on
 # one H200; the bench is cut at 360 s, the layer-group case below at 120 s). Writes $OUT/kv_tiers.json and
 # $OUT/kv_tiers.md and prints the markdown: per model and configuration TTFT P50/P99, output tok/s, hit rates per
 # tier, restored GB, the restore rate of the H2D copies alone and with the scatter into the pool, blocks per copy;
 # then, each beside its target: TTFT vs GPU-only (>= 3x) next to the most a restore can win for one turn (its
 # prefill against copying its prefix plus its message's prefill, measured in the run), output tok/s (>= 1x), the H2D
-# copy rate against the pinned bandwidth measured in the same run (>= 80%), and after the restart the share of
-# distinct prompt blocks read from disk (>= 90%) and not computed, with the first request's TTFT.
+# copy rate against the pinned bandwidth measured in the same run (>= 80%), per configuration the steps' host
+# seconds by phase (schedule, build, launch, wait for the device, update) with the slowest step and its shape, and
+# after the restart the share of distinct prompt blocks read from disk (>= 90%) and not computed, with the first
+# request's TTFT. The "same prompts in every configuration" line compares the prompts each run actually sent.
 # The measured H2D/D2H figures go into src/pagedkv/sim/data/cost_model_h200.json's "kv_tiers".
 # Disk: up to 12 GiB per model in DIR (the tier's cap in this run), removed after each model.
 # Environment: MODELS (default qwen3-0.6b,llama3-8b), HOST_MEMORY (default 16GiB), DIR (the disk tier's

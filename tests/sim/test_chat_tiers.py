@@ -29,6 +29,19 @@ def test_conversations_carry_their_history_into_the_next_turn():
     assert follow[0] == conversation and follow[1][:len(prompt) + 3] == prompt + [5, 6, 7]
 
 
+def test_fixed_turns_carry_fixed_answers_turn_by_turn():
+    turns = CHAT.fixed_turns()
+    assert [(c, t) for c, t, _, _ in turns] == [(c, t) for t in range(3) for c in range(12)]
+    by_turn = {(c, t): (prompt, answer_len) for c, t, prompt, answer_len in turns}
+    for conversation in range(12):
+        first, first_len = by_turn[conversation, 0]
+        second, _ = by_turn[conversation, 1]
+        answer = CHAT.answer(conversation, 0, first_len)
+        assert len(answer) == first_len and second[:len(first) + first_len] == first + answer
+        assert second[len(first) + first_len:] == CHAT.turn(conversation, 1)[1]
+    assert CHAT.answer(0, 0, 8) != CHAT.answer(1, 0, 8) != CHAT.answer(0, 1, 8)
+
+
 def test_a_host_tier_cuts_prefill_and_ttft_on_multi_turn_chat():
     cost = CostModel()
     gpu_only = simulate_chat(CHAT, _config(), cost)

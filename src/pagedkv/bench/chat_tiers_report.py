@@ -44,6 +44,21 @@ def _row(label: str, row: dict) -> str:
             f"{_gbps(row['restore_bytes_per_s'])} | {'-' if per_copy is None else f'{per_copy:.1f}'} |")
 
 
+def step_line(steps: dict) -> str:
+    """One line: the phases' host seconds and the slowest step, its longest phase and its shape."""
+    text = (f"{steps['num_steps']} steps, host s: schedule {steps['schedule_s']:.2f}, build {steps['build_s']:.2f}, "
+            f"launch {steps['launch_s']:.2f}, wait {steps['wait_s']:.2f}, update {steps['update_s']:.2f}")
+    if steps["slowest"]:
+        top = steps["slowest"][0]
+        phase = max(("schedule_s", "build_s", "launch_s", "wait_s", "update_s"), key=lambda p: top[p])
+        shape = top["shape"]
+        text += (f"; slowest step {top['total_s'] * 1e3:.1f} ms ({phase[:-2]} {top[phase] * 1e3:.1f} ms; "
+                 f"{shape['prefill_tokens']} prefill tokens, {shape['decode_seqs']} decodes, "
+                 f"{shape['restored_blocks'] + shape['restored_in_step_blocks']} restored and "
+                 f"{shape['offloaded_blocks'] + shape['pre_spilled_blocks']} spilled blocks)")
+    return text
+
+
 def _verdict(value: float | None, target: float) -> str:
     return "-" if value is None else ("met" if value >= target else "missed")
 
@@ -72,6 +87,12 @@ def _summary(model: dict) -> list[str]:
                      f"{_gbps(copy_rate)} GB/s = {_share(copy_rate, pinned)} of H2D (target >= 80%: "
                      f"{_verdict(None if copy_rate is None else copy_rate / pinned, 0.8)}); with the scatter into "
                      f"the pool {_gbps(rate)} GB/s = {_share(rate, pinned)}")
+    for label, row in model["configs"].items():
+        if "steps" in row:
+            lines.append(f"- Steps, {label}: {step_line(row['steps'])}")
+    if "warm_up_s" in model:
+        lines.append(f"- Before the configurations, the whole workload of another seed ran once through the tiers "
+                     f"({model['warm_up_s']:.1f} s), so that Triton's compiles stay out of the measured runs")
     r = model["restart"]
     lines.append(f"- Restart: of the {r['distinct_blocks']} distinct prompt blocks of {r['num_requests']} replayed "
                  f"turns, {r['disk_share'] * 100:.1f}% read from disk (target >= 90%: "

@@ -1,23 +1,30 @@
 """`pagedkv bench engine --preset chat-tiers`: KV tiers on a multi-turn chat workload, and a restart.
 
 The conversations of `pagedkv.sim.chat_tiers` (K system prompts, M conversations of a few turns,
-greedy, the answer part of the history) run through the real engine three times, on the same GPU
+greedy, an answer part of each history) run through the real engine three times, on the same GPU
 pool, sized to hold about a tenth of the distinct prefix blocks the conversations reuse:
 
     no prefix cache      every turn computes its whole prompt
     GPU only             the GPU prefix cache alone
     GPU + host + disk    --kv-offload-memory and a --kv-offload-dir behind it
 
-Every conversation is live from the start and `max_num_seqs` turns are in flight at a time (a
-closed loop at fixed concurrency): a turn is sent when a slot frees, its conversation's next turn
-joins the back of the queue when it is answered. So each configuration serves the same prompts
-(the outputs are the same with and without tiers) in the same order, no turn queues inside the
-engine, and TTFT is what a turn's own prefill or restore costs beside the turns running with it;
-between two turns of one conversation the other conversations' turns push its prefix out of the
-GPU pool.
+Every configuration serves the same prompts in the same order (`MultiTurnChat.fixed_turns`): turn
+by turn across the conversations, each history holding fixed answers drawn from the seed rather
+than the generated tokens (which differ between configurations: batches of other shapes round
+differently in bf16), each answer `ignore_eos` with its drawn length. `max_num_seqs` turns are in
+flight at a time (a closed loop at fixed concurrency: a turn is sent when a slot frees), so no turn
+queues inside the engine, and TTFT is what a turn's own prefill or restore costs beside the turns
+running with it; between two turns of one conversation the other conversations' turns push its
+prefix out of the GPU pool.
+
+Before the configurations, a warm-up pass runs the whole workload of another seed through the
+tiers once: Triton compiles a kernel per launch specialization the first time a step needs it (up
+to a second or more each), and short queries over restored prefixes need some that the other
+configurations never do, so without it the compiles land inside one configuration's measured run.
 
 Reported per configuration: TTFT P50/P99, output tok/s, where prompt blocks came from (hit rate
-per tier over the blocks that could hit), the KV copies' bytes and device time. The restore rate
+per tier over the blocks that could hit), the KV copies' bytes and device time, and the steps'
+host time per phase (`LLMEngine.step_timings`) with the slowest steps and their shapes. The restore rate
 is set against the pinned copy bandwidth measured in the same run (one large pinned <-> device
 copy each way) twice: the host -> device copies alone, and with the scatter into the pool. What
 TTFT gain is possible at all is measured too: one turn's prefill of a typical prefix plus user
@@ -32,6 +39,7 @@ size.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -41,9 +49,9 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
-from pagedkv.bench.chat_tiers_report import markdown
+from pagedkv.bench.chat_tiers_report import markdown, step_line
 from pagedkv.results import provenance, write_json
-from pagedkv.sim.chat_tiers import Conversations, MultiTurnChat
+from pagedkv.sim.chat_tiers import MultiTurnChat
 from pagedkv.sim.cluster import percentile
 
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
@@ -78,52 +86,58 @@ def hittable_keys(prompt: list[int], block_size: int) -> list[bytes]:
     return hash_blocks(prompt, block_size)[:(len(prompt) - 1) // block_size]
 
 
-def run_chat(engine, workload: MultiTurnChat, max_in_flight: int) -> dict:
-    """Every conversation through `engine`, `max_in_flight` turns at a time; TTFT per turn, output tok/s."""
+def run_chat(engine, turns: list, max_in_flight: int) -> dict:
+    """`turns` ((conversation, turn, prompt, answer length), `MultiTurnChat.fixed_turns`) through `engine` in
+    their order, `max_in_flight` at a time, a turn only once its conversation's turn before it is answered;
+    TTFT per turn, output tok/s, and where the steps' host time went."""
     from pagedkv.engine.sampling_params import SamplingParams
 
-    conversations = Conversations(workload)
     engine.stream_outputs = True
-    submitted: dict[str, tuple[int, float]] = {}
+    engine.step_timings = []
+    submitted: dict[str, float] = {}
     ttft: dict[str, float] = {}
-    prompts: dict[str, list[int]] = {}
+    prompts: dict[str, list[int]] = {}  # as submitted, in order
+    answered: set[tuple[int, int]] = set()
     num_output_tokens = 0
-    turns: dict[int, int] = {}
-    due = deque(conversations.start())
-
-    def submit(turn) -> None:
-        """Send one turn (greedy, its drawn answer length) and note when."""
-        conversation, prompt, answer_len = turn
-        request_id = f"c{conversation}-t{turns.get(conversation, 0)}"
-        turns[conversation] = turns.get(conversation, 0) + 1
-        prompts[request_id] = prompt
-        submitted[request_id] = (conversation, time.perf_counter())
-        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=answer_len,
-                                                              ignore_eos=True))
-
+    due = deque(turns)
     start = time.perf_counter()
     in_flight = 0
     while due or engine.has_unfinished_requests():
-        while due and in_flight < max_in_flight:
-            submit(due.popleft())
+        while due and in_flight < max_in_flight and (due[0][1] == 0 or (due[0][0], due[0][1] - 1) in answered):
+            conversation, turn, prompt, answer_len = due.popleft()
+            request_id = f"c{conversation}-t{turn}"
+            prompts[request_id] = prompt
+            submitted[request_id] = time.perf_counter()
+            engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=answer_len,
+                                                                  ignore_eos=True))
             in_flight += 1
         outputs = engine.step()
         now = time.perf_counter()
         for output in outputs:
             tokens = output.outputs[0].token_ids
             if output.request_id not in ttft and tokens:
-                ttft[output.request_id] = now - submitted[output.request_id][1]
+                ttft[output.request_id] = now - submitted[output.request_id]
             if output.finished:
                 in_flight -= 1
                 num_output_tokens += len(tokens)
-                follow_up = conversations.answered(submitted[output.request_id][0], list(tokens))
-                if follow_up is not None:
-                    due.append(follow_up)
+                conversation, turn = output.request_id[1:].split("-t")
+                answered.add((int(conversation), int(turn)))
     elapsed = time.perf_counter() - start
+    timings, engine.step_timings = engine.step_timings, None
     values = list(ttft.values())
     return {"elapsed_s": elapsed, "num_requests": len(values), "num_output_tokens": num_output_tokens,
             "output_tokens_per_s": num_output_tokens / elapsed, "ttft_p50_s": percentile(values, 50),
-            "ttft_p99_s": percentile(values, 99), "ttft_mean_s": sum(values) / len(values), "prompts": prompts}
+            "ttft_p99_s": percentile(values, 99), "ttft_mean_s": sum(values) / len(values),
+            "steps": step_summary(timings), "prompts": prompts}
+
+
+def step_summary(timings: list, num_slowest: int = 3) -> dict:
+    """Host seconds per phase of the steps (`LLMEngine.step_timings`) and the slowest steps: what a config adds."""
+    phases = ("schedule_s", "build_s", "launch_s", "wait_s", "update_s")
+    slowest = sorted(timings, key=lambda t: t.total_s, reverse=True)[:num_slowest]
+    return {"num_steps": len(timings), **{phase: sum(getattr(t, phase) for t in timings) for phase in phases},
+            "slowest": [{"total_s": t.total_s, **{phase: getattr(t, phase) for phase in phases},
+                         "shape": dataclasses.asdict(t.shape)} for t in slowest]}
 
 
 def _tier_summary(stats: dict, block_size: int, block_nbytes: int, prompts: dict, tiered: bool) -> dict:
@@ -180,6 +194,24 @@ def restore_bound(engine, workload: MultiTurnChat, block_size: int, h2d_bytes_pe
             "recompute_over_copy": max(full_s - user_s, 0.0) / copy_s}
 
 
+def warm_kernels(llm, workload: MultiTurnChat, max_in_flight: int) -> float:
+    """Run `workload` (another seed's conversations) through `llm` (GPU + host tier), then two of its last turns
+    alone, and shut it down; the seconds it took.
+
+    Triton compiles a kernel per launch specialization (query tile height, split count, ...) the first time a
+    step needs it, which takes up to a second or more. The turns of every configuration need some of them first:
+    full prompts on a miss, short queries over restored prefixes with the tiers, a lone prompt cached to its
+    last block after a restart. Compiled here, once per process, they stay out of every measured run."""
+    start = time.perf_counter()
+    turns = workload.fixed_turns()
+    run_chat(llm.engine, turns, max_in_flight)
+    last = [turn for turn in turns if turn[1] == workload.num_turns - 1][-2:]
+    for index, (_, _, prompt, answer_len) in enumerate(last):  # its prefix is cached: the last block's query
+        run_chat(llm.engine, [(-1 - index, 0, prompt, answer_len)], 1)
+    llm.shutdown()
+    return time.perf_counter() - start
+
+
 def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     """The three configurations, the restore bound and the restart for one model shape."""
     from pagedkv.engine.llm import LLM
@@ -218,22 +250,28 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     if device.type == "cuda":
         result["pinned_bandwidth"] = pinned_bandwidth(device)
     h2d = result["pinned_bandwidth"]["h2d_bytes_per_s"] if device.type == "cuda" else SMOKE_H2D_BYTES_PER_S
+    turns = workload.fixed_turns()  # the same prompts, in the same order, in every configuration
+    other = dataclasses.replace(workload, seed=workload.seed + 1)
+    result["warm_up_s"] = warm_kernels(LLM(**common, kv_offload_memory=host_bytes), other, max_num_seqs)
+    print(f"{name} | warm-up: the whole workload of another seed through the tiers, "
+          f"{result['warm_up_s']:.1f} s", flush=True)
     tiered = None
     for label, options in configs:
         llm = LLM(**common, **options)
-        run_chat(llm.engine, MultiTurnChat(**{**workload.__dict__, "num_conversations": 2, "num_concurrent": 2,
-                                              "seed": workload.seed + 1}), max_num_seqs)  # warm-up: kernels
+        run_chat(llm.engine, dataclasses.replace(other, num_conversations=2, num_concurrent=2).fixed_turns(),
+                 max_num_seqs)  # this engine's first steps
         stats_before = llm.stats()
-        run = run_chat(llm.engine, workload, max_num_seqs)
+        run = run_chat(llm.engine, turns, max_num_seqs)
         stats = {k: v - stats_before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in llm.stats().items()}
         prompts = run.pop("prompts")
         row = {**run, **_tier_summary(stats, block_size, llm.engine.pool.bytes_per_block, prompts,
                                             "kv_offload_memory" in options),
-               "prompts_hash": hash(tuple(tuple(p) for p in prompts.values()))}
+               "prompts_hash": hash(tuple((rid, tuple(p)) for rid, p in prompts.items()))}
         result["configs"][label] = row
         print(f"{name} | {label}: TTFT P50 {run['ttft_p50_s'] * 1e3:.1f} ms, P99 {run['ttft_p99_s'] * 1e3:.1f} ms, "
               f"{run['output_tokens_per_s']:,.0f} output tok/s, hits GPU {row['gpu_hit_rate'] * 100:.0f}% host "
               f"{row['host_hit_rate'] * 100:.0f}%", flush=True)
+        print(f"{name} | {label} steps: {step_line(run['steps'])}", flush=True)
         if label == "GPU only":  # after its run, so the probes' prompts leave the measured run alone
             result["restore_bound"] = bound = restore_bound(llm.engine, workload, block_size, h2d)
             print(f"{name} | bound: a {bound['prefix_tokens']}-token prefix + {bound['user_tokens']}-token message "

@@ -33,6 +33,7 @@ from pagedkv.sim.workload import DEFAULT_SEED, DEFAULT_VOCAB_SIZE, Job, random_t
 
 _SYSTEM_SALT = 0x5_75E3
 _TURN_SALT = 0x7_0A2B
+_ANSWER_SALT = 0x3_A45E
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,27 @@ class MultiTurnChat:
         system = conversation % self.num_system_prompts
         user = random_tokens(rng, rng.randint(self.min_user_tokens, self.max_user_tokens), self.vocab_size)
         return system, user, rng.randint(self.min_output_tokens, self.max_output_tokens)
+
+    def answer(self, conversation: int, turn: int, num_tokens: int) -> list[int]:
+        """A fixed answer to one turn: `num_tokens` tokens drawn from the seed, never a model's output."""
+        rng = SplitMix64(self.seed ^ _ANSWER_SALT ^ (conversation * 0x9E3779B97F4A7C15) ^ (turn * 0xBF58476D1CE4E5B9))
+        return random_tokens(rng, num_tokens, self.vocab_size)
+
+    def fixed_turns(self) -> list[tuple[int, int, list[int], int]]:
+        """Every turn as (conversation, turn, prompt, answer length), turn by turn across the conversations
+        (every conversation's first turn, then every second turn, ...), each history holding the fixed answers
+        of `answer`: the same prompts in the same order whatever an engine generates (the engine benchmark)."""
+        systems = [self.system_prompt(k) for k in range(self.num_system_prompts)]
+        histories: dict[int, list[int]] = {}
+        turns = []
+        for turn in range(self.num_turns):
+            for conversation in range(self.num_conversations):
+                system, user, answer_len = self.turn(conversation, turn)
+                history = histories.setdefault(conversation, list(systems[system]))
+                history.extend(user)
+                turns.append((conversation, turn, list(history), answer_len))
+                history.extend(self.answer(conversation, turn, answer_len))
+        return turns
 
 
 class Conversations:
