@@ -164,6 +164,26 @@ def test_disk_reads_run_on_reader_threads_and_are_waited_for_after_the_launch(tm
     second.engine.check_integrity()
 
 
+def test_a_prompt_loading_from_disk_does_not_hold_up_the_prompts_behind_it(tmp_path):
+    on_disk, fresh = _chat_prompts(num_heads=2, per_head=1)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate([on_disk, fresh], GREEDY))
+    first = _disk_llm(tmp_path)
+    first.generate([on_disk], GREEDY)
+    first.engine.shutdown()
+    engine = _disk_llm(tmp_path).engine
+    engine.add_request("disk", on_disk, GREEDY)
+    engine.add_request("fresh", fresh, GREEDY)
+    engine.step()  # starts the disk reads of the first prompt, and admits the second meanwhile
+    assert [seq.request_id for seq in engine.scheduler.running] == ["fresh"]
+    assert [seq.request_id for seq in engine.scheduler.waiting] == ["disk"]
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens.update((out.request_id, out.outputs[0].token_ids) for out in engine.step() if out.finished)
+    assert [tokens["disk"], tokens["fresh"]] == expected
+    assert engine.stats().kv_disk_hit_blocks == _hittable_blocks([on_disk])
+    engine.check_integrity()
+
+
 def _file_of(llm, prompt, index):
     from pagedkv.core.prefix_cache import hash_blocks
 

@@ -15,7 +15,7 @@ One `schedule()` call, under a budget of `max_num_batched_tokens`:
    blocks free after taking the whole prompt (chunked prefill then spends the token budget
    over several steps). A request that could never fit is refused by `add()`, never queued.
    With KV tiers, a prompt whose prefix is on disk waits until it is loaded into host
-   memory, and one whose prefix is restored from host memory is admitted now and computes in
+   memory (keeping its place, while the prompts behind it are admitted), and one whose prefix is restored from host memory is admitted now and computes in
    this step (its copy runs before the step's kernels) or, past the step's in-step restore
    budget, from the next step, when its blocks have arrived.
 
@@ -422,19 +422,26 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, decodes: list, prefills: list, budget: int) -> None:
-        """Step 3: waiting sequences admitted in order while the watermark and the budget hold."""
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        """Step 3: waiting sequences admitted in order while the watermark and the budget hold.
+
+        A prompt whose prefix is being loaded from disk keeps its place but is passed over until it is in host
+        memory: the prompts behind it are admitted meanwhile, rather than waiting for its reads."""
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            seq = self.waiting[index]
             if seq.num_pending:
                 break  # its last token is still on the device: admit it once that comes back
             # A request that will fork into n sequences needs room for all of them.
             will_fork = seq.sample_index == 0 and seq.num_output_tokens == 0
             if len(self.running) + (seq.sampling_params.n if will_fork else 1) > self.config.max_num_seqs:
                 break
+            if self._waits_for_disk(seq):
+                index += 1
+                continue
             item = self._try_admit(seq, budget, out)
             if item is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             self.running.append(seq)
             if item.num_new_tokens:  # else its blocks are being restored beside this step: it computes from the next
                 (decodes if item.is_decode else prefills).append(item)
@@ -578,16 +585,22 @@ class Scheduler:
             self._finish(seq, FinishReason.ERROR)
 
     # ------------------------------------------------------------------ internals
+    def _waits_for_disk(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prefix is being loaded from disk (starting the loads it needs): it waits for them."""
+        cfg = self.config
+        bm = self.block_manager
+        if bm.prefix_cache is None:
+            return False
+        if len(seq.block_hashes) < seq.first_pending_index // cfg.block_size:
+            # Hashed once per sequence (or never, when the router sent the keys), not per admission attempt.
+            seq.block_hashes = block_keys(seq.token_ids[:seq.first_pending_index], cfg.block_size, seq.block_hashes)
+        return cfg.reservation != "naive" and bm.prefetch(seq.token_ids, seq.block_hashes)
+
     def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSequence | None:
         """Admit `seq` with its first chunk, or return None when the pool or the budget holds it back."""
         cfg = self.config
         bm = self.block_manager
         reserve = cfg.max_model_len if cfg.reservation == "naive" else None
-        if bm.prefix_cache is not None and len(seq.block_hashes) < seq.first_pending_index // cfg.block_size:
-            # Hashed once per sequence (or never, when the router sent the keys), not per admission attempt.
-            seq.block_hashes = block_keys(seq.token_ids[:seq.first_pending_index], cfg.block_size, seq.block_hashes)
-        if reserve is None and bm.prefetch(seq.token_ids, seq.block_hashes):
-            return None  # its prefix is being loaded from disk: admitted once it is in host memory
         new_blocks = bm.blocks_to_admit(seq.token_ids, reserve, seq.block_hashes)
         # Alone in the pool, a request may use the reserve: holding it back could only stall.
         watermark = cfg.watermark if self.running or self.swapped else 0.0
