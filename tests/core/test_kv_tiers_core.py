@@ -88,9 +88,12 @@ def test_a_failed_disk_load_is_a_miss_and_forgotten():
     tiers = KVTiers(2, disk_capacity_blocks=4)
     key = _keys(1)[0]
     tiers.disk.add(key)
-    assert tiers.prefetch([key])
-    tiers.begin_step()  # a step whose results never came back: the load is dropped, the file stays indexed
-    assert key in tiers.disk and tiers.prefetch([key])
+    assert tiers.prefetch([key]) and len(tiers.take_copies().disk_loads) == 1
+    tiers.begin_step()  # a load runs on across steps until its result comes back
+    assert tiers.num_loading == 1 and tiers.prefetch([key]) and not tiers.take_copies().disk_loads
+    tiers.finish_loads([(key, None)])  # its step failed: the load is dropped, the file stays indexed
+    assert tiers.num_loading == 0 and key in tiers.disk and tiers.stats.disk_load_misses == 0
+    assert tiers.prefetch([key]) and len(tiers.take_copies().disk_loads) == 1
     tiers.finish_loads([(key, False)])
     assert key not in tiers.disk and tiers.stats.disk_load_misses == 1
     assert tiers.prefetch([key]) is False and tiers.match_host([key]) == []

@@ -127,7 +127,7 @@ def test_restart_serves_every_prompt_block_from_disk(tmp_path):
     second.engine.check_integrity()
 
 
-def test_disk_reads_run_on_reader_threads_and_are_waited_for_after_the_launch(tmp_path):
+def test_disk_reads_run_on_reader_threads_and_are_collected_after_the_launch(tmp_path):
     import threading
 
     prompt = _chat_prompts(num_heads=1, per_head=1)[0]
@@ -149,9 +149,9 @@ def test_disk_reads_run_on_reader_threads_and_are_waited_for_after_the_launch(tm
         events.append(("launched", bool(step.disk_loads)))
         return result
 
-    def finishing(failed=False):
+    def finishing(failed=False, wait=True):
         events.append(("finish", bool(offload._reading)))
-        finish(failed)
+        finish(failed, wait)
 
     offload.disk.load, runner._execute, offload.finish_loads = reading, launching, finishing
     assert _tokens(second.generate([prompt], GREEDY)) == expected
@@ -159,29 +159,67 @@ def test_disk_reads_run_on_reader_threads_and_are_waited_for_after_the_launch(tm
     assert len(reads) == second.stats()["kv_disk_hit_blocks"] == _hittable_blocks([prompt])
     assert not any(reads)  # every file was read off the engine's thread
     steps = [event for event in events if event[0] != "read"]
-    assert steps.count(("launched", True)) == 1  # one step read the prefix, and waited for it after its launch
+    assert steps.count(("launched", True)) == 1  # one step read the prefix, and collected it after its launch
     assert steps[steps.index(("launched", True)) + 1] == ("finish", True)
     second.engine.check_integrity()
 
 
-def test_a_prompt_loading_from_disk_does_not_hold_up_the_prompts_behind_it(tmp_path):
+def _restarted_with_a_prompt_on_disk(tmp_path):
+    """(engine restarted on tmp_path, a prompt whose blocks are on disk, a prompt sharing nothing with it)."""
     on_disk, fresh = _chat_prompts(num_heads=2, per_head=1)
-    expected = _tokens(_llm(enable_prefix_caching=False).generate([on_disk, fresh], GREEDY))
     first = _disk_llm(tmp_path)
     first.generate([on_disk], GREEDY)
     first.engine.shutdown()
-    engine = _disk_llm(tmp_path).engine
-    engine.add_request("disk", on_disk, GREEDY)
-    engine.add_request("fresh", fresh, GREEDY)
-    engine.step()  # starts the disk reads of the first prompt, and admits the second meanwhile
-    assert [seq.request_id for seq in engine.scheduler.running] == ["fresh"]
-    assert [seq.request_id for seq in engine.scheduler.waiting] == ["disk"]
+    return _disk_llm(tmp_path).engine, on_disk, fresh
+
+
+def _finish_and_check(engine, expected, on_disk):
+    """Run `engine` dry: "disk" and "fresh" give the `expected` tokens, the first from disk; every tier clean."""
     tokens = {}
     while engine.has_unfinished_requests():
         tokens.update((out.request_id, out.outputs[0].token_ids) for out in engine.step() if out.finished)
     assert [tokens["disk"], tokens["fresh"]] == expected
     assert engine.stats().kv_disk_hit_blocks == _hittable_blocks([on_disk])
     engine.check_integrity()
+
+
+def test_a_prompt_loading_from_disk_does_not_hold_up_the_prompts_behind_it(tmp_path):
+    engine, on_disk, fresh = _restarted_with_a_prompt_on_disk(tmp_path)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate([on_disk, fresh], GREEDY))
+    engine.add_request("disk", on_disk, GREEDY)
+    engine.add_request("fresh", fresh, GREEDY)
+    engine.step()  # starts the disk reads of the first prompt, and admits the second meanwhile
+    assert [seq.request_id for seq in engine.scheduler.running] == ["fresh"]
+    assert [seq.request_id for seq in engine.scheduler.waiting] == ["disk"]
+    _finish_and_check(engine, expected, on_disk)
+
+
+def test_a_slow_disk_read_holds_up_no_step(tmp_path):
+    import threading
+
+    engine, on_disk, fresh = _restarted_with_a_prompt_on_disk(tmp_path)
+    longer = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = _llm(enable_prefix_caching=False)
+    expected = _tokens(reference.generate([on_disk], GREEDY) + reference.generate([fresh], longer))
+    offload = engine.runner.offload
+    release, read_done, load = threading.Event(), threading.Event(), offload.disk.load
+
+    def slow_load(key, out):
+        release.wait(timeout=5)  # bounded, so that an engine that waits for its reads fails rather than hangs
+        ok = load(key, out)
+        read_done.set()
+        return ok
+
+    offload.disk.load = slow_load
+    engine.add_request("fresh", fresh, longer)
+    engine.step()
+    engine.add_request("disk", on_disk, GREEDY)
+    engine.step()  # starts the reads; they are still blocked when the step returns, and "fresh" ran on
+    engine.step()
+    assert not read_done.is_set() and [seq.request_id for seq in engine.scheduler.waiting] == ["disk"]
+    assert engine.requests["fresh"].seqs[0].num_output_tokens >= 2
+    release.set()
+    _finish_and_check(engine, expected, on_disk)
 
 
 def _file_of(llm, prompt, index):

@@ -10,9 +10,8 @@ then host, then disk:
     host tier      |     |     | hit | hit |     |   restored: one batched host -> GPU copy
     disk tier      |     |     |     |     | hit |   loaded into a host block first, then as above
 
-Nothing here touches a tensor. Each step the scheduler collects a `TierCopies` of what the
-runner must move (GPU -> host offloads, host -> GPU restores, disk loads and writes), the same
-way it hands out swap and copy-on-write copies.
+Nothing here touches a tensor. Each step the scheduler collects a `TierCopies` of what the runner must move (GPU ->
+host offloads, host -> GPU restores, disk loads and writes), the same way it hands out swap and copy-on-write copies.
 
 So that an eviction rarely has to wait for its copy, each step also pre-spills: it copies the
 GPU cache's next few evictions into free host blocks beside the step (`pre_spill`).
@@ -21,11 +20,10 @@ Eviction inside a tier is LRU over keys, and a prefix's tail goes before its hea
 touched as a whole is queued tail first, so its head ends up most recently used. Evicting a
 head first would strand the tail, which a hash-chain lookup can never reach again.
 
-A host block read by a copy of this step (a restore or a swap-in) is busy until the next step
-begins: the runner's copies of one step run device-to-host first, so reusing it for an offload
-in the same step would overwrite it before it is read. Blocks freed in a step go back to the
-free list at the next step for the same reason. The same host pool backs swap preemption:
-a swapped sequence owns host blocks, and may evict cached ones to get them.
+A host block read by a copy of this step (a restore or a swap-in) is busy until the next step begins: the runner's
+copies of one step run device-to-host first, so reusing it for an offload in the same step would overwrite it before
+it is read. Blocks freed in a step go back to the free list at the next step for the same reason. The same host pool
+backs swap preemption: a swapped sequence owns host blocks, and may evict cached ones to get them.
 """
 
 from __future__ import annotations
@@ -241,12 +239,13 @@ class KVTiers:
         self.stats = TierStats()
 
     def begin_step(self) -> None:
-        """A new step (see `HostTier.begin_step`). Loads whose results never came back (their step failed) are
-        dropped, so no prompt waits on them forever; their files stay indexed."""
-        if self._loading:
-            self.host.free(list(self._loading.values()))
-            self._loading.clear()
+        """A new step (see `HostTier.begin_step`). Disk loads may run on across steps until `finish_loads`."""
         self.host.begin_step()
+
+    @property
+    def num_loading(self) -> int:
+        """Keys being loaded from disk (their prompts wait for them)."""
+        return len(self._loading)
 
     def take_copies(self) -> TierCopies:
         """This step's copies, handed to the runner (and cleared here)."""
@@ -354,8 +353,9 @@ class KVTiers:
         self.copies.disk_loads.append((key, blocks[0]))
         return True
 
-    def finish_loads(self, results: Sequence[tuple[BlockHash, bool]]) -> None:
-        """The runner read these keys (True) or found their files missing, torn or foreign (False: a miss)."""
+    def finish_loads(self, results: Sequence[tuple[BlockHash, bool | None]]) -> None:
+        """The runner read these keys (True), found their files missing, torn or foreign (False: a miss), or
+        dropped the read with the step that failed (None: the file stays indexed, a prompt may load it again)."""
         for key, ok in results:
             block = self._loading.pop(key, None)
             if block is None:
@@ -367,7 +367,7 @@ class KVTiers:
                     self.disk.touch([key])
             else:
                 self.host.free([block])
-                if not ok:
+                if ok is False:
                     self.stats.disk_load_misses += 1
                     if self.disk is not None:
                         self.disk.remove(key)

@@ -227,6 +227,7 @@ class LLMEngine:
         if previous is not None and not self._can_overlap():
             outputs += self._complete(previous)
             self._in_flight = previous = None
+        self._settle_tiers()  # disk reads done since the last step: their prompts may be admitted now
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
         step_input = self.input_builder.build(out, self.output_processor.seq_to_request, self._num_samples(out),

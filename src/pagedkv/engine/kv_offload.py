@@ -27,9 +27,10 @@ so a per-layer copy is 2n small strided copies per layer, and its L waits would 
 decode graphs, which capture the whole model. Within the cap the whole wait is a few ms.)
 
 Disk reads (a prompt's prefix found on disk) run on a few reader threads from the start of the
-step; the runner waits for them after it has launched the step's kernels, so a file read overlaps
-the launch and the GPU's work instead of holding both up, and the prompt is admitted at the next
-step, as before.
+step. The runner collects those done after it has launched the step's kernels and leaves the rest
+running: a slow read never holds a step up, and its prompt is admitted at the step after it is
+done (in the meantime the prompts behind it are admitted). A step with nothing to compute waits for
+them; under tensor parallelism every step does, so that the ranks agree on hits.
 
 A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
 writes, so that its eviction later needs no copy (and no wait) at all.
@@ -281,12 +282,18 @@ class KVOffload:
         flags = [int(self.disk.load(key, self._host_bytes[block])) for key, block in loads]
         return flags, time.perf_counter() - start
 
-    def finish_loads(self, failed: bool = False) -> None:
-        """Wait for this step's disk reads (they ran beside its launch); under tensor parallelism a miss on any
-        rank is a miss on all. After a `failed` step only the wait: its loads are dropped (`KVTiers.begin_step`)."""
+    def finish_loads(self, failed: bool = False, wait: bool = True) -> None:
+        """Collect the disk reads (they run beside the steps' launches): all of them, or without `wait` on one rank
+        those done so far (the rest at a later call: a slow read never holds up a step). Under tensor parallelism
+        it always waits, the ranks' calls in step: a miss on any rank is a miss on all. After a `failed` step it
+        waits and drops them (the keys stay on disk)."""
         if not self._reading:
             return
-        reading, self._reading = self._reading, []
+        reading, pending = [], []
+        for read in self._reading:
+            done = wait or failed or self.tp is not None or read[1] is None or read[1].done()
+            (reading if done else pending).append(read)
+        self._reading = pending
         loads, flags, seconds = [], [], 0.0
         for part, future in reading:
             part_flags, part_seconds = future.result() if future is not None else ([0] * len(part), 0.0)
@@ -294,6 +301,8 @@ class KVOffload:
             flags += part_flags
             seconds = max(seconds, part_seconds)  # the threads read side by side
         if failed:
+            if self.reports:
+                self._load_results.extend((key, None) for key, _ in loads)
             return
         self.stats.disk_read_seconds += seconds
         self.stats.disk_read_bytes += sum(flags) * self.block_nbytes
@@ -317,6 +326,8 @@ class KVOffload:
 
     def settle(self, tiers) -> None:
         """Tell `tiers` (a `KVTiers`) what the disk reads and writes since the last call found."""
+        if self.tp is None:
+            self.finish_loads(wait=False)
         loads, writes, disabled = self.poll()
         if loads:
             tiers.finish_loads(loads)

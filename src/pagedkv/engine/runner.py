@@ -327,7 +327,7 @@ class ModelRunner:
 
         `previous_tokens` [rows] are the device-side first samples of the step before, which
         `step.pending_inputs` refers to (async scheduling). Nothing here waits for the device; the
-        step's disk reads (KV tiers), started first, are waited for last, after the launch.
+        step's disk reads (KV tiers), started first, are collected last, after the launch (see `KVOffload`).
         """
         if self.offload is None:
             return self._execute(step, previous_tokens)
@@ -336,7 +336,7 @@ class ModelRunner:
         except BaseException:
             self.offload.finish_loads(failed=True)  # its reads still write into host blocks: wait for them
             raise
-        self.offload.finish_loads()
+        self.offload.finish_loads(wait=not step.num_seqs)  # with nothing to compute, nothing to overlap them with
         return result
 
     def _execute(self, step: StepInput, previous_tokens: torch.Tensor | None):

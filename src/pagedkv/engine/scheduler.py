@@ -346,7 +346,9 @@ class Scheduler:
             self.block_manager.pre_spill()  # after every allocation of the step: none of these is written in it
         out.tier_copies = self.block_manager.take_tier_copies()
         self.stats.num_steps += 1
-        if not out.scheduled and not out.preempted and not out.tier_copies and self.has_unfinished():
+        tiers = self.block_manager.tiers
+        loading = tiers is not None and tiers.num_loading  # disk reads still running: a wait, not a stall
+        if not out.scheduled and not out.preempted and not out.tier_copies and not loading and self.has_unfinished():
             bm = self.block_manager
             raise SchedulerStallError(
                 f"nothing could be scheduled with {len(self.waiting)} waiting, {len(self.running)} running and "
