@@ -8,6 +8,8 @@
 #   serve        direct `pagedkv serve` (first, so a Ray that does not stop cleanly cannot hold the GPU it needs)
 #   ray          `pagedkv serve --ray`: Serve's HTTP proxy, the ingress replica, one engine replica
 #   ray-direct   the same with Ray Serve's direct ingress (no proxy hop; the ingress listens on PORT + 1)
+#   ray-opt      the same with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Ray's preset of direct ingress, user code and
+#                routers on the replica's main event loop, gRPC between handles and replicas, a frozen heap
 # each with its default engine placement (a process of its own on CUDA, a thread on CPU; a -engine-process or
 # -in-process suffix forces one). Start the server, wait for /health, then with `pagedkv bench serve`:
 #   warm   requests_warm.json, then 64 random requests (WARM_IN in, WARM_OUT out) at full rate
@@ -92,9 +94,10 @@ for mode in $MODES; do
   extra=(); envs=(); URL="http://127.0.0.1:$PORT"
   case $mode in ray*) extra+=(--ray) ;; serve*) ;; *) say "unknown mode $mode"; continue ;; esac
   case $mode in *-engine-process) extra+=(--engine-process) ;; *-in-process) extra+=(--in-process) ;; esac
-  case $mode in ray-direct*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=$((PORT + 1))
-                                   RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1)  # no load balancer to leave
-                             URL="http://127.0.0.1:$((PORT + 1))" ;; esac
+  direct=(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=$((PORT + 1))
+          RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1)  # no load balancer to leave
+  case $mode in ray-direct*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;;
+                ray-opt*) envs=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;; esac
   BENCH=($PY -m pagedkv bench serve --base-url "$URL" --request-rate inf --ignore-eos --seed 0 --disable-tqdm)
   started=$(date +%s)
   env "${envs[@]}" $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$PORT" --log-level warning "${FLAGS[@]}" \

@@ -85,7 +85,7 @@ class RayEngineClient:
     """The engine deployment behind one handle, as an `EngineClient` (see the module docstring)."""
 
     def __init__(self, handle, info: dict, tokenizer, policy: RoutingPolicy | str = RoutingPolicy.PREFIX,
-                 max_attempts: int = DEFAULT_MAX_ATTEMPTS):
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS, loop: asyncio.AbstractEventLoop | None = None):
         from pagedkv.engine.scheduler import Scheduler
 
         self.tokenizer = tokenizer
@@ -107,9 +107,16 @@ class RayEngineClient:
         self._loads: dict[str, Load] = {}
         self._stats: dict[str, dict] = {info["replica"]: info["stats"]}
         self._replicas: list[dict] = []
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pagedkv-ray-client", daemon=True)
-        self._thread.start()
+        # NOTE: in an ingress replica, the replica's own event loop (`loop`): Ray Serve binds a handle's calls to
+        # the loop that makes them when its router shares the replica's loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0),
+        # and it saves a thread hop each way. Outside a replica (tests), a loop on a thread of this client's own.
+        self._closed = False
+        self._thread = None
+        if loop is None:
+            loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=loop.run_forever, name="pagedkv-ray-client", daemon=True)
+            self._thread.start()
+        self._loop = loop
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch_replicas(), self._loop)
 
     # ------------------------------------------------------------------ thread-safe reads
@@ -230,11 +237,14 @@ class RayEngineClient:
             if self._channels.get(replica) is asyncio.current_task():
                 del self._channels[replica]
 
-    async def _close_channels(self) -> None:
+    def _cancel_channels(self) -> list[asyncio.Task]:
         tasks = list(self._channels.values())
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        return tasks
+
+    async def _close_channels(self) -> None:
+        await asyncio.gather(*self._cancel_channels(), return_exceptions=True)
 
     def _take(self, message: tuple) -> None:
         if message[0] == "output":
@@ -304,12 +314,16 @@ class RayEngineClient:
         """Each replica's engine checks its own blocks; nothing is shared to check here."""
 
     def shutdown(self) -> None:
-        """Cancel what is in flight and stop the client loop (idempotent)."""
-        if not self._thread.is_alive():
+        """Cancel what is in flight and stop the client loop if it owns one (idempotent)."""
+        if self._closed:
             return
+        self._closed = True
         for request_id in list(self._requests):
             self.abort(request_id)
         self._watcher.cancel()
+        if self._thread is None:  # the replica's loop: cancel the streams on it, leave it running
+            self._loop.call_soon_threadsafe(self._cancel_channels)
+            return
         try:
             asyncio.run_coroutine_threadsafe(self._close_channels(), self._loop).result(timeout=10)
         except (concurrent.futures.TimeoutError, RuntimeError):

@@ -164,7 +164,8 @@ class Ingress:
 
         info = await engine_handle.describe.remote()
         tokenizer = await asyncio.to_thread(load_tokenizer, model)
-        self._client = RayEngineClient(engine_handle, info, tokenizer, routing, max_attempts)
+        self._client = RayEngineClient(engine_handle, info, tokenizer, routing, max_attempts,
+                                       loop=asyncio.get_running_loop())
         self._app = create_app(self._client, served_model_name, config=server_config)
 
     def __serve_build_asgi_app__(self):
