@@ -214,3 +214,32 @@ def test_parallel_samples_share_sliding_blocks():
     seqs = _seqs(4, WINDOW + 3, 4 * WINDOW, n=3)
     scheduler = _run(config, seqs)
     assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_decode_steps_claim_and_drop_blocks_only_at_block_boundaries_and_forks_copy_a_shared_last_block():
+    bm = HybridBlockManager(LAYOUT, 64, BLOCK, enable_prefix_caching=False)
+    prompt = list(range(3, 9))  # 6 tokens: blocks 0 and 1 (half full)
+    bm.admit(1, prompt)
+    assert bm.schedule(1, 0, len(prompt)) == []
+    held = lambda: [bm.num_held_blocks(1, g) for g in range(LAYOUT.num_groups)]  # noqa: E731
+    for position in range(len(prompt), 41):  # one decode step per position: 41 tokens, the last block part full
+        before, before_free = held(), bm.allocator.num_free
+        assert bm.schedule(1, position, 1) == []
+        crossed = position % BLOCK == 0  # the token opens a new block in every group
+        left = max(0, position - WINDOW + 1) // BLOCK != max(0, position - 1 - WINDOW + 1) // BLOCK
+        assert held()[0] == before[0] + crossed  # the full group keeps every block
+        for g in (1, 2):  # sliding groups: one block in at a boundary, one out when it leaves the window
+            assert held()[g] == before[g] + crossed - (left and position > WINDOW), (position, g)
+        assert before_free - bm.allocator.num_free == sum(held()) - sum(before)
+        assert max(held()[1:]) <= DECODE_BOUND
+        bm.check_integrity()
+    assert 64 - bm.allocator.num_free == sum(held())
+    # A fork shares the half-full last block in every group: the first token each writes copies it, once.
+    bm.fork(1, 2)
+    copies = bm.schedule(2, 41, 1)
+    assert len(copies) == LAYOUT.num_groups and bm.schedule(2, 42, 1) == []
+    bm.check_integrity()
+    bm.free(1)
+    bm.free(2)
+    bm.check_integrity()
+    assert bm.allocator.num_free == 64

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_manager import PRE_SPILL_BLOCKS, PoolQueries
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
+from pagedkv.core.group_tables import count_table_owners, held_blocks, pair_swap_out, rebuild_swapped_in
 from pagedkv.core.group_tiers import GroupHit, GroupTiers, eviction_hook
 from pagedkv.core.kv_groups import KVLayout
 from pagedkv.core.kv_tiers import KVTiers
@@ -67,6 +68,11 @@ class HybridBlockManager(PoolQueries):
         self.allocator = BlockAllocator(num_blocks)
         self.null_block = num_blocks  # the pool's scratch block: what dropped entries hold
         self.groups = layout.groups
+        # NOTE: the step loop visits every running sequence's groups (7 for Gemma-3-1B): index lists, not a
+        # property per group per call, keep that visit cheap.
+        self._full_groups = tuple(g for g, group in enumerate(self.groups) if not group.is_sliding)
+        self._sliding_groups = tuple((g, group.sliding_window) for g, group in enumerate(self.groups)
+                                     if group.is_sliding)
         num_host_blocks = num_swap_blocks + num_offload_blocks
         cache_on_host = bool(num_offload_blocks) and enable_prefix_caching
         self.tiers = KVTiers(num_host_blocks, cache_on_host=cache_on_host,
@@ -216,22 +222,30 @@ class HybridBlockManager(PoolQueries):
     # ------------------------------------------------------------------ growth
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """New blocks `append_slots(seq_id, num_new_tokens)` would take (full groups only)."""
-        return sum(t.num_blocks_needed(num_new_tokens) for t, g in zip(self._tables[seq_id], self.groups)
-                   if not g.is_sliding)
+        tables = self._tables[seq_id]
+        return sum(tables[g].num_blocks_needed(num_new_tokens) for g in self._full_groups)
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq_id: int, num_new_tokens: int) -> list[BlockCopy]:
         """Give the full groups slots for `num_new_tokens` more tokens; returns copy-on-write copies."""
-        new_total = self._num_tokens[seq_id] + num_new_tokens
-        if self.max_num_tokens is not None and new_total > self.max_num_tokens:
-            self._tables[seq_id][0].append_tokens(self.max_num_tokens + 1)  # raises SequenceTooLongError
+        self._check_length(seq_id, self._num_tokens[seq_id] + num_new_tokens)  # before any eviction
         self._ensure_free(self.blocks_needed(seq_id, num_new_tokens))
+        return self._append_full(seq_id, num_new_tokens)
+
+    def _check_length(self, seq_id: int, num_tokens: int) -> None:
+        if self.max_num_tokens is not None and num_tokens > self.max_num_tokens:
+            self._tables[seq_id][0].append_tokens(self.max_num_tokens + 1)  # raises SequenceTooLongError
+
+    def _append_full(self, seq_id: int, num_new_tokens: int) -> list[BlockCopy]:
+        """`append_slots` once the blocks are known to be free."""
+        new_total = self._num_tokens[seq_id] + num_new_tokens
+        tables = self._tables[seq_id]
+        self._check_length(seq_id, new_total)
         copies = []
-        for table, group in zip(self._tables[seq_id], self.groups):
-            if not group.is_sliding:
-                copies += table.append_tokens(num_new_tokens)
+        for g in self._full_groups:
+            copies += tables[g].append_tokens(num_new_tokens)
         self._num_tokens[seq_id] = new_total
         return copies
 
@@ -239,14 +253,17 @@ class HybridBlockManager(PoolQueries):
         end = num_computed_tokens + num_new_tokens
         growth = end - self._num_tokens[seq_id]
         needed = self.blocks_needed(seq_id, growth) if growth > 0 else 0
-        for table, group in zip(self._tables[seq_id], self.groups):
-            if group.is_sliding and end > table.num_tokens:
+        tables = self._tables[seq_id]
+        for g, _ in self._sliding_groups:
+            table = tables[g]
+            if end > table.num_tokens:
                 needed += table.num_blocks_needed(end - table.num_tokens)
         return needed
 
     def can_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Whether tokens [num_computed, num_computed + num_new) can get slots in every group now."""
-        return self._step_blocks(seq_id, num_computed_tokens, num_new_tokens) <= self.num_free_blocks
+        needed = self._step_blocks(seq_id, num_computed_tokens, num_new_tokens)
+        return needed == 0 or needed <= self.num_free_blocks
 
     def schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy]:
         """Slots for tokens [num_computed, num_computed + num_new) in every group; returns copy-on-write copies.
@@ -255,13 +272,31 @@ class HybridBlockManager(PoolQueries):
         Raises `OutOfBlocksError` (no change) when the pool cannot give them.
         """
         self.release_out_of_window(seq_id, num_computed_tokens)
-        self._ensure_free(self._step_blocks(seq_id, num_computed_tokens, num_new_tokens))
+        needed = self._step_blocks(seq_id, num_computed_tokens, num_new_tokens)
+        if needed == 0:
+            # The common decode step: the chunk fits in every table's last block, which no one else holds
+            # (`num_blocks_needed` counts a shared last block's copy). Only the token counts move.
+            return self._advance(seq_id, num_computed_tokens + num_new_tokens)
+        self._ensure_free(needed)
         end = num_computed_tokens + num_new_tokens
-        copies = self.append_slots(seq_id, end - self._num_tokens[seq_id]) if end > self._num_tokens[seq_id] else []
-        for table, group in zip(self._tables[seq_id], self.groups):
-            if group.is_sliding and end > table.num_tokens:
+        copies = self._append_full(seq_id, end - self._num_tokens[seq_id]) if end > self._num_tokens[seq_id] else []
+        tables = self._tables[seq_id]
+        for g, _ in self._sliding_groups:
+            table = tables[g]
+            if end > table.num_tokens:
                 copies += table.append_tokens(end - table.num_tokens)
         return copies
+
+    def _advance(self, seq_id: int, end: int) -> list[BlockCopy]:
+        """Tables whose last block has room for tokens up to `end`, and no copy-on-write pending: move them."""
+        tables = self._tables[seq_id]
+        if end > self._num_tokens[seq_id]:
+            self._check_length(seq_id, end)
+            self._num_tokens[seq_id] = end
+        for table in tables:
+            if end > table.num_tokens:
+                table.num_tokens = end
+        return []
 
     def blocks_to_resume(self, seq_id: int, num_tokens: int) -> int:
         """Blocks a swapped sequence takes to come back and reach `num_tokens` tokens (an upper bound)."""
@@ -295,11 +330,15 @@ class HybridBlockManager(PoolQueries):
         tables = self._tables.get(seq_id)
         if tables is None:
             return
-        for g, (table, group) in enumerate(zip(tables, self.groups)):
-            if group.is_sliding:
-                dropped = table.drop_before(group.first_live_block(num_computed_tokens, self.block_size))
-                if dropped and self.caches is not None:
-                    self.caches[g].on_released(dropped)
+        block_size = self.block_size
+        for g, window in self._sliding_groups:
+            table = tables[g]
+            first_live = max(0, num_computed_tokens - window + 1) // block_size  # `KVGroup.first_live_block`
+            if first_live <= table.num_dropped:
+                continue  # nothing new left the window (the usual decode step)
+            dropped = table.drop_before(first_live)
+            if dropped and self.caches is not None:
+                self.caches[g].on_released(dropped)
 
     # ------------------------------------------------------------------ release
     def free(self, seq_id: int) -> None:
@@ -307,8 +346,7 @@ class HybridBlockManager(PoolQueries):
         tables = self._tables.pop(seq_id, None)
         self._num_tokens.pop(seq_id, None)
         self._block_keys.pop(seq_id, None)
-        for g, table in enumerate(tables or ()):
-            held = table.held_block_ids if isinstance(table, SlidingBlockTable) else list(table.block_ids)
+        for g, (table, held) in enumerate(zip(tables or (), held_blocks(tables or ()))):
             table.free()
             if self.caches is not None:
                 self.caches[g].on_released(held)
@@ -327,27 +365,18 @@ class HybridBlockManager(PoolQueries):
         self._block_keys[child_id] = list(self._block_keys[parent_id])
 
     # ------------------------------------------------------------------ swap
-    def _held(self, seq_id: int) -> list[list[int]]:
-        return [t.held_block_ids if isinstance(t, SlidingBlockTable) else list(t.block_ids)
-                for t in self._tables[seq_id]]
-
     def can_swap_out(self, seq_id: int) -> bool:
         """Whether the host pool can take every held block of the sequence (evicting cached host blocks)."""
-        return self.tiers is not None and sum(map(len, self._held(seq_id))) <= self.tiers.host.num_available
+        return self.tiers is not None and sum(map(len, held_blocks(self._tables[seq_id]))) <= \
+            self.tiers.host.num_available
 
     def swap_out(self, seq_id: int) -> list[BlockCopy]:
         """Move the sequence's held blocks to CPU blocks; returns (GPU src, CPU dst) copies to run before reuse."""
-        held = self._held(seq_id)
-        num_held = sum(map(len, held))
+        tables = self._tables[seq_id]
+        num_held = sum(map(len, held_blocks(tables)))
         if not self.can_swap_out(seq_id):
             raise OutOfBlocksError(num_held, self.num_free_swap_blocks)
-        cpu_blocks = self.tiers.allocate_swap(num_held)
-        copies, groups, cursor = [], [], 0
-        for table, blocks in zip(self._tables[seq_id], held):
-            mine = cpu_blocks[cursor:cursor + len(blocks)]
-            cursor += len(blocks)
-            copies += [BlockCopy(gpu, cpu) for gpu, cpu in zip(blocks, mine)]
-            groups.append((table.num_tokens, getattr(table, "num_dropped", 0), mine))
+        copies, groups = pair_swap_out(tables, self.tiers.allocate_swap(num_held))
         num_tokens = self._num_tokens[seq_id]
         self.free(seq_id)
         self._swapped[seq_id] = (groups, num_tokens)
@@ -364,19 +393,8 @@ class HybridBlockManager(PoolQueries):
         self._ensure_free(num_blocks)
         gpu_blocks = self.allocator.allocate(num_blocks) if num_blocks else []
         del self._swapped[seq_id]
-        tables, copies, cursor = [], [], 0
-        for (table_tokens, num_dropped, cpu), group in zip(groups, self.groups):
-            mine = gpu_blocks[cursor:cursor + len(cpu)]
-            cursor += len(cpu)
-            copies += [BlockCopy(c, g) for c, g in zip(cpu, mine)]
-            if group.is_sliding:
-                table = SlidingBlockTable(self.allocator, self.block_size, self.max_num_tokens)
-                table.restore(table_tokens, [self.null_block] * num_dropped + mine, num_dropped)
-            else:
-                table = BlockTable(self.allocator, self.block_size, self.max_num_tokens)
-                table.block_ids, table.num_tokens = mine, table_tokens
-            tables.append(table)
-        self._tables[seq_id] = tables
+        self._tables[seq_id], copies = rebuild_swapped_in(groups, self.groups, gpu_blocks, self.allocator,
+                                                          self.block_size, self.max_num_tokens, self.null_block)
         self._num_tokens[seq_id] = num_tokens
         self._block_keys[seq_id] = []  # the next commit() re-hashes the full blocks, re-caching the held ones
         cpu_all = [b for _, _, blocks in groups for b in blocks]
@@ -398,19 +416,8 @@ class HybridBlockManager(PoolQueries):
     def check_integrity(self) -> None:
         """Assert tables, caches and allocators agree per group, and sliding groups hold at most their bound."""
         self.allocator.check_integrity()
-        owners: dict[int, int] = {}
-        for seq_id, tables in self._tables.items():
-            for table, group in zip(tables, self.groups):
-                held = table.held_block_ids if isinstance(table, SlidingBlockTable) else table.block_ids
-                assert self.null_block not in held, f"seq {seq_id}: a held entry is the null block"
-                if group.is_sliding:
-                    assert all(b == self.null_block for b in table.block_ids[:table.num_dropped])
-                    bound = group.max_blocks_per_seq(table.num_tokens, self.block_size, self.max_query_tokens)
-                    assert table.num_held <= bound, f"seq {seq_id}: {table.num_held} blocks > bound {bound}"
-                else:
-                    assert table.num_tokens == self._num_tokens[seq_id], f"seq {seq_id}: full groups disagree"
-                for block_id in held:
-                    owners[block_id] = owners.get(block_id, 0) + 1
+        owners = count_table_owners(self._tables, self.groups, self._num_tokens, self.null_block, self.block_size,
+                                    self.max_query_tokens)
         for cache in self.caches or ():
             cache.check_integrity()
             for block_id in cache._key_of:

@@ -120,6 +120,8 @@ class TableRows:
         if entry is None or entry[1] is not table or entry[0] != row:
             self._rows[seq_id] = [row, table, len(ids), ids[-1] if ids else None]
             return (row, 0, list(ids)) if ids else None
+        if len(ids) == entry[2] and (not ids or ids[-1] == entry[3]):  # the common case, inline: nothing changed
+            return None
         return self._diff(entry, ids)
 
     @staticmethod
@@ -246,15 +248,23 @@ class StepInputBuilder:
         """Slots and table-row updates of layer groups 1.. (their rows are group 0's, offset per group)."""
         bm = self.block_manager
         block_size = self.block_size
+        group_table = bm.group_table
+        updates = step.table_updates
         for g, rows in enumerate(self.group_rows, start=1):
             slots: list[int] = []
             offset = g * self.row_stride
+            follow = rows.follow
             for item, row in zip(out.scheduled, step.table_rows):
-                table = bm.group_table(item.seq.seq_id, g)
-                update = rows.follow(item.seq.seq_id, row, table)
+                seq_id = item.seq.seq_id
+                table = group_table(seq_id, g)
+                update = follow(seq_id, row, table)
                 if update is not None:
-                    step.table_updates.append((offset + update[0], update[1], update[2]))
+                    updates.append((offset + update[0], update[1], update[2]))
                 block_ids = table.block_ids
-                slots.extend(block_ids[pos // block_size] * block_size + pos % block_size
-                             for pos in range(item.start, item.start + item.num_new_tokens))
+                start = item.start
+                if item.num_new_tokens == 1:  # a decode: one slot (most items of most steps)
+                    slots.append(block_ids[start // block_size] * block_size + start % block_size)
+                else:
+                    slots.extend(block_ids[pos // block_size] * block_size + pos % block_size
+                                 for pos in range(start, start + item.num_new_tokens))
             step.group_slot_mapping.append(slots)
