@@ -3,8 +3,9 @@
 The scheduler decides what moves (`pagedkv.core.kv_tiers`); this module moves it. A step's
 copies run on a side CUDA stream, in an order that keeps every block valid:
 
-    copy stream   wait for the main stream (the step before wrote the blocks it spills)
-                  | device -> host: swap-outs, spills | host -> device: swap-ins, in-step restores | -> event A
+    copy stream   host -> staging tensor: swap-ins, in-step restores (nothing else uses it: beside the step before)
+                  | wait for the main stream (the step before wrote the blocks the spills read, and may read
+                  | the blocks the scatter fills) | device -> host: swap-outs, spills | scatter the staged -> event A
                   | host -> device: restores beside the step | device -> host: pre-spills              -> event B
     main stream   waits for A before this step's kernels (they may reuse spilled blocks, and read the
                   swapped-in and in-step restored ones), and for B only at the next step.
@@ -105,7 +106,7 @@ class KVOffload:
         self.block_nbytes = self._host_bytes.shape[1]
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._restores_done = None  # event B of the last step that restored
-        self._timings: list[tuple] = []  # (direction, bytes, start, copied or None, end): CUDA events
+        self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
         self._writing: dict[int, object] = {}  # host block -> done event of its pending disk write
         self.disk = disk
         self._readers = ThreadPoolExecutor(NUM_READ_THREADS, "pagedkv-kv-read") if disk is not None else None
@@ -147,10 +148,13 @@ class KVOffload:
             self._d2h(step.pre_offload)
         else:
             main = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
+
+            def after_the_step_before() -> None:
+                self.stream.wait_stream(main)
                 self._d2h(d2h)
-                self._h2d(h2d)
+
+            with torch.cuda.stream(self.stream):
+                self._h2d(h2d, after_the_step_before)  # staged beside the step before (the module docstring)
                 spilled = ready = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
@@ -173,11 +177,11 @@ class KVOffload:
         event.record(self.stream)
         return event
 
-    def _done(self, direction: str, nbytes: int, start, copied=None) -> None:
-        """Account a copy that began at `start` (`copied`: where its host -> device part ended) and ends now."""
+    def _done(self, direction: str, nbytes: int, start, copied=None, resumed=None) -> None:
+        """Account a copy from `start` to now (`copied`: its host -> device part ended; `resumed`: scatter began)."""
         end = self._mark()
         if self.is_cuda:
-            self._timings.append((direction, nbytes, start, copied, end))
+            self._timings.append((direction, nbytes, start, copied, resumed, end))
         else:
             self._account(direction, nbytes, end - start, None if copied is None else copied - start)
 
@@ -194,12 +198,15 @@ class KVOffload:
     def _collect_timings(self) -> None:
         """Fold in the device times of copies that have finished (never waits)."""
         pending = []
-        for direction, nbytes, start, copied, end in self._timings:
+        for timing in self._timings:
+            direction, nbytes, start, copied, resumed, end = timing
             if end.query():
                 copy_s = None if copied is None else start.elapsed_time(copied) / 1e3
-                self._account(direction, nbytes, start.elapsed_time(end) / 1e3, copy_s)
+                seconds = start.elapsed_time(end) if resumed is None else (
+                    start.elapsed_time(copied) + resumed.elapsed_time(end))
+                self._account(direction, nbytes, seconds / 1e3, copy_s)
             else:
-                pending.append((direction, nbytes, start, copied, end))
+                pending.append(timing)
         self._timings = pending
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
@@ -224,9 +231,12 @@ class KVOffload:
             self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
         self._done("d2h", len(copies) * self.block_nbytes, start)
 
-    def _h2d(self, copies) -> None:
-        """(host block, device block) pairs: one copy per run of host blocks into a staging tensor, one scatter."""
+    def _h2d(self, copies, before_scatter=None) -> None:
+        """(host block, device block) pairs: one copy per run of host blocks into a staging tensor, then
+        `before_scatter()` if given (what must precede the scatter on the copy stream), then one scatter."""
         if not copies:
+            if before_scatter is not None:
+                before_scatter()
             return
         copies = sorted(copies, key=lambda c: c[0])
         src = [c[0] for c in copies]
@@ -237,9 +247,12 @@ class KVOffload:
         for index, first, length in runs:
             staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
         self.stats.h2d_num_copies += len(runs)
-        copied = self._mark()
+        copied = resumed = self._mark()
+        if before_scatter is not None:
+            before_scatter()
+            resumed = self._mark()
         self._storage.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))  # [2, L, n, B, Hkv, D]
-        self._done("h2d", len(copies) * self.block_nbytes, start, copied)
+        self._done("h2d", len(copies) * self.block_nbytes, start, copied, resumed)
 
     # ------------------------------------------------------------------ disk
     def _wait_writes(self, host_blocks) -> None:
