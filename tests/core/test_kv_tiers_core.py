@@ -84,6 +84,23 @@ def test_tiers_spill_restore_and_load_from_disk():
     tiers.check_integrity(0)
 
 
+def test_a_block_spilled_in_a_step_keeps_its_host_block_through_the_step():
+    """Its copy fills the host block and its disk write reads it after the step's copies: an offload of the same
+    step must not take that block over (the file would hold the other block's bytes under this key)."""
+    tiers = KVTiers(2, disk_capacity_blocks=8)
+    keys = _keys(3)
+    for gpu_block, key in enumerate(keys):
+        tiers.on_gpu_evict(key, gpu_block)
+    copies = tiers.take_copies()
+    assert [c.dst for c in copies.offload] == [0, 1]  # the third is dropped: both host blocks are this step's
+    assert [block for _, block in copies.disk_writes] == [0, 1] and keys[2] not in tiers.host
+    tiers.finish_writes([(key, True) for key, _ in copies.disk_writes])
+    tiers.begin_step()
+    tiers.on_gpu_evict(keys[2], 2)  # next step: the least recently used one makes room
+    assert keys[2] in tiers.host and keys[0] not in tiers.host and keys[0] in tiers.disk
+    tiers.check_integrity(0)
+
+
 def test_a_failed_disk_load_is_a_miss_and_forgotten():
     tiers = KVTiers(2, disk_capacity_blocks=4)
     key = _keys(1)[0]

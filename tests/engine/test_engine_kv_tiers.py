@@ -222,6 +222,29 @@ def test_a_slow_disk_read_holds_up_no_step(tmp_path):
     _finish_and_check(engine, expected, on_disk)
 
 
+def test_a_read_of_a_block_whose_write_is_still_queued_waits_for_it(tmp_path):
+    import threading
+
+    import numpy as np
+
+    from pagedkv.engine.kv_disk import DiskStore
+
+    store = DiskStore(tmp_path, "ab" * 32, 64)
+    gate, entered, path = threading.Event(), threading.Event(), store.path
+    blocks = [np.full(64, value, dtype=np.uint8) for value in (1, 2)]
+    store.write_async(b"a" * 32, blocks[0], gate.wait)  # holds the writer: the second write stays queued
+    store.write_async(b"b" * 32, blocks[1])
+    store.path = lambda key: entered.set() or path(key)
+    out, result = np.zeros(64, dtype=np.uint8), []
+    reader = threading.Thread(target=lambda: result.append(store.load(b"b" * 32, out)))
+    reader.start()
+    entered.wait()
+    gate.set()
+    reader.join()
+    assert result == [True] and (out == 2).all()
+    store.close()
+
+
 def _file_of(llm, prompt, index):
     from pagedkv.core.prefix_cache import hash_blocks
 

@@ -1,9 +1,8 @@
 """KV tiers, the bookkeeping: which block hashes live in host memory and on disk, and what moves.
 
-The GPU prefix cache (`prefix_cache.py`) holds full blocks by their hash-chain key. When it
-evicts one, the block's contents spill to a host tier (a pool of host blocks), and from the
-host tier to an optional disk tier (one file per key). A new prompt is looked up GPU first,
-then host, then disk:
+The GPU prefix cache (`prefix_cache.py`) holds full blocks by their hash-chain key. When it evicts one, the block's
+contents spill to a host tier (a pool of host blocks), and from the host tier to an optional disk tier (one file per
+key). A new prompt is looked up GPU first, then host, then disk:
 
     prompt keys    | h0  | h1  | h2  | h3  | h4  |
     GPU cache      | hit | hit |     |     |     |   shared, as before
@@ -13,17 +12,18 @@ then host, then disk:
 Nothing here touches a tensor. Each step the scheduler collects a `TierCopies` of what the runner must move (GPU ->
 host offloads, host -> GPU restores, disk loads and writes), the same way it hands out swap and copy-on-write copies.
 
-So that an eviction rarely has to wait for its copy, each step also pre-spills: it copies the
-GPU cache's next few evictions into free host blocks beside the step (`pre_spill`).
+So that an eviction rarely has to wait for its copy, each step also pre-spills: it copies the GPU cache's next few
+evictions into free host blocks beside the step (`pre_spill`).
 
-Eviction inside a tier is LRU over keys, and a prefix's tail goes before its head: a prefix
-touched as a whole is queued tail first, so its head ends up most recently used. Evicting a
-head first would strand the tail, which a hash-chain lookup can never reach again.
+Eviction inside a tier is LRU over keys, and a prefix's tail goes before its head: a prefix touched as a whole is
+queued tail first, so its head ends up most recently used. Evicting a head first would strand the tail, which a hash-
+chain lookup can never reach again.
 
-A host block read by a copy of this step (a restore or a swap-in) is busy until the next step begins: the runner's
-copies of one step run device-to-host first, so reusing it for an offload in the same step would overwrite it before
-it is read. Blocks freed in a step go back to the free list at the next step for the same reason. The same host pool
-backs swap preemption: a swapped sequence owns host blocks, and may evict cached ones to get them.
+A host block a copy of this step reads or fills (a restore, a swap-in, a spill, whose disk write reads it after the
+copies) is busy until the next step begins: the runner's copies of one step run device-to-host first, so reusing it
+for an offload in the same step would overwrite it before it is read. Blocks freed in a step go back to the free list
+at the next step for the same reason. The same host pool backs swap preemption: a swapped sequence owns host blocks,
+and may evict cached ones to get them.
 """
 
 from __future__ import annotations
@@ -162,10 +162,6 @@ class DiskIndex:
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._lru
 
-    def keys(self) -> list[BlockHash]:
-        """Indexed keys, least recently used first."""
-        return list(self._lru)
-
     def add(self, key: BlockHash) -> list[BlockHash]:
         """Index `key` (most recently used); returns the keys evicted to stay under the cap."""
         self._lru[key] = None
@@ -266,6 +262,7 @@ class KVTiers:
         blocks = self._allocate_host(1)
         if blocks is None:
             return  # every host block is busy or owned by a swapped sequence: the block is simply dropped
+        self.host.mark_busy(blocks)  # see the module docstring
         self.host.insert(key, blocks[0])
         self.copies.offload.append(BlockCopy(gpu_block, blocks[0]))
         self.stats.offloaded_blocks += 1
@@ -282,7 +279,7 @@ class KVTiers:
                 return
             if key in self.host or key in self._loading:
                 continue
-            block = self.host.allocate(1)[0]
+            block = self.host.allocate(1)[0]  # a free one: nothing else reads or writes it in this step
             self.host.insert(key, block)
             self.copies.pre_offload.append(BlockCopy(gpu_block, block))
             self.stats.offloaded_blocks += 1

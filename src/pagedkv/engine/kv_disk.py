@@ -50,6 +50,7 @@ class DiskStore:
         self.dir = Path(root) / fingerprint_hex
         self.disabled_reason: str | None = None
         self._results: list[tuple[bytes, bool]] = []  # (key, written) since the last poll
+        self._queued: dict[bytes, threading.Event] = {}  # key -> done event of its write still queued
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         try:
@@ -82,8 +83,13 @@ class DiskStore:
 
     # ------------------------------------------------------------------ reads
     def load(self, key: bytes, out) -> bool:
-        """Read `key`'s block into `out` (a writable buffer of `block_nbytes`); False (and a log line) on a miss."""
+        """Read `key`'s block into `out` (a writable buffer of `block_nbytes`); False (and a log line) on a miss.
+        A write of `key` still queued is waited for first: a file not written yet is no miss."""
         path = self.path(key)
+        with self._lock:
+            queued = self._queued.get(key)
+        if queued is not None:
+            queued.wait()
         try:
             with open(path, "rb") as file:
                 header = file.read(_HEADER.size)
@@ -117,6 +123,8 @@ class DiskStore:
         """Queue writing `data` (a buffer of one block) as `key`'s file; `ready()` is called first (a CUDA
         event's synchronize). The returned event is set once the buffer is no longer read."""
         done = threading.Event()
+        with self._lock:
+            self._queued[key] = done
         self._queue.put(("write", key, data, ready, done))
         return done
 
@@ -179,6 +187,9 @@ class DiskStore:
                     self._results.append((key, ok))
             finally:
                 if done is not None:
+                    with self._lock:
+                        if self._queued.get(key) is done:
+                            del self._queued[key]
                     done.set()
                 self._queue.task_done()
 
