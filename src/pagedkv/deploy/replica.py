@@ -21,8 +21,8 @@ Instead each ingress (`sender`) holds one `outputs` stream per replica, and ever
 replica has for that ingress since its last item goes out as one list: one item per step per
 ingress, whatever the batch size.
 
-`generate` yields one item, this replica's id, as soon as the request is added (so the ingress
-opens its `outputs` stream here if it has none yet), and ends once the request ended, its
+`generate` adds the request, then yields one item, this replica's id (so the ingress opens its
+`outputs` stream here if it has none yet), and ends once the request ended, its
 last message queued for the sender. It stays open meanwhile, which keeps Ray Serve's count of
 ongoing requests (autoscaling, `max_ongoing_requests`) and its cancellation honest: when the
 caller cancels it (its client went away), the request is aborted and its blocks freed at once.
@@ -167,25 +167,31 @@ class EngineReplica:
         outbox.requests.add(task)
         stream = RequestStream(asyncio.get_running_loop())
         encoder = DeltaEncoder()
-        finished = True  # until it is added: nothing to abort
+        finished = False
         try:
+            try:  # added first: the engine starts on it while the replica's id travels back
+                self._async_engine.add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
+            except (RequestFailedError, EngineDeadError) as error:
+                finished = True
+                outbox.put(self._failure(request_id, error))
             yield self._replica
-            finished = False
-            self._async_engine.add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
             while not finished:
                 output = await stream.get()
                 finished = output.finished
                 outbox.put(("output", encoder.encode(output)))
-        except RequestFailedError as error:
-            finished = True  # the engine thread ended it and freed its blocks
-            outbox.put(("failed", request_id, str(error), error.status_code))
-        except EngineDeadError as error:
-            finished = True
-            outbox.put(("failed", request_id, f"the engine of replica {self._replica} died: {error}", 500))
+        except (RequestFailedError, EngineDeadError) as error:
+            finished = True  # the engine thread ended it and freed its blocks (or the engine is gone)
+            outbox.put(self._failure(request_id, error))
         finally:
             outbox.requests.discard(task)
             if not finished:  # the caller went away (or cancelled): free the blocks now
                 self._async_engine.abort(request_id)
+
+    def _failure(self, request_id: str, error: Exception) -> tuple:
+        """The message that ends a failed request: its text and HTTP status."""
+        if isinstance(error, EngineDeadError):
+            return ("failed", request_id, f"the engine of replica {self._replica} died: {error}", 500)
+        return ("failed", request_id, str(error), error.status_code)
 
     async def outputs(self, sender: str, replica: str = ""):
         """`sender`'s messages from this replica, as `(messages, load)` items (see the module docstring).
