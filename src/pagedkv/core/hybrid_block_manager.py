@@ -239,10 +239,9 @@ class HybridBlockManager(PoolQueries):
             self._tables[seq_id][0].append_tokens(self.max_num_tokens + 1)  # raises SequenceTooLongError
 
     def _append_full(self, seq_id: int, num_new_tokens: int) -> list[BlockCopy]:
-        """`append_slots` once the blocks are known to be free."""
+        """`append_slots` once the length is checked and the blocks are known to be free."""
         new_total = self._num_tokens[seq_id] + num_new_tokens
         tables = self._tables[seq_id]
-        self._check_length(seq_id, new_total)
         copies = []
         for g in self._full_groups:
             copies += tables[g].append_tokens(num_new_tokens)
@@ -271,14 +270,15 @@ class HybridBlockManager(PoolQueries):
         Sliding groups first give back what the window left behind, then claim the chunk's blocks.
         Raises `OutOfBlocksError` (no change) when the pool cannot give them.
         """
+        end = num_computed_tokens + num_new_tokens
+        self._check_length(seq_id, end)  # before anything changes
         self.release_out_of_window(seq_id, num_computed_tokens)
         needed = self._step_blocks(seq_id, num_computed_tokens, num_new_tokens)
         if needed == 0:
             # The common decode step: the chunk fits in every table's last block, which no one else holds
             # (`num_blocks_needed` counts a shared last block's copy). Only the token counts move.
-            return self._advance(seq_id, num_computed_tokens + num_new_tokens)
+            return self._advance(seq_id, end)
         self._ensure_free(needed)
-        end = num_computed_tokens + num_new_tokens
         copies = self._append_full(seq_id, end - self._num_tokens[seq_id]) if end > self._num_tokens[seq_id] else []
         tables = self._tables[seq_id]
         for g, _ in self._sliding_groups:
@@ -289,11 +289,9 @@ class HybridBlockManager(PoolQueries):
 
     def _advance(self, seq_id: int, end: int) -> list[BlockCopy]:
         """Tables whose last block has room for tokens up to `end`, and no copy-on-write pending: move them."""
-        tables = self._tables[seq_id]
         if end > self._num_tokens[seq_id]:
-            self._check_length(seq_id, end)
             self._num_tokens[seq_id] = end
-        for table in tables:
+        for table in self._tables[seq_id]:
             if end > table.num_tokens:
                 table.num_tokens = end
         return []

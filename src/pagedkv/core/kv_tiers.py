@@ -16,8 +16,8 @@ So that an eviction rarely has to wait for its copy, each step also pre-spills: 
 evictions into free host blocks beside the step (`pre_spill`).
 
 Eviction inside a tier is LRU over keys, and a prefix's tail goes before its head: a prefix touched as a whole is
-queued tail first, so its head ends up most recently used. Evicting a head first would strand the tail, which a hash-
-chain lookup can never reach again.
+queued tail first, so its head ends up most recently used. Evicting a head first would strand the tail, which a
+hash-chain lookup can never reach again.
 
 A host block a copy of this step reads or fills (a restore, a swap-in, a spill, whose disk write reads it after the
 copies) is busy until the next step begins: the runner's copies of one step run device-to-host first, so reusing it

@@ -15,9 +15,10 @@ One `schedule()` call, under a budget of `max_num_batched_tokens`:
    blocks free after taking the whole prompt (chunked prefill then spends the token budget
    over several steps). A request that could never fit is refused by `add()`, never queued.
    With KV tiers, a prompt whose prefix is on disk waits until it is loaded into host
-   memory (keeping its place, while the prompts behind it are admitted), and one whose prefix is restored from host memory is admitted now and computes in
-   this step (its copy runs before the step's kernels) or, past the step's in-step restore
-   budget, from the next step, when its blocks have arrived.
+   memory (keeping its place, while the prompts behind it are admitted), and one whose
+   prefix is restored from host memory is admitted now and computes in this step (its copy
+   runs before the step's kernels) or, past the step's in-step restore budget, from the next
+   step, when its blocks have arrived.
 
 A step that schedules nothing while work remains is a bug, not a wait: it raises
 `SchedulerStallError` rather than letting a caller spin forever.
@@ -437,6 +438,7 @@ class Scheduler:
             will_fork = seq.sample_index == 0 and seq.num_output_tokens == 0
             if len(self.running) + (seq.sampling_params.n if will_fork else 1) > self.config.max_num_seqs:
                 break
+            self._hash_prompt(seq)
             if self._waits_for_disk(seq):
                 index += 1
                 continue
@@ -587,16 +589,19 @@ class Scheduler:
             self._finish(seq, FinishReason.ERROR)
 
     # ------------------------------------------------------------------ internals
+    def _hash_prompt(self, seq: Sequence) -> None:
+        """The prefix-cache keys of `seq`'s full blocks, computed once per sequence (or never, when the router sent
+        them), not per admission attempt."""
+        block_size = self.config.block_size
+        num_full = seq.first_pending_index // block_size
+        if self.block_manager.prefix_cache is not None and len(seq.block_hashes) < num_full:
+            seq.block_hashes = block_keys(seq.token_ids[:seq.first_pending_index], block_size, seq.block_hashes)
+
     def _waits_for_disk(self, seq: Sequence) -> bool:
         """Whether `seq`'s prefix is being loaded from disk (starting the loads it needs): it waits for them."""
-        cfg = self.config
         bm = self.block_manager
-        if bm.prefix_cache is None:
-            return False
-        if len(seq.block_hashes) < seq.first_pending_index // cfg.block_size:
-            # Hashed once per sequence (or never, when the router sent the keys), not per admission attempt.
-            seq.block_hashes = block_keys(seq.token_ids[:seq.first_pending_index], cfg.block_size, seq.block_hashes)
-        return cfg.reservation != "naive" and bm.prefetch(seq.token_ids, seq.block_hashes)
+        return (bm.prefix_cache is not None and self.config.reservation != "naive"
+                and bm.prefetch(seq.token_ids, seq.block_hashes))
 
     def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSequence | None:
         """Admit `seq` with its first chunk, or return None when the pool or the budget holds it back."""
