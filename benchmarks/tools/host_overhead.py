@@ -10,6 +10,7 @@ import sys
 import time
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine.outputs import STEP_PHASES
 
 
 class _Result:
@@ -44,7 +45,7 @@ def main() -> None:
     wall = (time.perf_counter() - start) / steps
     timings = [t for t in engine.step_timings if t.shape.decode_seqs == batch]
     phases = {name[:-2]: statistics.median(getattr(t, name) for t in timings) * 1e3
-              for name in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s")}
+              for name in STEP_PHASES}
     print(f"batch {batch}: {wall * 1e3:.3f} ms per step on the host; " +
           ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
 

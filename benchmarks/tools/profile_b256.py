@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.bench.common import graph_replay_ms
+from pagedkv.engine.outputs import STEP_PHASES
 
 
 def main() -> None:
@@ -49,7 +50,7 @@ def main() -> None:
     prof.export_chrome_trace(str(out / "b256_trace.json"))
     steps = [t for t in engine.step_timings if t.shape.decode_seqs == batch and t.shape.prefill_tokens == 0]
     phases = {name[:-2]: statistics.median(getattr(t, name) for t in steps) * 1e3
-              for name in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s")}
+              for name in STEP_PHASES}
     step_ms = statistics.median(t.total_s for t in steps) * 1e3
     gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type == DeviceType.CUDA)

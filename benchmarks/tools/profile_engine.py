@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.bench.common import graph_replay_ms
+from pagedkv.engine.outputs import STEP_PHASES
 from pagedkv.hf import random_model
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
@@ -49,7 +50,7 @@ for eager in (False, True):
         steps = [t for t in engine.step_timings if t.shape.prefill_tokens == 0]
         engine.step_timings = None
         phases = {name: statistics.median(getattr(t, name) for t in steps) * 1e3
-                  for name in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s")}
+                  for name in STEP_PHASES}
         total = statistics.median(t.total_s for t in steps) * 1e3
         lines.append(f"- batch {batch}, {label}: step {total:.3f} ms; " +
                      ", ".join(f"{k[:-2]} {v:.3f}" for k, v in phases.items()))

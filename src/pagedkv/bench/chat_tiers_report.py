@@ -9,6 +9,8 @@ all: one turn's prefill against copying its prefix plus its user message's prefi
 
 from __future__ import annotations
 
+from pagedkv.engine.outputs import STEP_PHASES
+
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
@@ -50,7 +52,7 @@ def step_line(steps: dict) -> str:
             f"launch {steps['launch_s']:.2f}, wait {steps['wait_s']:.2f}, update {steps['update_s']:.2f}")
     if steps["slowest"]:
         top = steps["slowest"][0]
-        phase = max(("schedule_s", "build_s", "launch_s", "wait_s", "update_s"), key=lambda p: top[p])
+        phase = max(STEP_PHASES, key=lambda p: top[p])
         shape = top["shape"]
         text += (f"; slowest step {top['total_s'] * 1e3:.1f} ms ({phase[:-2]} {top[phase] * 1e3:.1f} ms; "
                  f"{shape['prefill_tokens']} prefill tokens, {shape['decode_seqs']} decodes, "

@@ -50,6 +50,7 @@ import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
 from pagedkv.bench.chat_tiers_report import markdown, step_line
+from pagedkv.engine.outputs import STEP_PHASES
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
 from pagedkv.sim.cluster import percentile
@@ -97,6 +98,7 @@ def run_chat(engine, turns: list, max_in_flight: int) -> dict:
     submitted: dict[str, float] = {}
     ttft: dict[str, float] = {}
     prompts: dict[str, list[int]] = {}  # as submitted, in order
+    turn_of: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
     answered: set[tuple[int, int]] = set()
     num_output_tokens = 0
     due = deque(turns)
@@ -106,6 +108,7 @@ def run_chat(engine, turns: list, max_in_flight: int) -> dict:
         while due and in_flight < max_in_flight and (due[0][1] == 0 or (due[0][0], due[0][1] - 1) in answered):
             conversation, turn, prompt, answer_len = due.popleft()
             request_id = f"c{conversation}-t{turn}"
+            turn_of[request_id] = (conversation, turn)
             prompts[request_id] = prompt
             submitted[request_id] = time.perf_counter()
             engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=answer_len,
@@ -120,8 +123,7 @@ def run_chat(engine, turns: list, max_in_flight: int) -> dict:
             if output.finished:
                 in_flight -= 1
                 num_output_tokens += len(tokens)
-                conversation, turn = output.request_id[1:].split("-t")
-                answered.add((int(conversation), int(turn)))
+                answered.add(turn_of[output.request_id])
     elapsed = time.perf_counter() - start
     timings, engine.step_timings = engine.step_timings, None
     values = list(ttft.values())
@@ -133,7 +135,7 @@ def run_chat(engine, turns: list, max_in_flight: int) -> dict:
 
 def step_summary(timings: list, num_slowest: int = 3) -> dict:
     """Host seconds per phase of the steps (`LLMEngine.step_timings`) and the slowest steps: what a config adds."""
-    phases = ("schedule_s", "build_s", "launch_s", "wait_s", "update_s")
+    phases = STEP_PHASES
     slowest = sorted(timings, key=lambda t: t.total_s, reverse=True)[:num_slowest]
     return {"num_steps": len(timings), **{phase: sum(getattr(t, phase) for t in timings) for phase in phases},
             "slowest": [{"total_s": t.total_s, **{phase: getattr(t, phase) for phase in phases},

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench.common import require_cuda
+from pagedkv.engine.outputs import STEP_PHASES
 from pagedkv.results import add_out_argument, provenance, write_json
 
 PROMPT_TOKENS = 128
@@ -87,7 +88,7 @@ def decode_case(llm, batch: int, bandwidth: float, weights: int, kv_bytes_per_to
         "roofline_ms": roofline_s * 1e3, "vs_roofline": step_s / roofline_s,
         "host_ms": host_s * 1e3, "host_share": host_s / step_s,
         "phases_ms": {name: _median([getattr(t, name) for t in steps]) * 1e3
-                      for name in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s")},
+                      for name in STEP_PHASES},
         "wall_s": elapsed,
     }
 

@@ -36,6 +36,7 @@ import torch
 from pagedkv.bench.common import require_cuda
 from pagedkv.bench.engine import nano_vllm_workload
 from pagedkv.cli import ArgumentParser
+from pagedkv.engine.outputs import STEP_PHASES
 from pagedkv.results import add_out_argument, provenance
 
 DTYPE = "bfloat16"
@@ -71,7 +72,7 @@ def _decode_ms(llm, batch: int, vocab: int, phases: dict | None = None) -> float
     steps = [t for t in engine.step_timings if t.shape.prefill_tokens == 0 and t.shape.decode_seqs == batch]
     engine.step_timings = None
     if phases is not None:
-        for name in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s"):
+        for name in STEP_PHASES:
             phases[name[:-2] + "_ms"] = statistics.median(getattr(t, name) for t in steps) * 1e3
     return statistics.median(t.total_s for t in steps) * 1e3
 

@@ -48,6 +48,10 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # arrival, first_token and finish times (perf_counter s)
 
 
+#: `StepTiming`'s phases, in step order (the field names).
+STEP_PHASES = ("schedule_s", "build_s", "launch_s", "wait_s", "update_s")
+
+
 @dataclass(frozen=True)
 class StepTiming:
     """Where one step's wall time went (seconds). Only `wait_s` overlaps the device's work."""
