@@ -7,7 +7,8 @@
 # that Triton's first-use compiles of the kernel variants each configuration needs stay out of the measured runs.
 #
 # Run from the repository root on the GPU machine: `OUT=$OUT bash benchmarks/tools/kv_tiers.sh` (about 5 minutes on
-# one H200; the bench is cut at 360 s, the layer-group case below at 120 s). Writes $OUT/kv_tiers.json and
+# one H200 with GRAPHS=off, more with the default full graphs, since each of the run's engines captures its own;
+# the bench is cut at CHAT_TIMEOUT_S (480 s), the layer-group case below at 120 s; LAYER_GROUPS=0 skips it). Writes $OUT/kv_tiers.json and
 # $OUT/kv_tiers.md and prints the markdown: per model and configuration TTFT P50/P99, output tok/s, hit rates per
 # tier, restored GB, the restore rate of the H2D copies alone and with the scatter into the pool, blocks per copy;
 # then, each beside its target: TTFT vs GPU-only (>= 3x) next to the most a restore can win for one turn (its
@@ -26,13 +27,14 @@ cd "$(dirname "$0")/../.."
 source benchmarks/gpu_env.sh
 PY=${PYTHON:-python3}
 MODELS=${MODELS:-qwen3-0.6b,llama3-8b}
+GRAPHS=${GRAPHS:-full}  # --mixed-step-graphs: full (the engine default) or off (prefill steps eager, faster starts)
 HOST_MEMORY=${HOST_MEMORY:-16GiB}; [ "${SMOKE:-0}" = 1 ] && HOST_MEMORY=${SMOKE_HOST_MEMORY:-64MiB}
 DIR=${DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kv_tiers.XXXXXX")}
 start_log "$OUT"
 EXTRA=(); [ "${SMOKE:-0}" = 1 ] && EXTRA=(--smoke)
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"
-timeout 360 $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" --kv-offload-memory "$HOST_MEMORY" \
-  --kv-offload-dir "$DIR" --out "$OUT" "${EXTRA[@]}" 2>&1 | tee "$OUT/kv_tiers.log" | grep -E "^\S+ \| " \
+timeout "${CHAT_TIMEOUT_S:-480}" $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" \
+  --kv-offload-memory "$HOST_MEMORY" --kv-offload-dir "$DIR" --mixed-step-graphs "$GRAPHS" --out "$OUT" "${EXTRA[@]}" 2>&1 | tee "$OUT/kv_tiers.log" | grep -E "^\S+ \| " \
   | while read -r line; do say "$line"; done
 say "exit ${PIPESTATUS[0]}"
 rm -rf "$DIR"
@@ -40,6 +42,7 @@ rm -rf "$DIR"
 # Layer groups (Gemma-3-1B shape, random weights, bf16; under a minute): 16 prompts of 2,048 tokens through a GPU pool
 # of about two prompts' blocks, GPU-only against GPU + host + disk, then a restart: TTFT P50, where each group's hit
 # blocks came from, restored bytes per prompt against every layer full length. Writes $OUT/kv_tiers_groups.json.
+[ "${LAYER_GROUPS:-1}" = 1 ] || exit 0
 GROUPS_ARGS=(--model gemma3-1b); [ "${SMOKE:-0}" = 1 ] && GROUPS_ARGS=(--model tiny-gemma3 --prompts 4 \
   --prompt-tokens 40 --question-tokens 6 --block-size 4 --device cpu --dtype float32 --host-bytes 1048576)
 timeout 120 $PY benchmarks/tools/kv_tiers_groups.py --out "$OUT" "${GROUPS_ARGS[@]}" 2>&1 \

@@ -24,14 +24,22 @@ def _share(part: float | None, whole: float) -> str:
     return "-" if part is None or not whole else f"{part / whole * 100:.0f}%"
 
 
+def _graphs(mode: str) -> str:
+    """How the run's steps used CUDA graphs, in words."""
+    return {"full": "every step replays a CUDA graph (attention inside)",
+            "piecewise": "decode steps graphed, prefill steps graphed piecewise (attention eager)"}.get(
+        mode, "prefill steps eager, decode steps graphed")
+
+
 def _header(name: str, model: dict) -> list[str]:
     w = model["workload"]
     return [f"## random:{name}: {w['num_conversations']} conversations x {w['num_turns']} turns over "
             f"{w['num_system_prompts']} system prompts of {w['system_prompt_tokens']} tokens, {model['max_num_seqs']} "
             f"turns in flight; GPU pool {model['num_blocks']} blocks = "
             f"{model['gpu_pool_share_of_prefixes'] * 100:.0f}% of the {model['distinct_prefix_blocks']} distinct "
-            f"prefix blocks the turns reuse (target ~10%), host tier {model['host_bytes'] / 2**30:g} GiB; prefill "
-            f"steps eager, decode steps graphed, in every configuration; same prompts in every configuration: "
+            f"prefix blocks the turns reuse (target ~10%), host tier {model['host_bytes'] / 2**30:g} GiB; "
+            f"{_graphs(model.get('mixed_step_graphs', 'off'))}, in every configuration; same prompts in every "
+            f"configuration: "
             f"{'yes' if model['same_prompts'] else 'NO'}", "",
             "| config | TTFT P50 ms | TTFT P99 ms | output tok/s | GPU hits | host hits | disk hits | restored GB | "
             "H2D copy GB/s | with scatter GB/s | blocks per copy |",

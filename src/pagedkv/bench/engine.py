@@ -38,6 +38,7 @@ import torch
 from pagedkv.bench.common import require_cuda
 from pagedkv.bench.engine_timing import decode_share, timed_generate
 from pagedkv.cli import ArgumentParser, parse_size
+from pagedkv.engine.config import MIXED_STEP_GRAPHS
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.results import add_out_argument, provenance, write_json
 
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                         help="the KV tiers' disk directory (chat-tiers default: a temporary directory)")
     parser.add_argument("--smoke", action="store_true", help="chat-tiers: toy size on the CPU (checks the code)")
+    parser.add_argument("--mixed-step-graphs", default="full", choices=MIXED_STEP_GRAPHS,
+                        help="chat-tiers: CUDA graphs for steps with prefill tokens, in every configuration "
+                             "(default %(default)s, the engine's; off: such steps run eagerly, each engine starts "
+                             "faster)")
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="KV pool dtype: auto, fp8_e4m3 or fp8_e5m2 (nano-vllm preset, default auto); "
                              "comma-separated dtypes to compare (kv-bound preset, default auto,fp8_e4m3)")
