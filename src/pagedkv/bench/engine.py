@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                         help="the KV tiers' disk directory (chat-tiers default: a temporary directory)")
     parser.add_argument("--smoke", action="store_true", help="chat-tiers: toy size on the CPU (checks the code)")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="chat-tiers: cProfile each configuration's run (slower) and write the host functions "
+                             "by time to host_profile_<model>_<config>.txt in --out")
     parser.add_argument("--mixed-step-graphs", default="full", choices=MIXED_STEP_GRAPHS,
                         help="chat-tiers: CUDA graphs for steps with prefill tokens, in every configuration "
                              "(default %(default)s, the engine's; off: such steps run eagerly, each engine starts "

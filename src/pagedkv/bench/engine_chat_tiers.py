@@ -40,6 +40,7 @@ size.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import tempfile
 import time
@@ -196,6 +197,22 @@ def restore_bound(engine, workload: MultiTurnChat, block_size: int, h2d_bytes_pe
             "recompute_over_copy": max(full_s - user_s, 0.0) / copy_s}
 
 
+def profiled(call, path: Path):
+    """`call()` under cProfile; its pagedkv functions by own time, then by cumulative time, written to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(call)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(r"pagedkv", 40)
+    path.write_text(text.getvalue())
+    return result
+
+
 def warm_kernels(llm, workload: MultiTurnChat, max_in_flight: int) -> float:
     """Run `workload` (another seed's conversations) through `llm` (GPU + host tier), then two of its last turns
     alone, and shut it down; the seconds it took.
@@ -264,7 +281,11 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
         run_chat(llm.engine, dataclasses.replace(other, num_conversations=2, num_concurrent=2).fixed_turns(),
                  max_num_seqs)  # this engine's first steps
         stats_before = llm.stats()
-        run = run_chat(llm.engine, turns, max_num_seqs)
+        if args.profile_host:  # where the host time of the steps goes, per configuration (cProfile slows it)
+            run = profiled(lambda: run_chat(llm.engine, turns, max_num_seqs),
+                           Path(args.out) / f"host_profile_{name}_{re.sub(r'[^a-z0-9]+', '_', label.lower())}.txt")
+        else:
+            run = run_chat(llm.engine, turns, max_num_seqs)
         stats = {k: v - stats_before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in llm.stats().items()}
         prompts = run.pop("prompts")
         row = {**run, **_tier_summary(stats, block_size, llm.engine.pool.bytes_per_block, prompts,

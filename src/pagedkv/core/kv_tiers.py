@@ -104,17 +104,19 @@ class HostTier:
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         """`num_blocks` host blocks, evicting LRU cached ones as needed; None (no change) if they cannot be had."""
-        if num_blocks > self.num_available:
-            return None
         shortfall = num_blocks - self.allocator.num_free
         self.last_evicted = []
         if shortfall > 0:
+            if shortfall > len(self._lru):
+                return None
             victims = []
             for block in self._lru:  # least recently used first; stops as soon as it has enough
                 if block not in self._busy:
                     victims.append(block)
                     if len(victims) == shortfall:
                         break
+            if len(victims) < shortfall:  # too many cached blocks are busy in this step
+                return None
             for block in victims:
                 del self._lru[block]
                 del self._block_of[self._key_of.pop(block)]
