@@ -79,7 +79,9 @@ def test_a_burst_of_requests_while_replicas_stream_does_not_deadlock():
     engine = llm.engine
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (200,), generator=gen).tolist() for _ in range(800)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Few tokens each: the outputs still fill their pipe within one pause (every running request streams
+    # every step), and the run stays short.
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def add_all():  # in bursts with pauses, so replicas step and stream while nobody reads their outputs
         for i, prompt in enumerate(prompts):
