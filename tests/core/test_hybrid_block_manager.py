@@ -11,7 +11,8 @@ from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.core.hybrid_block_manager import HybridBlockManager
 from pagedkv.core.kv_groups import FULL_ATTENTION as FULL, SLIDING_ATTENTION as SLIDE, group_layers
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.engine.sequence import Sequence
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.sim.simulator import fake_step

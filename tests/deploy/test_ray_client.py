@@ -15,7 +15,7 @@ from pagedkv.distributed.output_deltas import DeltaEncoder  # noqa: E402
 from pagedkv.distributed.router import prompt_block_hashes  # noqa: E402
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
-from pagedkv.engine.scheduler import SchedulerConfig  # noqa: E402
+from pagedkv.engine.scheduler_types import SchedulerConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

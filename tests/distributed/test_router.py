@@ -13,7 +13,8 @@ from pagedkv.distributed.router import (
     SchedulerReplica,
 )
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.engine.sequence import Sequence
 from pagedkv.errors import ConfigError, InvalidArgumentError
 

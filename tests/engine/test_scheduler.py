@@ -6,7 +6,8 @@ import pytest
 
 from pagedkv.core.block_manager import KVBlockManager
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pagedkv.errors import ConfigError, RequestRejectedError
 

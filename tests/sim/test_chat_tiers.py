@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.sim.chat_tiers import Conversations, MultiTurnChat, simulate_chat, tier_blocks
 from pagedkv.sim.cost_model import CostModel, packaged_cost_model
 

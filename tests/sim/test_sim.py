@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import ConfigError
 from pagedkv.sim import CostModel, Simulation, StepMeasurement, fit, load_cost_model, make_jobs, simulate
 from pagedkv.sim.fidelity import load_engine_run, predict

@@ -7,7 +7,8 @@ import pytest
 
 from pagedkv.cli import main
 from pagedkv.distributed.router import RouterConfig
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import ConfigError
 from pagedkv.sim import CostModel
 from pagedkv.sim.chat_workload import ChatWorkload, arrival_times, make_chat_requests

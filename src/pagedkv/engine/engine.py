@@ -27,7 +27,8 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import OutputProcessor, Request, chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import EngineStats, RequestOutput, StepTiming
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.engine.sequence import Sequence
 from pagedkv.engine.step_input import StepInput, StepInputBuilder
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, StepFailedError

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagedkv.engine.sampler import SamplingRow
-from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.engine.scheduler_types import SchedulerOutput
 from pagedkv.engine.sequence import PENDING_TOKEN
 
 

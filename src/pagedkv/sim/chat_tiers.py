@@ -24,7 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedkv.core.workload import SplitMix64
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import ConfigError, require_positive_int
 from pagedkv.sim.cluster import percentile
 from pagedkv.sim.cost_model import CostModel

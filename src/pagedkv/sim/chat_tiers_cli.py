@@ -13,7 +13,7 @@ import argparse
 import json
 
 from pagedkv.cli import parse_size
-from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.sim.chat_tiers import MultiTurnChat, simulate_chat, tier_blocks
 from pagedkv.sim.cost_model import CostModel

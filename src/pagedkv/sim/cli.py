@@ -28,7 +28,8 @@ import time
 
 from pagedkv.cli import ArgumentParser
 from pagedkv.core.memory import KV_CACHE_DTYPES, kv_cache_dtype_bytes
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import InvalidArgumentError, RequestRejectedError, require_positive_int
 from pagedkv.results import add_out_argument
 from pagedkv.sim.chat_tiers_cli import add_chat_tiers_arguments, run_chat_tiers

@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass
 
 from pagedkv.core.prefix_cache import BlockHash
 from pagedkv.distributed.router import Router, RouterConfig, SchedulerReplica
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import ConfigError, RequestRejectedError, require_positive_int
 from pagedkv.sim.chat_workload import ChatRequest, ChatWorkload, make_chat_requests
 from pagedkv.sim.cost_model import CostModel

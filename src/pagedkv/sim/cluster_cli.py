@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from pagedkv.distributed.router import DEFAULT_BALANCE_THRESHOLD, RouterConfig, RoutingPolicy
-from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import InvalidArgumentError, require_positive_int
 from pagedkv.sim.chat_workload import ARRIVAL_PROCESSES, ChatWorkload
 from pagedkv.sim.cluster import (

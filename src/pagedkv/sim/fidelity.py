@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.sim.cost_model import CostModel
 from pagedkv.sim.simulator import SimResult, simulate

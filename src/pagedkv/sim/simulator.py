@@ -28,7 +28,8 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import asdict, dataclass
 
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepShape
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig, SchedulerOutput, StepShape
 from pagedkv.engine.sequence import FinishReason, Sequence
 from pagedkv.errors import RequestRejectedError, require_positive_int
 from pagedkv.sim.cost_model import CostModel

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.engine.scheduler import PreemptionMode, SchedulerConfig, VictimPolicy
+from pagedkv.engine.scheduler_types import PreemptionMode, SchedulerConfig, VictimPolicy
 from pagedkv.sim.cost_model import CostModel
 from pagedkv.sim.simulator import SimResult, simulate
 from pagedkv.sim.workload import Job

@@ -26,7 +26,8 @@ from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.output_processor import tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import ConfigError, InvalidArgumentError, require_positive_int
 
 #: Blocks of the stand-in's pool: enough that no request is refused for size.
