@@ -83,3 +83,16 @@ def test_calc_sizes_the_tiers(capsys):
 def test_calc_tiers_need_a_model(capsys):
     assert main(["calc", "--kv-offload-memory", "1GiB"]) == 2
     assert "--kv-offload-memory needs a model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", ["3,2", "32,16,3,8192,0", "a,b,c,d,e"])
+def test_a_bad_chat_size_is_one_line_naming_it(size, capsys):
+    assert main(["bench", "engine", "--preset", "chat-tiers", "--smoke", "--chat-size", size]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and size in err and "C,K,T,S,F" in err
+
+
+def test_chat_size_parses_five_positive_integers():
+    from pagedkv.bench.engine import chat_size
+
+    assert chat_size("32,16,3,8192,2") == (32, 16, 3, 8192, 2)

@@ -29,6 +29,7 @@ once per KV dtype (bf16 against FP8).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 import time
@@ -114,6 +115,18 @@ def _hf_continuous_batching(model, prompts, output_lens, time_limit_s: float) ->
 SYSTEMS = ("pagedkv", "pagedkv_eager", "pagedkv_hf_modules", "hf_continuous_batching")
 
 
+def chat_size(text: str) -> tuple[int, int, int, int, int]:
+    """`--chat-size C,K,T,S,F`: five positive integers (conversations, system prompts, turns, system prompt
+    tokens, turns in flight)."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 5 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected five positive integers C,K,T,S,F, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> int:
     """Run the benchmark; print a table; write engine.json, engine.md, engine_run.json and cost_model.json."""
     from rich.console import Console
@@ -136,6 +149,10 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--profile-host", action="store_true",
                         help="chat-tiers: cProfile each configuration's run (slower) and write the host functions "
                              "by time to host_profile_<model>_<config>.txt in --out")
+    parser.add_argument("--chat-size", type=chat_size, default=None, metavar="C,K,T,S,F",
+                        help="chat-tiers: C conversations of T turns over K system prompts of S tokens, F turns in "
+                             "flight, for every model (default per model: 128,64,3,1024,4 for Qwen3-0.6B, "
+                             "96,48,3,1024,4 for Llama-3-8B); e.g. 32,16,3,8192,2 for long shared prefixes")
     parser.add_argument("--mixed-step-graphs", default="full", choices=MIXED_STEP_GRAPHS,
                         help="chat-tiers: CUDA graphs for steps with prefill tokens, in every configuration "
                              "(default %(default)s, the engine's; off: such steps run eagerly, each engine starts "

@@ -237,8 +237,8 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     from pagedkv.models.loader import random_model
 
     smoke = args.smoke
-    conversations, systems, num_turns, system_len, max_num_seqs = SMOKE_SIZE if smoke else SIZES.get(
-        name, SIZES["qwen3-0.6b"])
+    conversations, systems, num_turns, system_len, max_num_seqs = SMOKE_SIZE if smoke else (
+        args.chat_size or SIZES.get(name, SIZES["qwen3-0.6b"]))
     dtype = torch.float32 if smoke else torch.bfloat16
     model = random_model(name, dtype, device)
     workload = MultiTurnChat(num_system_prompts=systems, num_conversations=conversations, num_turns=num_turns,
