@@ -229,7 +229,7 @@ def test_a_read_of_a_block_whose_write_is_still_queued_waits_for_it(tmp_path):
 
     from pagedkv.engine.kv_disk import DiskStore
 
-    store = DiskStore(tmp_path, "ab" * 32, 64)
+    store = DiskStore(tmp_path, "ab" * 32, 64, num_write_threads=1)
     gate, entered, path = threading.Event(), threading.Event(), store.path
     blocks = [np.full(64, value, dtype=np.uint8) for value in (1, 2)]
     store.write_async(b"a" * 32, blocks[0], gate.wait)  # holds the writer: the second write stays queued
@@ -243,6 +243,26 @@ def test_a_read_of_a_block_whose_write_is_still_queued_waits_for_it(tmp_path):
     reader.join()
     assert result == [True] and (out == 2).all()
     store.close()
+
+
+def test_writer_threads_keep_each_keys_write_and_delete_in_order(tmp_path):
+    import numpy as np
+
+    from pagedkv.engine.kv_disk import DiskStore
+
+    store = DiskStore(tmp_path, "cd" * 32, 64, num_write_threads=4)
+    keys = [bytes([index]) * 32 for index in range(64)]
+    for index, key in enumerate(keys):  # every key written, every other one deleted right after
+        store.write_async(key, np.full(64, index, dtype=np.uint8))
+        if index % 2:
+            store.delete_async(key)
+    store.flush()
+    assert sorted(store.scan()) == sorted(keys[0::2])
+    assert sorted(key for key, ok in store.poll() if ok) == sorted(keys)
+    out = np.zeros(64, dtype=np.uint8)
+    assert store.load(keys[4], out) and (out == 4).all()
+    store.close()
+    store.close()  # idempotent
 
 
 def _file_of(llm, prompt, index):

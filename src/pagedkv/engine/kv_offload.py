@@ -108,6 +108,7 @@ class KVOffload:
         self._restores_done = None  # event B of the last step that restored
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
         self._writing: dict[int, object] = {}  # host block -> done event of its pending disk write
+        self._writing_swept_size = 64  # `poll` sweeps finished writes out of `_writing` past this size
         self.disk = disk
         self._readers = ThreadPoolExecutor(NUM_READ_THREADS, "pagedkv-kv-read") if disk is not None else None
         self._reading: list[tuple[list, object]] = []  # (loads, future) of this step's disk reads
@@ -371,7 +372,11 @@ class KVOffload:
         loads, self._load_results = self._load_results, []
         if self.disk is None:
             return loads, [], None
-        self._writing = {block: done for block, done in self._writing.items() if not done.is_set()}
+        # Finished writes left here are harmless (waiting on a set event returns at once), so the map is swept
+        # only once it has doubled: a backlog of thousands of queued writes costs a step nothing.
+        if len(self._writing) > self._writing_swept_size:
+            self._writing = {block: done for block, done in self._writing.items() if not done.is_set()}
+            self._writing_swept_size = 2 * len(self._writing) + 64
         return loads, self.disk.poll(), self.disk.disabled_reason
 
     def persist(self, from_device, from_host, chunk_blocks: int = 64) -> None:
