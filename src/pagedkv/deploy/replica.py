@@ -101,6 +101,39 @@ class _Outbox:
         return messages
 
 
+class _OutboxStream(RequestStream):
+    """One request's outputs, queued for its sender as the engine thread delivers them (on the replica's loop).
+
+    A `RequestStream` whose consumer is the sender's outbox itself: each step's outputs go in as
+    they arrive, with no task woken per request per step (256 running requests would be 256
+    wake-ups of the replica's loop each step); `generate` waits only for `ended`. An error the
+    engine thread delivers (the request failed, or the engine died) ends it with `error` set."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, outbox: _Outbox):
+        super().__init__(loop)
+        self._outbox = outbox
+        self._encoder = DeltaEncoder()
+        self.error: Exception | None = None
+        self.ended: asyncio.Future = loop.create_future()
+
+    def put(self, item) -> None:
+        """On the replica's loop: queue an output's delta for the sender, or end on an error."""
+        if self.ended.done():
+            return
+        if isinstance(item, BaseException):
+            self.end(item)
+            return
+        self._outbox.put(("output", self._encoder.encode(item)))
+        if item.finished:
+            self.ended.set_result(None)
+
+    def end(self, error: Exception) -> None:
+        """The request failed (its failure message is `generate`'s to send)."""
+        if not self.ended.done():
+            self.error = error
+            self.ended.set_result(None)
+
+
 def replica_identity() -> tuple[str, str]:
     """(replica id, node id) of the Ray Serve replica this code runs in ("local" outside one)."""
     try:
@@ -165,33 +198,26 @@ class EngineReplica:
         outbox = self._outbox(sender)
         task = asyncio.current_task()
         outbox.requests.add(task)
-        stream = RequestStream(asyncio.get_running_loop())
-        encoder = DeltaEncoder()
-        finished = False
+        stream = _OutboxStream(asyncio.get_running_loop(), outbox)
         try:
             try:  # added first: the engine starts on it while the replica's id travels back
                 self._async_engine.add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
             except (RequestFailedError, EngineDeadError) as error:
-                finished = True
-                outbox.put(self._failure(request_id, error))
+                stream.end(error)
             yield self._replica
-            while not finished:
-                output = await stream.get()
-                finished = output.finished
-                outbox.put(("output", encoder.encode(output)))
-        except (RequestFailedError, EngineDeadError) as error:
-            finished = True  # the engine thread ended it and freed its blocks (or the engine is gone)
-            outbox.put(self._failure(request_id, error))
+            await stream.ended
+            if stream.error is not None:
+                outbox.put(self._failure(request_id, stream.error))
         finally:
             outbox.requests.discard(task)
-            if not finished:  # the caller went away (or cancelled): free the blocks now
+            if not stream.ended.done():  # the caller went away (or cancelled): free the blocks now
                 self._async_engine.abort(request_id)
 
     def _failure(self, request_id: str, error: Exception) -> tuple:
         """The message that ends a failed request: its text and HTTP status."""
         if isinstance(error, EngineDeadError):
             return ("failed", request_id, f"the engine of replica {self._replica} died: {error}", 500)
-        return ("failed", request_id, str(error), error.status_code)
+        return ("failed", request_id, str(error), getattr(error, "status_code", 500))
 
     async def outputs(self, sender: str, replica: str = ""):
         """`sender`'s messages from this replica, as `(messages, load)` items (see the module docstring).

@@ -1,0 +1,97 @@
+"""`EngineReplica` driven directly, without Ray: the calls Ray Serve makes, on one event loop.
+
+A request's outputs reach its sender's `outputs` stream as deltas that decode to the engine's own
+greedy tokens; a refused request ends with a failure message carrying its status; a caller that
+goes away mid-request has the request aborted and its blocks freed.
+"""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray")
+
+from pagedkv.deploy.replica import EngineReplica  # noqa: E402
+from pagedkv.distributed.output_deltas import DeltaDecoder  # noqa: E402
+from pagedkv.engine.config import EngineConfig  # noqa: E402
+from pagedkv.engine.llm import LLM  # noqa: E402
+from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+OPTIONS = dict(model="random:tiny-llama", device="cpu", dtype="float32", block_size=4, num_blocks=64,
+               max_model_len=64, max_num_seqs=4)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27]]
+
+
+async def _serve(replica: EngineReplica, calls: list[tuple[str, list[int], SamplingParams]], sender: str = "s"):
+    """Each call through `generate`, every message through `outputs`; (finished outputs, failures) by id."""
+    decoder, done, failed = DeltaDecoder(), {}, {}
+    remaining = {request_id for request_id, _, _ in calls}
+
+    async def read():
+        async for messages, load in replica.outputs(sender):
+            assert load.replica == "local"
+            for message in messages:
+                if message[0] == "output":
+                    output = decoder.decode(message[1])
+                    if output.finished:
+                        done[output.request_id] = output
+                        remaining.discard(output.request_id)
+                else:
+                    failed[message[1]] = message[2:]
+                    remaining.discard(message[1])
+            if not remaining:
+                return
+
+    async def call(request_id, tokens, params):
+        items = [item async for item in replica.generate(request_id, tokens, params, sender=sender)]
+        assert items == ["local"]  # one item, the replica's id, then the call ends with its request
+
+    reader = asyncio.create_task(read())
+    await asyncio.gather(*(call(*c) for c in calls))
+    await asyncio.wait_for(reader, timeout=60)
+    return done, failed
+
+
+@pytest.fixture(scope="module")
+def replica():
+    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=False)
+    yield replica
+    replica.__del__()
+
+
+def test_outputs_reach_the_sender_and_equal_the_engine(replica):
+    done, failed = asyncio.run(_serve(replica, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]))
+    expected = LLM(**OPTIONS).generate(PROMPTS, GREEDY)
+    assert not failed
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        e.outputs[0].token_ids for e in expected]
+    assert asyncio.run(replica.check_integrity()) == 0
+
+
+def test_a_refused_request_ends_with_its_failure_and_status(replica):
+    too_long = list(range(3, 3 + OPTIONS["max_model_len"] + 1))
+    done, failed = asyncio.run(_serve(replica, [("ok", PROMPTS[0], GREEDY), ("bad", too_long, GREEDY)]))
+    assert set(done) == {"ok"} and set(failed) == {"bad"}
+    message, status = failed["bad"]
+    assert status == 400 and str(OPTIONS["max_model_len"]) in message
+    assert asyncio.run(replica.check_integrity()) == 0
+
+
+def test_a_caller_that_goes_away_aborts_its_request_and_frees_its_blocks(replica):
+    async def run():
+        long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        reader = asyncio.create_task(replica.outputs("gone").__anext__())
+        call = replica.generate("abandoned", PROMPTS[2], long, sender="gone")
+        assert await call.__anext__() == "local"
+        await reader  # the engine has produced at least one output for it
+        await call.aclose()  # what Ray does when the ingress cancels the call
+        for _ in range(200):  # the abort reaches the engine thread, which frees the blocks
+            if await replica.check_integrity() == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(run())
