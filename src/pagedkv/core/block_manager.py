@@ -298,6 +298,16 @@ class KVBlockManager(PoolQueries):
         slots_needed = num_computed_tokens + num_new_tokens - self._tables[seq_id].num_tokens
         return self.append_slots(seq_id, slots_needed) if slots_needed > 0 else []
 
+    def try_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy] | None:
+        """`schedule` when the pool can give the slots now (`can_schedule`), else None with nothing changed."""
+        table = self._tables[seq_id]
+        slots_needed = num_computed_tokens + num_new_tokens - table.num_tokens
+        if slots_needed <= 0:
+            return []
+        if table.num_blocks_needed(slots_needed) > self.num_free_blocks:
+            return None
+        return self.append_slots(seq_id, slots_needed)
+
     def release_out_of_window(self, seq_id: int, num_computed_tokens: int) -> None:
         """Nothing to release: every layer keeps every token (sliding groups are `HybridBlockManager`'s)."""
 

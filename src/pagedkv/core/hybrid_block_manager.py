@@ -270,10 +270,22 @@ class HybridBlockManager(PoolQueries):
         Sliding groups first give back what the window left behind, then claim the chunk's blocks.
         Raises `OutOfBlocksError` (no change) when the pool cannot give them.
         """
+        return self._schedule(seq_id, num_computed_tokens, num_new_tokens, or_none=False)
+
+    def try_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy] | None:
+        """`schedule` when the pool can give the blocks now (`can_schedule`), else None with nothing changed:
+        one count of the blocks a step needs, where `can_schedule` then `schedule` made two."""
+        return self._schedule(seq_id, num_computed_tokens, num_new_tokens, or_none=True)
+
+    def _schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int,
+                  or_none: bool) -> list[BlockCopy] | None:
         end = num_computed_tokens + num_new_tokens
         self._check_length(seq_id, end)  # before anything changes
-        self.release_out_of_window(seq_id, num_computed_tokens)
+        # Counted before the window's release: that only turns entries into the null block, never the last one.
         needed = self._step_blocks(seq_id, num_computed_tokens, num_new_tokens)
+        if or_none and needed and needed > self.num_free_blocks:
+            return None
+        self.release_out_of_window(seq_id, num_computed_tokens)
         if needed == 0:
             # The common decode step: the chunk fits in every table's last block, which no one else holds
             # (`num_blocks_needed` counts a shared last block's copy). Only the token counts move.

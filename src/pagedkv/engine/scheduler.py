@@ -205,7 +205,7 @@ class Scheduler:
             if num_new == 0 or len(decodes) + len(prefills) >= cfg.max_num_seqs:
                 still_running.append(seq)
                 continue
-            while not bm.can_schedule(seq.seq_id, seq.num_computed_tokens, num_new):
+            while (copies := bm.try_schedule(seq.seq_id, seq.num_computed_tokens, num_new)) is None:
                 if candidates and not requester:
                     victim = candidates.pop()
                     queue.remove(victim)
@@ -216,7 +216,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            out.block_copies.extend(bm.schedule(seq.seq_id, seq.num_computed_tokens, num_new))
+            out.block_copies.extend(copies)
             item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
             (decodes if item.is_decode else prefills).append(item)
             budget -= num_new
