@@ -2,6 +2,10 @@
 
     PYTHONPATH=src python3 benchmarks/tools/hopper_prefill.py --out $OUT [--variants a,b] [--pages 16,64,128]
 
+`--variants` defaults to DEFAULT_VARIANTS: the shipped launch ("auto"), the two tile shapes it
+picks from, the chunk's 2-way split, and each of them with the GQA-packed program (`packed`:
+one program per kv head holds its 4 query heads' rows, so a K/V tile is read once per group).
+
 Cases (Llama-3-8B attention, 32 q / 8 kv heads, head_dim 128, bf16):
     prefill 8 x 2048 causal          eight fresh prompts (no prefix: the split kernel reads no page)
     chunk 512 on a 4,096 prefix      one chunk; 4,096 keys through pages, 512 contiguous
@@ -54,6 +58,12 @@ VARIANTS = {
     "deep split2": dict(DEEP, num_splits=2),
     "m64 n64 w4 s2 split2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2, maxnreg=0, num_splits=2),
 }
+#: GQA-packed (SplitPrefillTuning.pack_gqa): 128 rows = 32 tokens x 4 heads, so the same program counts as above.
+PACKED = ("auto", "wide", "deep", "wide split2", "deep split2")
+VARIANTS.update({f"{name} packed": dict(VARIANTS[name], pack_gqa=True) for name in PACKED})
+VARIANTS["wide packed nocap"] = dict(WIDE, maxnreg=0, num_splits=1, pack_gqa=True)  # the packed rows spill at 128
+DEFAULT_VARIANTS = ("auto", "wide", "deep", "wide split2", "deep split2", *(f"{name} packed" for name in PACKED),
+                    "wide packed nocap")
 #: name -> (batch, chunk tokens, cached prefix tokens)
 CASES = {"prefill 8 x 2048": (8, 2048, 0), "chunk 512 on 4096": (1, 512, 4096)}
 #: A ragged mix for the checks: whole prompts, chunks on prefixes (ragged ones), a one-token chunk.
@@ -61,6 +71,8 @@ MIXED = ([1000, 4608, 2048, 129, 17, 300, 77], [1000, 512, 2048, 64, 17, 1, 40])
 if SMOKE:
     VARIANTS = {"m32 n16": dict(block_m=32, block_n=16, num_warps=4, num_stages=2),
                 "m32 n16 split3": dict(block_m=32, block_n=16, num_warps=4, num_stages=2, num_splits=3)}
+    VARIANTS.update({f"{name} packed": dict(VARIANTS[name], pack_gqa=True) for name in list(VARIANTS)})
+    DEFAULT_VARIANTS = tuple(VARIANTS)
     CASES = {"prefill 2 x 64": (2, 64, 0), "chunk 32 on 64": (1, 32, 64)}
     MIXED = ([40, 70, 5], [40, 30, 1])
 
@@ -152,14 +164,16 @@ def reference(step):
 
 def compiled_resources() -> list[dict]:
     """Registers, spills and shared memory of every split-prefill kernel this process compiled."""
-    from pagedkv.kernels import triton_prefill_split
+    from pagedkv.kernels import triton_prefill_packed, triton_prefill_split
 
     rows = []
-    for cache in getattr(triton_prefill_split._split_prefill_kernel, "device_caches", {}).values():
-        for kernel in cache[0].values():
-            meta = kernel.metadata
-            rows.append({"num_warps": meta.num_warps, "num_stages": meta.num_stages, "shared": meta.shared,
-                         "n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None)})
+    for jit in (triton_prefill_split._split_prefill_kernel, triton_prefill_packed._packed_prefill_kernel):
+        for cache in getattr(jit, "device_caches", {}).values():
+            for kernel in cache[0].values():
+                meta = kernel.metadata
+                rows.append({"kernel": meta.name, "num_warps": meta.num_warps, "num_stages": meta.num_stages,
+                             "shared": meta.shared, "n_regs": getattr(kernel, "n_regs", None),
+                             "n_spills": getattr(kernel, "n_spills", None)})
     return rows
 
 
@@ -191,7 +205,7 @@ def worker(variants: list[str], pages: list[int], work: Path, index: int) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/hopper_prefill")))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of: {', '.join(VARIANTS)}")
     parser.add_argument("--pages", default="16,64,128")
     parser.add_argument("--worker", type=int, default=None)
     parser.add_argument("--work", type=Path, default=None, help="(internal) the workers' scratch folder")
@@ -213,7 +227,7 @@ def main() -> None:
              for i, name in enumerate(variants)]
     for proc in procs:  # a variant that hangs (a warp-specialized deadlock, say) must not take the run with it
         try:
-            proc.wait(timeout=max(1.0, 110 - (time.time() - start)))
+            proc.wait(timeout=max(1.0, 180 - (time.time() - start)))
         except subprocess.TimeoutExpired:
             proc.kill()
     with open(args.out / "workers.log", "w") as log:
@@ -227,7 +241,8 @@ def main() -> None:
     for row in checks:
         if row["case"] == "resources":
             print(f"  {row['variant']:22s} " + "; ".join(
-                f"regs {k['n_regs']} spills {k['n_spills']} smem {k['shared'] // 1024} KiB" for k in row["kernels"]))
+                f"{k['kernel'].strip('_').split('_')[0]} regs {k['n_regs']} spills {k['n_spills']} "
+                f"smem {k['shared'] // 1024} KiB" for k in row["kernels"]))
     print(f"checks: {len(checks)} rows in {time.time() - start:.0f} s; failed: {sorted(failed) or 'none'}; "
           f"workers without results: {missing or 'none'}", flush=True)
     for row in checks:

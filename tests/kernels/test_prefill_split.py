@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel_scenarios import GPU_TOLERANCES, GpuScenario, Scenario, assert_gpu_matches, assert_matches, cu_seqlens
 
-from pagedkv.errors import InvalidArgumentError, KernelInputError
+from pagedkv.errors import ConfigError, InvalidArgumentError, KernelInputError
 from pagedkv.kernels import paged_prefill_attention, reference_prefill_attention
 from pagedkv.kernels.tuning import SplitPrefillTuning
 
@@ -63,6 +63,58 @@ def test_split_prefill_matches_reference(block_size, num_splits):
     assert_matches(out, expected, torch.float16)
 
 
+def spy_packed(monkeypatch) -> list:
+    """Count the GQA-packed program's launches (the split launch reaches it through its module)."""
+    from pagedkv.kernels import triton_prefill_packed
+
+    calls = []
+    launch = triton_prefill_packed.triton_packed_prefill_attention
+    monkeypatch.setattr(triton_prefill_packed, "triton_packed_prefill_attention",
+                        lambda *args, **kwargs: calls.append(kwargs["launch"]) or launch(*args, **kwargs))
+    return calls
+
+
+def reference(query, scenario, cu, **options):
+    return reference_prefill_attention(query, scenario.k_cache, scenario.v_cache, scenario.block_tables,
+                                       scenario.seq_lens, cu, scale=query.shape[2] ** -0.5, float64=True, **options)
+
+
+# GQA-packed rows: (query heads, kv heads, page, kv tile, splits, dtype). A query tile of 32 rows holds 8 tokens
+# x 4 heads (fewer tokens than a 16- or 32-token kv tile) or 16 x 2; pages of 16 against 32-token tiles take the
+# row gather, pages of 16 or 64 against 16-token tiles the page descriptors.
+PACKED = [(8, 2, 16, 32, 1, torch.float16), (4, 2, 64, 16, 3, torch.float16), (8, 2, 16, 16, 2, torch.float32)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size, block_n, num_splits, dtype", PACKED)
+def test_gqa_packed_split_prefill_matches_reference(monkeypatch, num_heads, num_kv_heads, block_size, block_n,
+                                                    num_splits, dtype):
+    calls = spy_packed(monkeypatch)
+    scenario = Scenario(SEQ_LENS, block_size, num_kv_heads, 64, dtype, seed=6)
+    query, key, value, cu = chunk_step(scenario, SEQ_LENS, Q_LENS, num_heads)
+    tuning = SplitPrefillTuning(**dict(SMALL, block_n=block_n), num_splits=num_splits, pack_gqa=True)
+    out = split_prefill(query, key, value, scenario, cu, tuning, max_seqlen_q=max(Q_LENS))
+    assert_matches(out, reference(query, scenario, cu), dtype)
+    assert [launch[1] for launch in calls] == [block_n] and [launch[5] for launch in calls] == [num_splits]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, why", [(2, 2, "GQA group 1"), (6, 2, "does not divide")])
+def test_a_group_packing_does_not_cover_runs_unpacked_and_says_why_once(monkeypatch, caplog, num_heads,
+                                                                         num_kv_heads, why):
+    from pagedkv.kernels import triton_prefill_packed
+
+    triton_prefill_packed.log_unpacked.cache_clear()  # "once" is per process: start this test's count at zero
+    calls = spy_packed(monkeypatch)
+    scenario = Scenario(SEQ_LENS[:3], 16, num_kv_heads, 64, torch.float16, seed=7)
+    query, key, value, cu = chunk_step(scenario, SEQ_LENS[:3], Q_LENS[:3], num_heads)
+    with caplog.at_level(logging.INFO, logger="pagedkv.kernels.triton_prefill_packed"):
+        for _ in range(2):
+            out = split_prefill(query, key, value, scenario, cu, SplitPrefillTuning(**SMALL, pack_gqa=True),
+                                max_seqlen_q=max(Q_LENS[:3]))
+            assert_matches(out, reference(query, scenario, cu), torch.float16)
+    assert calls == []
+    assert len([r for r in caplog.records if why in r.getMessage()]) == 1
+
+
 def test_paged_prefill_attention_takes_the_split_kernel_given_chunk_kv(monkeypatch):
     from pagedkv.kernels import triton_prefill_split
 
@@ -78,9 +130,17 @@ def test_paged_prefill_attention_takes_the_split_kernel_given_chunk_kv(monkeypat
                "split_tuning": SplitPrefillTuning(**SMALL)}
     assert_matches(paged_prefill_attention(query, *kv, cu, key=key, value=value, **options), expected, torch.float16)
     assert len(calls) == 1
+    packed = spy_packed(monkeypatch)
+    monkeypatch.setenv("PAGEDKV_PREFILL_PACK_GQA", "on")  # the packing switch: the packed program, same answer
+    assert_matches(paged_prefill_attention(query, *kv, cu, key=key, value=value, **options), expected, torch.float16)
+    assert len(calls) == 2 and calls[-1].pack_gqa and len(packed) == 1
+    monkeypatch.setenv("PAGEDKV_PREFILL_PACK_GQA", "yes")
+    with pytest.raises(ConfigError, match="PAGEDKV_PREFILL_PACK_GQA"):
+        paged_prefill_attention(query, *kv, cu, key=key, value=value, **options)
+    monkeypatch.delenv("PAGEDKV_PREFILL_PACK_GQA")
     monkeypatch.setenv("PAGEDKV_PREFILL_KERNEL", "paged")  # the A/B switch: the all-paged kernel, same answer
     assert_matches(paged_prefill_attention(query, *kv, cu, key=key, value=value, **options), expected, torch.float16)
-    assert len(calls) == 1
+    assert len(calls) == 2 and len(packed) == 1
 
 
 def test_a_shape_the_split_kernel_does_not_cover_falls_back_and_says_why_once(caplog):
@@ -123,6 +183,12 @@ def test_split_prefill_tuning_follows_the_step_shape():
         SplitPrefillTuning(block_m=32, block_n=64)
     with pytest.raises(InvalidArgumentError, match="maxnreg"):
         SplitPrefillTuning(maxnreg=-1)
+    # GQA-packed (group 4): rows are tokens x 4 heads, so the same steps have the same program counts.
+    assert tuning.resolve(128, 32, 8, 2048, 2048, 132, group=4) == (128, 64, 8, 2, 128, 1)
+    assert tuning.resolve(128, 32, 1, 512, 4608, 132, group=4) == (128, 64, 8, 2, 128, 2)
+    assert tuning.resolve(128, 8, 1, 20, 300, 132, group=4) == (128, 128, 8, 3, None, 1)  # 80 rows: one tile
+    with pytest.raises(InvalidArgumentError, match="pack_gqa must be a bool"):
+        SplitPrefillTuning(pack_gqa=1)
 
 
 # --------------------------------------------------------------------------- on CUDA, at full size
@@ -137,6 +203,19 @@ def test_split_prefill_llama3_on_cuda(block_size, num_splits):
     query, key, value, cu = chunk_step(scenario, GPU_SEQ_LENS, GPU_Q_LENS, 32)
     expected = reference_prefill_attention(query, *scenario.kv, cu, scale=128 ** -0.5, float64=True)
     out = split_prefill(query, key, value, scenario, cu, SplitPrefillTuning(num_splits=num_splits),
+                        max_seqlen_q=max(GPU_Q_LENS), max_seq_len=max(GPU_SEQ_LENS))
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+@pytest.mark.parametrize("num_splits", [None, 1, 2])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (9, 3, 64)])
+def test_gqa_packed_split_prefill_on_cuda(block_size, num_splits, heads):
+    scenario = GpuScenario(GPU_SEQ_LENS, block_size, heads[1], heads[2], torch.bfloat16, seed=23)
+    query, key, value, cu = chunk_step(scenario, GPU_SEQ_LENS, GPU_Q_LENS, heads[0])
+    expected = reference_prefill_attention(query, *scenario.kv, cu, scale=heads[2] ** -0.5, float64=True)
+    out = split_prefill(query, key, value, scenario, cu, SplitPrefillTuning(num_splits=num_splits, pack_gqa=True),
                         max_seqlen_q=max(GPU_Q_LENS), max_seq_len=max(GPU_SEQ_LENS))
     assert_gpu_matches(out, expected, torch.bfloat16)
 

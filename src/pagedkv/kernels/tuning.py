@@ -29,10 +29,11 @@ rounds down to one wave of `programs_per_sm * num_sms` programs (`tiles_plan`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from pagedkv.env import env_choice
 from pagedkv.errors import InvalidArgumentError, require_positive_int
 
 
@@ -174,7 +175,11 @@ class SplitPrefillTuning:
     program per SM splits each program's kv range `num_splits` ways (None: 2 when its keys
     are long enough to pay for the merge), merged in the launch by the last split to finish.
     `block_m` must be a multiple of `block_n` (the causal loop's unmasked part ends on a
-    query tile's first row).
+    query tile's first row). `pack_gqa` (opt-in, not yet measured on a GPU) runs the
+    GQA-packed program (`triton_prefill_packed`): one program's `block_m` rows are
+    `block_m // group` tokens x a kv head's whole query-head group, so each K/V tile is read
+    once per group, not once per query head; a group of 1, or one that does not divide the
+    resolved `block_m`, runs the unpacked program (the reason logged once).
     """
 
     block_m: int | None = None
@@ -189,6 +194,7 @@ class SplitPrefillTuning:
     # Steps whose longest chunk is shorter take the all-paged kernel: its launch is bound (a few us of host
     # time), while this one goes through Triton's own launch (~60 us with its tensor descriptors).
     min_query_tokens: int = 64
+    pack_gqa: bool = False  # a program packs a kv head's query heads into its rows (PAGEDKV_PREFILL_PACK_GQA)
 
     def __post_init__(self):
         _check_tiles(self)
@@ -198,17 +204,29 @@ class SplitPrefillTuning:
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
                                          or self.maxnreg < 0):
             raise InvalidArgumentError(f"maxnreg must be an int >= 0 or None, got {self.maxnreg!r}")
-        if not isinstance(self.warp_specialize, bool):
-            raise InvalidArgumentError(f"warp_specialize must be a bool, got {self.warp_specialize!r}")
+        for name in ("warp_specialize", "pack_gqa"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.block_m is not None and self.block_n is not None and self.block_m % self.block_n:
             raise InvalidArgumentError(f"block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
 
+    def with_env_packing(self) -> SplitPrefillTuning:
+        """These settings with PAGEDKV_PREFILL_PACK_GQA=on|off applied (read per call; unset keeps `pack_gqa`)."""
+        choice = env_choice("PAGEDKV_PREFILL_PACK_GQA", ("on", "off"))
+        if choice is None or (choice == "on") == self.pack_gqa:
+            return self
+        return replace(self, pack_gqa=choice == "on")
+
     def resolve(self, head_dim: int, num_heads: int, num_seqs: int, max_seqlen_q: int, max_seq_len: int,
-                sm_count: int) -> tuple[int, int, int, int, int | None, int]:
-        """(block_m, block_n, num_warps, num_stages, maxnreg, num_splits) for a step of this shape (host ints)."""
+                sm_count: int, group: int = 1) -> tuple[int, int, int, int, int | None, int]:
+        """(block_m, block_n, num_warps, num_stages, maxnreg, num_splits) for a step of this shape (host ints).
+
+        `group`: query heads packed into one program's rows (the GQA-packed program; 1 unpacked).
+        """
+        rows = max_seqlen_q * group  # a program's rows are tokens x packed heads
         block_m = self.block_m or (128 if head_dim <= 128 else 64)
-        block_m = min(block_m, max(16, 1 << max(0, max_seqlen_q - 1).bit_length()))
-        programs = num_heads * num_seqs * -(-max_seqlen_q // block_m)
+        block_m = min(block_m, max(16, 1 << max(0, rows - 1).bit_length()))
+        programs = num_heads // group * num_seqs * -(-rows // block_m)
         num_splits = self.num_splits
         if num_splits is None:
             num_splits = 2 if programs <= sm_count and max_seq_len >= 2 * self.min_split_tokens else 1
