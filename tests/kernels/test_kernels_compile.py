@@ -32,7 +32,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert not failed, failed
     kernels = {row["kernel"] for row in compiled}
     assert {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_unified_kernel",
-            "_write_kv_kernel", "_decode_write_kernel"} <= kernels
+            "_write_kv_kernel", "_decode_write_kernel", "_split_prefill_kernel", "_packed_prefill_kernel"} <= kernels
     # The decode loops are software-pipelined (cp.async into shared memory), not plain loads.
     assert all(row["async_copies"] > 0 for row in compiled if "decode" in row["kernel"] and "merge" not in
                row["kernel"])
@@ -47,3 +47,9 @@ def test_fused_decode_write_keeps_the_decode_kernels_occupancy(compiled):
     """Writing the new token costs no programs per SM (a tile patched with the new row once held twice the registers)."""
     residency = {row["case"]: row["residency"] for row in compiled}
     assert residency["decode+write split llama3"] == residency["decode in-kernel merge llama3"] == 4
+
+
+def test_the_gqa_packed_prefill_program_keeps_two_per_sm(compiled):
+    """The wide launch's premise (two 8-warp programs share an SM) holds for the packed rows too."""
+    residency = {row["case"]: row["residency"] for row in compiled}
+    assert residency["split prefill wide gqa-packed llama3"] == residency["split prefill wide llama3"] == 2

@@ -137,6 +137,20 @@ def _cases():
                                                     max_seq_len=4096, num_splits=num_splits, validate=False,
                                                     backend="triton")
 
+    def split_prefill(**tuning):
+        """Two 512-token chunks on 512-token prefixes at page 16 (the prefix gathered by rows)."""
+        from pagedkv.kernels.triton_prefill_split import triton_split_prefill_attention
+        from pagedkv.kernels.tuning import SplitPrefillTuning
+
+        _, k_cache, v_cache, table, lens = paged(2, 1024, (32, 8, 128))
+        qkv = torch.zeros(1024, 48 * 128, dtype=torch.bfloat16)
+        query, key, value = (qkv[:, :4096].view(1024, 32, 128), qkv[:, 4096:5120].view(1024, 8, 128),
+                             qkv[:, 5120:].view(1024, 8, 128))
+        cu = torch.tensor([0, 512, 1024], dtype=torch.int32)
+        return lambda: triton_split_prefill_attention(query, key, value, k_cache, v_cache, table, lens, cu,
+                                                      torch.empty_like(query), scale=0.1, max_seqlen_q=512,
+                                                      max_seq_len=1024, tuning=SplitPrefillTuning(**tuning))
+
     def write():
         key = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
         k_cache = torch.zeros(10, 16, 8, 128, dtype=torch.bfloat16)
@@ -162,6 +176,7 @@ def _cases():
         return call
 
     llama, masked = (32, 8, 128), {"sliding_window": 100, "soft_cap": 30.0}
+    wide = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128, num_splits=2)
     return [
         ("decode split llama3", decode(llama, DecodeTuning()), {"head_dim": 128, "masked": False}),
         ("decode in-kernel merge llama3", decode(llama, DecodeTuning(merge="in_kernel")),
@@ -174,6 +189,8 @@ def _cases():
         ("unified m64 llama3", varlen(paged_attention, llama, UnifiedTuning()), {}),
         ("unified m16 llama3", varlen(paged_attention, llama, UnifiedTuning(block_m=16)), {}),
         ("unified smollm2 window+cap", varlen(paged_attention, (9, 3, 64), None, **masked), {}),
+        ("split prefill wide llama3", split_prefill(**wide), {}),
+        ("split prefill wide gqa-packed llama3", split_prefill(**wide, pack_gqa=True), {}),
         ("write_kv llama3", write(), {}),
         ("decode tiles gemma3 window+cap", decode((4, 1, 256), DecodeTuning(schedule="tiles"), sliding_window=512,
                                                   soft_cap=30.0), {"head_dim": 256, "masked": True}),
