@@ -12,7 +12,15 @@ import logging
 
 import pytest
 import torch
-from kernel_scenarios import GPU_TOLERANCES, GpuScenario, Scenario, assert_gpu_matches, assert_matches, cu_seqlens
+from kernel_scenarios import (
+    GPU_TOLERANCES,
+    LLAMA3,
+    GpuScenario,
+    Scenario,
+    assert_gpu_matches,
+    assert_matches,
+    cu_seqlens,
+)
 
 from pagedkv.errors import ConfigError, InvalidArgumentError, KernelInputError
 from pagedkv.kernels import paged_prefill_attention, reference_prefill_attention
@@ -207,10 +215,13 @@ def test_split_prefill_llama3_on_cuda(block_size, num_splits):
     assert_gpu_matches(out, expected, torch.bfloat16)
 
 
+QWEN3, SMOLLM2 = (16, 8, 128), (9, 3, 64)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [16, 64, 128])
-@pytest.mark.parametrize("num_splits", [None, 1, 2])
-@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("block_size, num_splits, heads", [
+    (16, None, LLAMA3), (64, None, LLAMA3), (128, None, LLAMA3), (16, 2, LLAMA3), (64, 1, LLAMA3),
+    (16, None, QWEN3), (64, 2, QWEN3), (16, None, SMOLLM2)])  # SmolLM2's group of 3 runs unpacked
 def test_gqa_packed_split_prefill_on_cuda(block_size, num_splits, heads):
     scenario = GpuScenario(GPU_SEQ_LENS, block_size, heads[1], heads[2], torch.bfloat16, seed=23)
     query, key, value, cu = chunk_step(scenario, GPU_SEQ_LENS, GPU_Q_LENS, heads[0])

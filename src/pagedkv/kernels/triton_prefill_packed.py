@@ -9,11 +9,15 @@ x the group's heads, token-major (the unified kernel's layout):
     row r  ->  chunk token tile * BLOCK_Q + r // group,  query head kv_head * group + r % group
 
 Token-major because one token's group heads are adjacent in the query and output rows
-(group x head_dim contiguous elements, 1 KiB at Llama-3-8B's 4 x 128 bf16), so the tile is
-BLOCK_Q contiguous runs; head-major rows would be `group` runs of BLOCK_Q strided rows each,
-and a row's causal position would need a modulo of a non-constant tile height instead of a
-shift. Q is loaded by pointer, once per program: a 2-D TMA box of [BLOCK_Q, group x head_dim]
-passes TMA's 256-element box limit as soon as group x head_dim > 256.
+(group x head_dim contiguous elements, 1 KiB at Llama-3-8B's 4 x 128 bf16), so the tile's Q
+load and output store are BLOCK_Q contiguous runs; head-major rows would be `group` x BLOCK_Q
+runs of one head's row each (the causal mask costs the same either way: a shift or a mask of
+the row index). Q is loaded by pointer, once per program: a 2-D TMA box of [BLOCK_Q, group x
+head_dim] passes TMA's 256-element box limit, and a 3-D [BLOCK_Q, group, head_dim] box
+reshaped to [BLOCK_M, head_dim] compiled (sm_90, Triton 3.6) to Q held in registers, with
+more spills than the pointer load (256 stack bytes against 96-200). The pointer load is what
+costs registers against the split kernel's TMA load of Q: uncapped, 201 against 186 (the
+wide launch's 128-register cap then spills 96-200 bytes against 24-96).
 
 Each row is masked by its own token's position. A query tile now spans BLOCK_Q tokens, fewer
 than a kv tile may hold, so the chunk's unmasked tiles end at the last kv tile wholly before the
@@ -71,7 +75,6 @@ def _packed_prefill_kernel(
                            block_tables_ptr, stride_bt_s, stride_bt_b, stride_cache_h, stride_cache_b,
                            stride_cache_o, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_N, PAGED_TMA, NUM_STAGES,
                            WARP_SPECIALIZE, NUM_SPLITS)
-    # Row addresses again rather than kept live through the loops (the 128-register programs spill less).
     finish(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr, seq, tile, split,
            (q_start + tokens).to(tl.int64), tokens < q_len, kv_head * GROUP + rows % GROUP, num_heads, num_tokens,
            stride_out_t, stride_out_h, HEAD_DIM, NUM_SPLITS)
