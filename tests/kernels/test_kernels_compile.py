@@ -32,7 +32,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert not failed, failed
     kernels = {row["kernel"] for row in compiled}
     assert {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_unified_kernel",
-            "_write_kv_kernel", "_decode_write_kernel", "_split_prefill_kernel", "_packed_prefill_kernel"} <= kernels
+            "_write_kv_kernel", "_decode_write_kernel", "_split_prefill_kernel",
+            "_packed_prefill_kernel"} <= kernels
     # The decode loops are software-pipelined (cp.async into shared memory), not plain loads.
     assert all(row["async_copies"] > 0 for row in compiled if "decode" in row["kernel"] and "merge" not in
                row["kernel"])

@@ -15,9 +15,9 @@ runs of one head's row each (the causal mask costs the same either way: a shift 
 the row index). Q is loaded by pointer, once per program: a 2-D TMA box of [BLOCK_Q, group x
 head_dim] passes TMA's 256-element box limit, and a 3-D [BLOCK_Q, group, head_dim] box
 reshaped to [BLOCK_M, head_dim] compiled (sm_90, Triton 3.6) to Q held in registers, with
-more spills than the pointer load (256 stack bytes against 96-200). The pointer load is what
+more spills than the pointer load (256 stack bytes against 96-128). The pointer load is what
 costs registers against the split kernel's TMA load of Q: uncapped, 201 against 186 (the
-wide launch's 128-register cap then spills 96-200 bytes against 24-96).
+wide launch's 128-register cap then spills 96-128 bytes against 24-96).
 
 Each row is masked by its own token's position. A query tile now spans BLOCK_Q tokens, fewer
 than a kv tile may hold, so the chunk's unmasked tiles end at the last kv tile wholly before the
@@ -64,8 +64,9 @@ def _packed_prefill_kernel(
     rows = tl.arange(0, BLOCK_M)
     tokens = tile * BLOCK_Q + rows // GROUP  # [BLOCK_M] query index within the chunk
     dims = tl.arange(0, HEAD_DIM)
-    q_rows = (q_start + tokens).to(tl.int64) * stride_q_t + (kv_head * GROUP + rows % GROUP) * HEAD_DIM
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=(tokens < q_len)[:, None], other=0.0)
+    q_tile = q_ptr + (q_start + tile * BLOCK_Q).to(tl.int64) * stride_q_t + kv_head * GROUP * HEAD_DIM
+    q_rows = (rows // GROUP) * stride_q_t + (rows % GROUP) * HEAD_DIM  # [BLOCK_M] int32 within the tile
+    q = tl.load(q_tile + q_rows[:, None] + dims[None, :], mask=(tokens < q_len)[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -116,7 +117,8 @@ def triton_packed_prefill_attention(query: torch.Tensor, key: torch.Tensor, valu
                                           num_counters=num_seqs * num_q_tiles * num_kv_heads)
     options = {} if maxnreg is None else {"maxnreg": maxnreg}
     _packed_prefill_kernel[(num_kv_heads, num_seqs, num_q_tiles * num_splits)](
-        query, *operands, num_heads, query.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        PAGED_TMA=paged_tma, NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize, NUM_SPLITS=num_splits,
-        num_warps=num_warps, num_stages=num_stages, **options)
+        query, *operands, num_heads, query.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PAGED_TMA=paged_tma, NUM_STAGES=num_stages,
+        WARP_SPECIALIZE=warp_specialize, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+        **options)
     return out
