@@ -14,7 +14,18 @@ Serve settings in its environment, which Ray's processes inherit, and in the job
     echo, pagedkv rtr   the same with a `generate`-shaped call routed by PagedKVRequestRouter
     engine <router>     the engine deployment (`EngineReplica`, 8 prompt tokens, 2 out) with pagedkv's
                         request router or Serve's default one: the `generate` call's first item (the
-                        replica's id), the first output on the `outputs` stream, the end of the call
+                        replica's id), the first output on the `outputs` stream, the end of the call;
+                        and the first output's path in three legs, timed on the host's monotonic clock
+                        (the same in every process): the call until `generate` runs in the replica
+                        (to_replica), until the first output is queued there (in_replica: the engine),
+                        and its trip on the `outputs` stream to the driver (output_trip)
+    ..., gRPC           the same calls over Serve's gRPC transport, taken per handle
+                        (`handle.options(_by_reference=False)`; every replica serves it), not by
+                        RAY_SERVE_USE_GRPC_BY_DEFAULT for the whole cluster
+    engine, RayEngineClient  the same requests through the ingress's engine client (`RayEngineClient`
+                        as the ingress builds it, gRPC included; add_request and step() from a
+                        thread, its loop a thread of its own; the
+                        groups whose router runs on its own loop): the first output
     engine alone        the same request on the engine in the driver's process (default group only)
 
 Per Serve row also: how many times the handle's router probed replica queue lengths per call
@@ -113,7 +124,9 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from pagedkv.deploy.ray_client import RayEngineClient
     from pagedkv.deploy.ray_serve import RayServeConfig, engine_deployment
+    from pagedkv.deploy.replica import EngineReplica
     from pagedkv.deploy.request_router import GENERATE_METHOD
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.sampling_params import SamplingParams
@@ -140,11 +153,14 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
 
         def __init__(self):
             self._outboxes: dict[str, asyncio.Queue] = {}
+            self._hops: dict[str, list] = {}  # request id -> [generate entered, first output queued] (perf_counter)
 
         def _outbox(self, sender: str) -> asyncio.Queue:  # made on the loop the calls run on
             return self._outboxes.setdefault(sender, asyncio.Queue())
 
         async def generate(self, request_id, token_ids, params, block_hashes=None, sender=""):
+            now = time.perf_counter()
+            self._hops[request_id] = [now, now]
             self._outbox(sender).put_nowait(("output", types.SimpleNamespace(request_id=request_id, finished=True)))
             yield "echo"
 
@@ -152,6 +168,38 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
             outbox = self._outbox(sender)
             while True:
                 yield [await outbox.get()], None
+
+        def hop_times(self) -> dict:
+            return self._hops
+
+    class TimedReplica(EngineReplica):
+        """`EngineReplica` noting when each `generate` call entered and when its first output was queued."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._hops: dict[str, list] = {}
+
+        async def generate(self, request_id, *args, **kwargs):
+            self._hops[request_id] = [time.perf_counter(), None]
+            async for item in super().generate(request_id, *args, **kwargs):
+                yield item
+
+        def _outbox(self, sender):
+            outbox = super()._outbox(sender)
+            if "put" not in vars(outbox):  # wrap each outbox's put once
+                put = outbox.put
+
+                def timed_put(message):
+                    hop = self._hops.get(message[1].request_id) if message[0] == "output" else None
+                    if hop is not None and hop[1] is None:
+                        hop[1] = time.perf_counter()
+                    put(message)
+
+                outbox.put = timed_put
+            return outbox
+
+        def hop_times(self) -> dict:
+            return self._hops
 
     pagedkv_router = RequestRouterConfig(request_router_class="pagedkv.deploy.request_router.PagedKVRequestRouter",
                                          request_router_kwargs={"policy": "prefix", "block_size": 16})
@@ -174,8 +222,8 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
         rows["actor stream"] = {"first_item_ms": p50(await _timed(calls, warmup, lambda: _first_item_ms(
             actor.stream.options(num_returns="streaming").remote(), resolve=True)))}
 
-    async def protocol_rows(handle, label):
-        h = handle.options(stream=True)
+    async def protocol_rows(handle, label, by_reference=True):
+        h = handle.options(stream=True, _by_reference=by_reference)
         sender = uuid.uuid4().hex
         outbox: asyncio.Queue = asyncio.Queue()
 
@@ -187,6 +235,7 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
 
         reader = counters = None
         id_ms, out_ms, end_ms = [], [], []
+        sent_at, received_at = {}, {}
         for i in range(calls + warmup):
             if i == warmup:
                 counters = _RouterCounters(h)
@@ -208,26 +257,67 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
                 id_ms.append((t_id - t0) * 1e3)
                 out_ms.append((t_out - t0) * 1e3)
                 end_ms.append((t_end - t0) * 1e3)
+                sent_at[f"r{i}"], received_at[f"r{i}"] = t0, t_out
         reader.cancel()
+        # perf_counter is the host's monotonic clock, the same in every process of the machine: the first
+        # output's path splits into the call reaching the replica, the replica (engine), and the output's trip.
+        hops = await handle.hop_times.remote()
+        legs = [((hops[r][0] - sent_at[r]) * 1e3, (hops[r][1] - hops[r][0]) * 1e3, (received_at[r] - hops[r][1]) * 1e3)
+                for r in sent_at]
         rows[label] = {"first_item_ms": p50(id_ms), "first_output_ms": p50(out_ms), "call_end_ms": p50(end_ms),
-                       **counters.row(calls)}
+                       "to_replica_ms": p50([leg[0] for leg in legs]), "in_replica_ms": p50([leg[1] for leg in legs]),
+                       "output_trip_ms": p50([leg[2] for leg in legs]), **counters.row(calls)}
+
+    async def client_rows(handle, label):
+        # As the ingress's app drives it: add_request and step() from a thread of their own (the app's engine
+        # thread); the client's loop is a thread of its own, as in an ingress with Serve's router on its own loop.
+        info = await handle.describe.remote()
+
+        def drive() -> list[float]:
+            client = RayEngineClient(handle, info, None, "prefix")
+            ms = []
+            try:
+                for i in range(calls + warmup):
+                    t0 = time.perf_counter()
+                    client.add_request(f"c{i}", PROMPT, params)
+                    first = None
+                    while client.has_unfinished_requests():
+                        for output in client.step(timeout_s=1.0):
+                            if first is None and output.outputs[0].token_ids:
+                                first = time.perf_counter()
+                    if i >= warmup:
+                        ms.append((first - t0) * 1e3)
+            finally:
+                client.shutdown()
+            return ms
+
+        rows[label] = {"first_output_ms": p50(await asyncio.to_thread(drive))}
 
     async def main():
         await plain_rows(Plain.remote())
         # No access-log line per call, as the engine deployment.
         echo = serve.deployment(Echo).options(name="Echo", ray_actor_options={"num_cpus": 0},
-                                              logging_config={"enable_access_log": False})
+                                              logging_config={"enable_access_log": False},
+                                              graceful_shutdown_timeout_s=1)  # its `outputs` stream never ends
         echo_handle = serve.run(echo.bind(), name="echo", route_prefix=None)
         await echo_rows(echo_handle, "echo stream")
         await protocol_rows(echo_handle, "echo replica")
+        if GROUPS[name].get("RAY_SERVE_THROUGHPUT_OPTIMIZED") != "1":  # the preset uses gRPC already
+            await protocol_rows(echo_handle, "echo replica, gRPC", by_reference=False)
         routed = echo.options(name="EchoRouted", request_router_config=pagedkv_router)
         await echo_rows(serve.run(routed.bind(), name="echo-routed", route_prefix=None), "echo, pagedkv rtr")
         for label, router in (("engine, pagedkv rtr", None), ("engine, default rtr", RequestRouterConfig())):
-            deployment = engine_deployment(cfg, RayServeConfig())
+            deployment = engine_deployment(cfg, RayServeConfig()).options(func_or_class=TimedReplica)
             if router is not None:
                 deployment = deployment.options(request_router_config=router)
             app = f"hops-{len(rows)}"
-            await protocol_rows(serve.run(deployment.bind(cfg, None), name=app, route_prefix=None), label)
+            handle = serve.run(deployment.bind(cfg, None), name=app, route_prefix=None)
+            await protocol_rows(handle, label)
+            if router is None and GROUPS[name].get("RAY_SERVE_THROUGHPUT_OPTIMIZED") != "1":
+                await protocol_rows(handle, "engine, pagedkv, gRPC", by_reference=False)
+            if router is None and GROUPS[name].get("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP") != "0" and \
+                    name != "throughput":  # the client takes the caller's loop when the router shares it
+                await client_rows(handle, "engine, RayEngineClient")
             serve.delete(app)  # one engine at a time on the box
         # On the loop: with Serve's router on the caller's loop (same-loop), handles are bound to it.
         await serve.shutdown_async()
@@ -257,11 +347,12 @@ def engine_alone_ms(cfg, params, calls: int, warmup: int) -> float:
 
 
 def print_table(results: dict) -> None:
-    cols = ("first_item_ms", "first_output_ms", "call_end_ms", "probes_per_call", "choose_ms")
-    print(f"{'group':<11} {'variant':<20} " + " ".join(f"{c:>16}" for c in cols))
+    cols = ("first_item_ms", "first_output_ms", "call_end_ms", "to_replica_ms", "in_replica_ms", "output_trip_ms",
+            "probes_per_call", "choose_ms")
+    print(f"{'group':<11} {'variant':<24}" + "".join(f"{c.removesuffix('_ms'):>16}" for c in cols))
     for group, rows in results.items():
         for variant, row in rows.items():
-            print(f"{group:<11} {variant:<20} " + " ".join(f"{row.get(c, ''):>16}" for c in cols))
+            print(f"{group:<11} {variant:<24}" + "".join(f"{row.get(c, ''):>16}" for c in cols))
 
 
 def main() -> None:
@@ -278,7 +369,8 @@ def main() -> None:
     results = {}
     for group in args.groups.split(","):
         child = subprocess.run([sys.executable, __file__, "--group", group, "--calls", str(args.calls),
-                                "--warmup", str(args.warmup)], env={**os.environ, **GROUPS[group]},
+                                "--warmup", str(args.warmup)],
+                               env={**os.environ, "OMP_NUM_THREADS": "1", **GROUPS[group]},  # as the replicas
                                stdout=subprocess.PIPE, text=True)
         lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
         results[group] = json.loads(lines[-1][7:]) if lines else {"failed": {"exit_code": child.returncode}}

@@ -25,6 +25,12 @@ def test_serve_with_ray_goes_to_the_ray_front_end_with_the_same_flags():
     assert ray_config(build_parser().parse_args(["--ray"])).engine_process is None
 
 
+def test_the_handle_transport_is_grpc_unless_told_and_checked():
+    assert RayServeConfig().handle_transport == "grpc" and RayServeConfig(handle_transport="ray").handle_transport == "ray"
+    with pytest.raises(ConfigError, match="handle_transport.*'http'"):
+        RayServeConfig(handle_transport="http")
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--data-parallel-size", "2"], "--min-replicas"),
     (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas"),

@@ -93,8 +93,9 @@ class _Handle:
         self.generate = _Method(self._generate)
         self.outputs = _Method(self._outputs)
 
-    def options(self, stream: bool):
+    def options(self, stream: bool, _by_reference: bool = True):
         assert stream
+        self.by_reference = _by_reference
         return self
 
     def _generate(self, *args, **kwargs):
@@ -228,5 +229,17 @@ def test_a_request_whose_replica_stream_ends_before_its_last_output_fails_and_do
         outputs = _drain(client)
         assert outputs[-1].finished and "output stream ended" in outputs[-1].error
         assert not client.has_unfinished_requests()
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.parametrize("grpc, by_reference", [(None, False), (True, False), (False, True)])
+def test_the_client_calls_replicas_over_the_transport_it_is_given(grpc, by_reference):
+    handle = _Handle([_messages("a", 2)])
+    client = RayEngineClient(handle, INFO, None, **({} if grpc is None else {"grpc": grpc}))
+    try:
+        assert handle.by_reference is by_reference  # Serve's gRPC channel unless told otherwise
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+        assert [o.outputs[0].token_ids for o in _drain(client)][-1] == [5, 6]
     finally:
         client.shutdown()

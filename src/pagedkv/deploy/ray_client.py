@@ -85,7 +85,8 @@ class RayEngineClient:
     """The engine deployment behind one handle, as an `EngineClient` (see the module docstring)."""
 
     def __init__(self, handle, info: dict, tokenizer, policy: RoutingPolicy | str = RoutingPolicy.PREFIX,
-                 max_attempts: int = DEFAULT_MAX_ATTEMPTS, loop: asyncio.AbstractEventLoop | None = None):
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS, loop: asyncio.AbstractEventLoop | None = None,
+                 grpc: bool = True):
         from pagedkv.engine.scheduler import Scheduler
 
         self.tokenizer = tokenizer
@@ -95,7 +96,10 @@ class RayEngineClient:
         self._block_size = info["block_size"]
         self._hashes_prompts = RoutingPolicy(policy) is RoutingPolicy.PREFIX
         self._fits = Scheduler(info["scheduler_config"])  # bookkeeping only: admission checks
-        self._handle = handle.options(stream=True)
+        # NOTE: `grpc` takes Serve's gRPC channel to each replica for this handle's calls (a replica's
+        # death then surfaces as ActorUnavailableError, a RayActorError, so the retry in _serve holds);
+        # else Ray's actor calls, Serve's default. See RayServeConfig.handle_transport.
+        self._handle = handle.options(stream=True, _by_reference=not grpc)
         self._sender = uuid.uuid4().hex  # names this client's output streams at every replica
         self._app_name, self._deployment_name = handle.app_name, handle.deployment_name
         self._max_attempts = max_attempts
