@@ -55,7 +55,7 @@ stop_all() {  # the server, then any Ray process it left (a killed driver leaves
   [ "$RAY_STOP" = 1 ] && timeout 60 $PY -m ray.scripts.scripts stop --force > /dev/null 2>&1
   return 0
 }
-trap 'stop_all; cp "$W"/ray_vs_serve.* "$W/summary.log" "$OUT/" 2>/dev/null; tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null' EXIT
+trap 'stop_all; cp "$W"/ray_vs_serve.* "$W"/ray_hops.json "$W"/hops.log "$W/summary.log" "$OUT/" 2>/dev/null; tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null' EXIT
 trap 'exit 130' INT TERM
 
 # Ray and the server's wheels, unpacked (no network here); PYTHONPATH absolute, as Ray's workers inherit it.
@@ -135,6 +135,18 @@ for mode in $MODES; do
   fi
   stop_all
 done
+
+if [ "${HOPS:-0}" = 1 ]; then
+  if [ "$(left)" -gt 150 ]; then
+    MODEL=$MODEL DEVICE=${DEVICE:-cuda} timeout -k 5 $(( $(left) - 30 )) $PY benchmarks/tools/ray_hops.py --out "$W" \
+      > "$W/hops.log" 2>&1
+    say "hops: exit $?"
+    sed -n '/^group /,/^wrote /p' "$W/hops.log"
+    stop_all
+  else
+    say "hops: skipped, budget spent"
+  fi
+fi
 
 $PY - "$W" "$MODES" <<'EOF' > "$W/ray_vs_serve.md"
 import json, os, sys
