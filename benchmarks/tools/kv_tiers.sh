@@ -6,9 +6,10 @@
 # Before the configurations, per model, a warm-up pass runs another seed's workload through the tiers once, so
 # that Triton's first-use compiles of the kernel variants each configuration needs stay out of the measured runs.
 #
-# Run from the repository root on the GPU machine: `OUT=$OUT bash benchmarks/tools/kv_tiers.sh` (about 5 minutes on
-# one H200 with GRAPHS=off, more with the default full graphs, since each of the run's engines captures its own;
-# the bench is cut at CHAT_TIMEOUT_S (480 s), the layer-group case below at 120 s; LAYER_GROUPS=0 skips it). Writes $OUT/kv_tiers.json and
+# Run from the repository root on the GPU machine: `OUT=$OUT bash benchmarks/tools/kv_tiers.sh` (on one H200 the
+# two models took about 190 s with the default full graphs, 230 s with GRAPHS=off, whose prefill steps also compile
+# kernel variants on first use; the bench is cut at CHAT_TIMEOUT_S (480 s), the layer-group case below at 120 s,
+# which LAYER_GROUPS=0 skips). Writes $OUT/kv_tiers.json and
 # $OUT/kv_tiers.md and prints the markdown: per model and configuration TTFT P50/P99, output tok/s, hit rates per
 # tier, restored GB, the restore rate of the H2D copies alone and with the scatter into the pool, blocks per copy;
 # then, each beside its target: TTFT vs GPU-only (>= 3x) next to the most a restore can win for one turn (its
