@@ -244,3 +244,23 @@ def test_decode_steps_claim_and_drop_blocks_only_at_block_boundaries_and_forks_c
     bm.free(2)
     bm.check_integrity()
     assert bm.allocator.num_free == 64
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_try_schedule_that_cannot_fit_changes_nothing_then_fits_once_blocks_free(hybrid):
+    # A 40-token chunk takes 10 blocks per full table, and each sliding group holds every block of it until the
+    # window moves on: 30 in the hybrid layout. The pools fit one such chunk, not two.
+    bm = (HybridBlockManager(LAYOUT, 32, BLOCK, enable_prefix_caching=False, max_query_tokens=64) if hybrid
+          else KVBlockManager(16, BLOCK, enable_prefix_caching=False))
+    bm.admit(0, list(range(1, 41)))
+    bm.admit(1, list(range(101, 141)))
+    assert bm.try_schedule(0, 0, 40) is not None  # takes most of the pool
+    free, held = bm.num_free_blocks, bm.block_ids(1) if not hybrid else bm.group_table(1, 0).block_ids[:]
+    assert bm.try_schedule(1, 0, 40) is None
+    assert bm.num_free_blocks == free
+    assert (bm.block_ids(1) if not hybrid else bm.group_table(1, 0).block_ids) == held
+    bm.check_integrity()
+    bm.free(0)
+    bm.begin_step()
+    assert bm.try_schedule(1, 0, 40) == []  # no copy-on-write: a fresh table
+    bm.check_integrity()

@@ -270,10 +270,6 @@ class KVBlockManager(PoolQueries):
         """New blocks `append_slots(seq_id, num_new_tokens)` would take."""
         return self._tables[seq_id].num_blocks_needed(num_new_tokens)
 
-    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        """Whether the sequence can get slots for `num_new_tokens` more tokens now."""
-        return self.blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
-
     def append_slots(self, seq_id: int, num_new_tokens: int) -> list[BlockCopy]:
         """Give the sequence slots for `num_new_tokens` tokens; returns copy-on-write copies.
 
@@ -288,18 +284,14 @@ class KVBlockManager(PoolQueries):
             self._ensure_free(needed)
         return table.append_tokens(num_new_tokens)
 
-    def can_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
-        """Whether tokens [num_computed, num_computed + num_new) can have slots now."""
-        slots_needed = num_computed_tokens + num_new_tokens - self._tables[seq_id].num_tokens
-        return slots_needed <= 0 or self.can_append(seq_id, slots_needed)
-
     def schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy]:
         """Slots for tokens [num_computed, num_computed + num_new) (`append_slots` of what is missing)."""
         slots_needed = num_computed_tokens + num_new_tokens - self._tables[seq_id].num_tokens
         return self.append_slots(seq_id, slots_needed) if slots_needed > 0 else []
 
     def try_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy] | None:
-        """`schedule` when the pool can give the slots now (`can_schedule`), else None with nothing changed."""
+        """`schedule` when the pool can give the slots now, else None with nothing changed (the scheduler then
+        preempts a victim and asks again)."""
         table = self._tables[seq_id]
         slots_needed = num_computed_tokens + num_new_tokens - table.num_tokens
         if slots_needed <= 0:

@@ -225,9 +225,6 @@ class HybridBlockManager(PoolQueries):
         tables = self._tables[seq_id]
         return sum(tables[g].num_blocks_needed(num_new_tokens) for g in self._full_groups)
 
-    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
-
     def append_slots(self, seq_id: int, num_new_tokens: int) -> list[BlockCopy]:
         """Give the full groups slots for `num_new_tokens` more tokens; returns copy-on-write copies."""
         self._check_length(seq_id, self._num_tokens[seq_id] + num_new_tokens)  # before any eviction
@@ -259,11 +256,6 @@ class HybridBlockManager(PoolQueries):
                 needed += table.num_blocks_needed(end - table.num_tokens)
         return needed
 
-    def can_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
-        """Whether tokens [num_computed, num_computed + num_new) can get slots in every group now."""
-        needed = self._step_blocks(seq_id, num_computed_tokens, num_new_tokens)
-        return needed == 0 or needed <= self.num_free_blocks
-
     def schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy]:
         """Slots for tokens [num_computed, num_computed + num_new) in every group; returns copy-on-write copies.
 
@@ -273,8 +265,8 @@ class HybridBlockManager(PoolQueries):
         return self._schedule(seq_id, num_computed_tokens, num_new_tokens, or_none=False)
 
     def try_schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> list[BlockCopy] | None:
-        """`schedule` when the pool can give the blocks now (`can_schedule`), else None with nothing changed:
-        one count of the blocks a step needs, where `can_schedule` then `schedule` made two."""
+        """`schedule` when the pool can give the blocks now, else None with nothing changed (the scheduler then
+        preempts a victim and asks again): one count of the blocks a step needs per group."""
         return self._schedule(seq_id, num_computed_tokens, num_new_tokens, or_none=True)
 
     def _schedule(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int,

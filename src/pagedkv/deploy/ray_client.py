@@ -4,10 +4,12 @@ The ingress runs the very app `pagedkv serve` runs (`pagedkv.server.app.create_a
 engine thread calls `add_request`, `abort` and `step` as it would on one `LLMEngine`. Here
 those become streaming calls on the engine deployment's handle:
 
-    engine thread                 client loop (the ingress replica's event loop)    engine replica
+    engine thread                 client loop (a thread of its own*)                engine replica
     add_request: tokens, hashes ─► handle.generate.remote(..., sender) ── router ──► generate(): its replica id
     step(): outputs from the queue ◄─ decode deltas ◄─ outputs(sender) stream, one per replica ◄─┘ (lists of messages)
     abort: cancel the call        ───► the generate call's cancellation ─────────────────► abort, blocks freed
+
+* or the ingress replica's event loop, when Ray Serve's router runs on it (`ray_serve.Ingress`).
 
 A request's outputs come on the stream this client holds with its replica (opened when a
 replica first names itself), many requests' messages per item: see `pagedkv.deploy.replica`
