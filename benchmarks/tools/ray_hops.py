@@ -126,7 +126,7 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
 
     from pagedkv.deploy.ray_client import RayEngineClient
     from pagedkv.deploy.ray_serve import RayServeConfig, engine_deployment
-    from pagedkv.deploy.replica import EngineReplica
+    from pagedkv.deploy.replica import EngineReplica, unpack_messages
     from pagedkv.deploy.request_router import GENERATE_METHOD
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.sampling_params import SamplingParams
@@ -228,9 +228,9 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
         outbox: asyncio.Queue = asyncio.Queue()
 
         async def read(replica):
-            async for messages, load in h.outputs.remote(sender, replica=replica):
+            async for blob, load in h.outputs.remote(sender, replica=replica):
                 now = time.perf_counter()
-                for m in messages:
+                for m in unpack_messages(blob):
                     outbox.put_nowait((now, m))
 
         reader = counters = None

@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 from ray.exceptions import ActorDiedError  # noqa: E402
 
 from pagedkv.deploy.ray_client import RayEngineClient  # noqa: E402
-from pagedkv.deploy.replica import Load  # noqa: E402
+from pagedkv.deploy.replica import Load, pack_messages  # noqa: E402
 from pagedkv.distributed.output_deltas import DeltaEncoder  # noqa: E402
 from pagedkv.distributed.router import prompt_block_hashes  # noqa: E402
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
@@ -31,7 +31,8 @@ def _output(request_id: str, tokens: list[int], finished: bool) -> RequestOutput
 
 class _Call:
     """One scripted `generate` call on replica `replica`: names the replica, then queues `script`'s messages for
-    the output stream (an exception is raised on the call; "hang" waits until cancelled), then ends."""
+    the output stream (an exception is raised on the call; "hang" waits until cancelled; ("break", error) breaks
+    the output stream with `error`), then ends."""
 
     def __init__(self, replica: "_Replica", script):
         self.replica, self.script = replica, script
@@ -49,7 +50,7 @@ class _Call:
                 raise item
             if item == "hang":
                 await asyncio.sleep(3600)
-            self.replica.outbox.put_nowait(item)
+            self.replica.outbox.put_nowait(item[1] if item[0] == "break" else item)
             await asyncio.sleep(0)
 
     def cancel(self):
@@ -70,9 +71,26 @@ class _Replica:
 
         async def run():
             while True:
-                yield [await self.outbox.get()], Load(self.name, "n1", 0, 1, 60, None)
+                message = await self.outbox.get()
+                if isinstance(message, BaseException):  # the stream breaks (the replica lives on)
+                    raise message
+                (blob,) = pack_messages([message])
+                yield blob, Load(self.name, "n1", 0, 1, 60, None)
 
-        return run()
+        return _Stream(run())
+
+
+class _Stream:
+    """An `outputs` call: iterated, or cancelled (as the client does when it closes its streams)."""
+
+    def __init__(self, items):
+        self.items, self.cancelled = items, False
+
+    def __aiter__(self):
+        return self.items
+
+    def cancel(self):
+        self.cancelled = True
 
 
 class _Method:
@@ -241,5 +259,24 @@ def test_the_client_calls_replicas_over_the_transport_it_is_given(grpc, by_refer
         assert handle.by_reference is by_reference  # Serve's gRPC channel unless told otherwise
         client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
         assert [o.outputs[0].token_ids for o in _drain(client)][-1] == [5, 6]
+    finally:
+        client.shutdown()
+
+
+def test_a_broken_output_stream_fails_its_started_requests_at_once_and_cancels_them_at_the_replica():
+    # The replica lives on (its calls stay open), but its output stream broke, as when the transport refuses a
+    # message: the request that had output may have lost some, so it fails now and is aborted there.
+    handle = _Handle([_messages("a", 3)[:1] + [("break", RuntimeError("RESOURCE_EXHAUSTED")), "hang"]])
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert outputs[0].outputs[0].token_ids == [5]
+        assert outputs[-1].finished and "RESOURCE_EXHAUSTED" in outputs[-1].error
+        assert not client.has_unfinished_requests()
+        deadline = time.monotonic() + 10
+        while not handle.calls[0][2].cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handle.calls[0][2].cancelled and len(handle.calls) == 1  # aborted there; not retried
     finally:
         client.shutdown()

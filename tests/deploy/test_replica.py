@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from pagedkv.deploy.replica import EngineReplica  # noqa: E402
+from pagedkv.deploy.replica import EngineReplica, pack_messages, unpack_messages  # noqa: E402
 from pagedkv.distributed.output_deltas import DeltaDecoder  # noqa: E402
 from pagedkv.engine.config import EngineConfig  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
@@ -31,9 +31,9 @@ async def _serve(replica: EngineReplica, calls: list[tuple[str, list[int], Sampl
     remaining = {request_id for request_id, _, _ in calls}
 
     async def read():
-        async for messages, load in replica.outputs(sender):
+        async for blob, load in replica.outputs(sender):
             assert load.replica == "local"
-            for message in messages:
+            for message in unpack_messages(blob):
                 if message[0] == "output":
                     output = decoder.decode(message[1])
                     if output.finished:
@@ -95,3 +95,44 @@ def test_a_caller_that_goes_away_aborts_its_request_and_frees_its_blocks(replica
         return False
 
     assert asyncio.run(run())
+
+
+def test_messages_travel_in_pieces_under_the_limit_in_order():
+    messages = [("output", f"{i:03d}" + "x" * 300, i) for i in range(40)]  # distinct texts (pickle memoizes)
+    pieces = pack_messages(messages, limit=2000)
+    assert len(pieces) > 1 and all(len(piece) <= 2000 for piece in pieces)
+    assert [m for piece in pieces for m in unpack_messages(piece)] == messages
+    assert len(pack_messages(messages)) == 1  # under the default limit: one item
+    (alone,) = pack_messages([("output", "y" * 5000)], limit=2000)  # one message larger than the limit: unsplit
+    assert unpack_messages(alone) == [("output", "y" * 5000)]
+
+
+def test_a_second_output_stream_of_a_sender_takes_over_and_the_first_ends(replica):
+    async def run():
+        first = replica.outputs("twice")
+        first_item = asyncio.create_task(first.__anext__())
+        await asyncio.sleep(0)
+        second = replica.outputs("twice")  # the ingress lost its first stream and opened another
+        second_item = asyncio.create_task(second.__anext__())
+        await asyncio.sleep(0.05)
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(first_item, 10)  # the first reader ended; it took no message
+        call = replica.generate("taken-over", PROMPTS[0], GREEDY, sender="twice")
+        assert await call.__anext__() == "local"
+        decoder, tokens = DeltaDecoder(), None
+        blob, _ = await asyncio.wait_for(second_item, 30)
+        while True:
+            for message in unpack_messages(blob):
+                output = decoder.decode(message[1])
+                if output.finished:
+                    tokens = output.outputs[0].token_ids
+            if tokens is not None:
+                break
+            blob, _ = await asyncio.wait_for(second.__anext__(), 30)
+        await call.aclose()
+        await second.aclose()
+        return tokens
+
+    tokens = asyncio.run(run())
+    assert tokens == LLM(**OPTIONS).generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
+    assert asyncio.run(replica.check_integrity()) == 0

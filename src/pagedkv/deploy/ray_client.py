@@ -23,7 +23,12 @@ output is retried on another replica, up to `max_attempts` calls in all: its cli
 nothing, so nothing is lost. A request that had already streamed output, or whose replica's
 output stream ended before its last message, ends with an error output, which the app turns
 into an error event and `[DONE]` (or a 500). Ray Serve restarts
-the replica; the router takes it back once the controller reports it running.
+the replica; the router takes it back once the controller reports it running. An output stream
+that ends while its replica lives on (a message the transport refused) may have lost messages of
+the requests in flight there: each one that had output fails at once and is cancelled at the
+replica (which frees its blocks), rather than when its call ends. One with no output yet waits
+for its call: the next stream this client opens to the replica takes the replica's queue over,
+so its outputs can still come; if the replica died, its call fails and it is retried elsewhere.
 
 `health()` lists the engine deployment's replicas as the Serve controller reports them
 (refreshed every `REPLICA_POLL_S` in the background, so a /health request never waits on Ray),
@@ -40,7 +45,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from pagedkv.deploy.replica import Load
+from pagedkv.deploy.replica import Load, unpack_messages
 from pagedkv.distributed.data_parallel import ReplicaStatsSum
 from pagedkv.distributed.output_deltas import DeltaDecoder
 from pagedkv.distributed.router import RoutingPolicy, prompt_block_hashes
@@ -68,7 +73,10 @@ class _Live:
     """A request in flight, as the client loop tracks it."""
 
     done: asyncio.Future  # set once its last message (final output, or failure) arrived
+    task: asyncio.Task  # its `_serve`
     started: bool = False  # an output arrived: a retry elsewhere would repeat it
+    replica: str | None = None  # the replica serving the current attempt, once it named itself
+    lost: str | None = None  # why that replica's output stream ended under it (its messages may be lost)
 
 
 class ReplicaStreamEndedError(PagedKVError):
@@ -190,7 +198,7 @@ class RayEngineClient:
                      block_hashes: list[bytes] | None) -> None:
         from ray.exceptions import RayActorError
 
-        live = self._live[request_id] = _Live(self._loop.create_future())
+        live = self._live[request_id] = _Live(self._loop.create_future(), asyncio.current_task())
         try:
             for attempt in range(1, self._max_attempts + 1):
                 call = self._handle.generate.remote(request_id, token_ids, params, block_hashes=block_hashes,
@@ -198,25 +206,34 @@ class RayEngineClient:
                 channel = None
                 try:
                     async for replica in call:  # one item: the replica that took it
-                        channel = self._channel(replica)
+                        live.replica, channel = replica, self._channel(replica)
                     await call_ended_and(live.done, channel)
                     return
                 except asyncio.CancelledError:
-                    call.cancel()
-                    raise
+                    call.cancel()  # the replica aborts it
+                    if live.lost is None:
+                        raise
+                    asyncio.current_task().uncancel()  # cancelled by _lose: it ends here, with an error output
+                    self._end_or_retry(request_id, live, attempt, ReplicaStreamEndedError(live.lost), retry=False)
+                    return
                 except Exception as error:  # noqa: BLE001 - whatever ended the call ends (or retries) this request
-                    if live.started or attempt == self._max_attempts or not isinstance(error, RayActorError):
-                        logger.warning("request %s failed on its replica: %s: %s", request_id,
-                                       type(error).__name__, error)
-                        self._outputs.put(failed_output(request_id, f"the replica serving this request failed: "
-                                                                    f"{type(error).__name__}: {error}"))
+                    if self._end_or_retry(request_id, live, attempt, error, isinstance(error, RayActorError)):
                         return
-                    logger.warning("request %s: its replica failed before the first output (%s); retrying on "
-                                   "another", request_id, type(error).__name__)
-                    await asyncio.sleep(_RETRY_BACKOFF_S)
+                await asyncio.sleep(_RETRY_BACKOFF_S)
         finally:
             del self._live[request_id]
             self._decoder.forget(request_id)
+
+    def _end_or_retry(self, request_id: str, live: _Live, attempt: int, error: Exception, retry: bool) -> bool:
+        """After an attempt failed: True once the request ended with an error output, False to try again."""
+        if live.started or attempt == self._max_attempts or not retry:
+            logger.warning("request %s failed on its replica: %s: %s", request_id, type(error).__name__, error)
+            self._outputs.put(failed_output(request_id, f"the replica serving this request failed: "
+                                                        f"{type(error).__name__}: {error}"))
+            return True
+        logger.warning("request %s: its replica failed before the first output (%s); retrying on another",
+                       request_id, type(error).__name__)
+        return False
 
     def _channel(self, replica: str) -> asyncio.Task:
         """The task reading this client's output stream from `replica` (started on first use)."""
@@ -227,21 +244,34 @@ class RayEngineClient:
 
     async def _read(self, replica: str) -> None:
         call = self._handle.outputs.remote(self._sender, replica=replica)
+        why = "it ended"
         try:
-            async for messages, load in call:
+            async for blob, load in call:
                 self._loads[load.replica] = load
                 if load.stats is not None:
                     self._stats[load.replica] = load.stats
-                for message in messages:
+                for message in unpack_messages(blob):
                     self._take(message)
         except asyncio.CancelledError:
+            why = None
             call.cancel()
             raise
-        except Exception as error:  # noqa: BLE001 - the replica is gone; its requests end (see _serve)
-            logger.warning("the output stream of replica %s ended: %s: %s", replica, type(error).__name__, error)
+        except Exception as error:  # noqa: BLE001 - the replica is gone, or the stream broke; see _serve
+            why = f"{type(error).__name__}: {error}"
+            logger.warning("the output stream of replica %s ended: %s", replica, why)
         finally:
             if self._channels.get(replica) is asyncio.current_task():
                 del self._channels[replica]
+            if why is not None:
+                self._lose(replica, f"the output stream of replica {replica} ended before the request's last "
+                                    f"output ({why})")
+
+    def _lose(self, replica: str, why: str) -> None:
+        """Fail the requests with output in flight on `replica`, whose output stream ended (module docstring)."""
+        for live in self._live.values():
+            if live.replica == replica and live.started and not live.done.done() and live.lost is None:
+                live.lost = why
+                live.task.cancel()
 
     def _cancel_channels(self) -> list[asyncio.Task]:
         tasks = list(self._channels.values())

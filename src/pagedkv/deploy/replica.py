@@ -19,7 +19,11 @@ a few hundred microseconds, so one item per request per step (256 streams at 150
 more than Ray delivers, and a saturated replica would stream a fifth of what its engine makes.
 Instead each ingress (`sender`) holds one `outputs` stream per replica, and every message the
 replica has for that ingress since its last item goes out as one list: one item per step per
-ingress, whatever the batch size.
+ingress, whatever the batch size. The list travels pickled, in items of at most `MAX_ITEM_BYTES`
+(several items when more is queued): Serve's gRPC channel refuses a message over 4 MiB
+(`RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`), and at saturation a step's first outputs (each
+carrying its prompt's ids) can pass that; a stream cut by a refused message would lose every
+request it carried.
 
 `generate` adds the request, then yields one item, this replica's id (so the ingress opens its
 `outputs` stream here if it has none yet), and ends once the request ended, its
@@ -29,9 +33,11 @@ caller cancels it (its client went away), the request is aborted and its blocks 
 
 The messages: `("output", OutputDelta)` per output the engine thread delivers (a request's new
 tokens and text only, `pagedkv.distributed.output_deltas`), and `("failed", request_id,
-message, status)` once a request fails. Each `outputs` item is `(messages, load)`, `load`
-being `Load` below, so the ingress sees each replica's queues and stats without asking. An
-`outputs` stream that ends (the ingress went away) cancels that sender's requests here.
+message, status)` once a request fails. Each `outputs` item is `(packed messages, load)`
+(`unpack_messages` reads them), `load` being `Load` below, so the ingress sees each replica's
+queues and stats without asking. An `outputs` stream that ends (the ingress went away) cancels
+that sender's requests here. A sender that opens a second `outputs` stream (its first one broke)
+takes its messages over from the first, which ends: two readers never split one sender's messages.
 
 Routing stats (`record_routing_stats`, polled by the Serve controller and handed to every
 router): the engine's waiting and running requests and free blocks, how many `generate` calls
@@ -48,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -67,6 +74,23 @@ logger = logging.getLogger("pagedkv.deploy")
 MAX_PUBLISHED_BLOCK_HASHES = 2048
 #: A replica attaches its engine stats to an output at most this often.
 STATS_PERIOD_S = 0.05
+#: An `outputs` item's pickled messages stay under this many bytes unless one message alone is larger (a
+#: quarter of the 4 MiB that Serve's gRPC channel to a replica accepts by default).
+MAX_ITEM_BYTES = 1 << 20
+
+
+def pack_messages(messages: list, limit: int = MAX_ITEM_BYTES) -> list[bytes]:
+    """`messages` pickled, in order, as as few pieces as keep each under `limit` bytes (a message is never split)."""
+    blob = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(blob) <= limit or len(messages) == 1:
+        return [blob]
+    half = len(messages) // 2
+    return pack_messages(messages[:half], limit) + pack_messages(messages[half:], limit)
+
+
+def unpack_messages(blob: bytes) -> list:
+    """The messages of one `outputs` item (`pack_messages`' inverse)."""
+    return pickle.loads(blob)
 
 
 @dataclass(frozen=True)
@@ -87,18 +111,28 @@ class _Outbox:
     def __init__(self):
         self.messages: list = []
         self.requests: set[asyncio.Task] = set()  # the `generate` calls of this sender running here
+        self.reader: object | None = None  # the `outputs` call reading it now (a newer one takes over)
         self._ready = asyncio.Event()
 
     def put(self, message: tuple) -> None:
         self.messages.append(message)
         self._ready.set()
 
-    async def take(self) -> list:
-        """Every message queued since the last call (waits for the first)."""
-        await self._ready.wait()
-        self._ready.clear()
-        messages, self.messages = self.messages, []
-        return messages
+    def attach(self, reader: object) -> None:
+        """Make `reader` the one `take` serves; a reader it replaces gets None from its next `take`."""
+        self.reader = reader
+        self._ready.set()  # wake the old reader, so that it ends
+
+    async def take(self, reader: object) -> list | None:
+        """Every message queued since the last call (waits for the first); None once another reader took over."""
+        while True:
+            await self._ready.wait()
+            if self.reader is not reader:
+                return None
+            self._ready.clear()
+            if self.messages:
+                messages, self.messages = self.messages, []
+                return messages
 
 
 class _OutboxStream(RequestStream):
@@ -227,15 +261,19 @@ class EngineReplica:
         if replica and replica != self._replica:
             return
         outbox = self._outbox(sender)
+        reader = object()
+        outbox.attach(reader)
         try:
-            while True:
-                messages = await outbox.take()
-                yield messages, self._load()
+            while (messages := await outbox.take(reader)) is not None:
+                load = self._load()
+                for blob in pack_messages(messages):
+                    yield blob, load
         finally:  # the reader went away: nobody can receive these requests' outputs any more
-            if self._outboxes.get(sender) is outbox:
-                del self._outboxes[sender]
-            for task in list(outbox.requests):
-                task.cancel()
+            if outbox.reader is reader:
+                if self._outboxes.get(sender) is outbox:
+                    del self._outboxes[sender]
+                for task in list(outbox.requests):
+                    task.cancel()
 
     def _outbox(self, sender: str) -> _Outbox:
         outbox = self._outboxes.get(sender)
