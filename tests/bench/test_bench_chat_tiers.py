@@ -1,0 +1,62 @@
+"""The chat-tiers bench's turn loop: TTFT over every turn, and apart over the turns that reuse a system prompt."""
+
+import types
+
+from pagedkv.bench.engine_chat_tiers import run_chat
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+
+
+class _Engine:
+    """Answers each request with one token per step; a prompt that opens with a system prompt no earlier
+    request sent waits `cold_steps` extra steps for its first token (a cold prefill). Each step takes one
+    second of `clock`."""
+
+    def __init__(self, system_tokens: int, cold_steps: int):
+        self.system_tokens, self.cold_steps = system_tokens, cold_steps
+        self.clock = 0.0
+        self.seen: set = set()
+        self.live: dict[str, list] = {}
+        self.step_timings = None
+
+    def add_request(self, request_id, prompt, params):
+        system = tuple(prompt[:self.system_tokens])
+        delay = 0 if system in self.seen else self.cold_steps
+        self.seen.add(system)
+        self.live[request_id] = [delay, params.max_tokens, []]
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        self.clock += 1.0
+        outputs = []
+        for request_id, state in list(self.live.items()):
+            if state[0] > 0:
+                state[0] -= 1
+                continue
+            state[2].append(7)
+            finished = len(state[2]) == state[1]
+            outputs.append(RequestOutput(request_id, None, [], [CompletionOutput(0, "", list(state[2]),
+                                                                                 "length" if finished else None)],
+                                         finished))
+            if finished:
+                del self.live[request_id]
+        if self.step_timings is not None:
+            self.step_timings.append(None)
+        return outputs
+
+
+def test_turns_that_reuse_a_system_prompt_are_reported_apart_from_its_first_use(monkeypatch):
+    import pagedkv.bench.engine_chat_tiers as bench
+
+    engine = _Engine(system_tokens=4, cold_steps=20)
+    monkeypatch.setattr(bench, "step_summary", lambda timings: {})
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: engine.clock))
+    systems = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    # conversation c uses system prompt c % 2; two turns each; the second turn extends the first's history
+    turns = [(c, t, systems[c % 2] + [100 + c] * (t + 1), 2) for t in range(2) for c in range(4)]
+    run = run_chat(engine, turns, max_in_flight=1, system_tokens=4)
+    assert run["num_requests"] == 8 and run["num_reuse_requests"] == 6  # every turn but each system's first
+    # one step to a first token, 21 for the two first uses: they set the P99 of all turns, not of the reusing ones
+    assert run["ttft_reuse_p50_s"] == run["ttft_reuse_p99_s"] == 1.0
+    assert run["ttft_p99_s"] > 20.0
