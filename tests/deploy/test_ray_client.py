@@ -129,7 +129,7 @@ class _Handle:
 
 
 def _messages(request_id: str, num_tokens: int) -> list:
-    encoder = DeltaEncoder()
+    encoder = DeltaEncoder(send_prompt_token_ids=False)  # as a replica encodes them
     return [("output", encoder.encode(_output(request_id, list(range(5, 5 + k)), k == num_tokens)))
             for k in range(1, num_tokens + 1)]
 
@@ -149,6 +149,7 @@ def test_a_replica_that_dies_before_the_first_output_is_retried_and_the_prompt_h
         client.add_request("a", prompt, SamplingParams(max_tokens=3))
         outputs = _drain(client)
         assert [o.outputs[0].token_ids for o in outputs][-1] == [5, 6, 7] and outputs[-1].error is None
+        assert outputs[-1].prompt_token_ids == prompt  # the client's own: a replica does not send them back
         assert len(handle.calls) == 2  # the first replica failed; the second served it
         for args, kwargs, _ in handle.calls:
             assert args[1] == prompt and kwargs["block_hashes"] == prompt_block_hashes(prompt, 4)

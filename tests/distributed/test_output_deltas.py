@@ -54,3 +54,11 @@ def test_forgotten_requests_leave_no_state():
     encoder.forget("gone")
     decoder.forget("gone")
     assert not encoder._sent and not decoder._received
+
+
+def test_a_receiver_that_sent_the_prompt_gets_no_prompt_ids_back_and_rebuilds_the_same_outputs():
+    encoder, decoder = DeltaEncoder(send_prompt_token_ids=False), DeltaDecoder()
+    outputs = list(_evolving_outputs(random.Random(3), "r", n=2, steps=6))
+    deltas = [encoder.encode(o) for o in outputs]
+    assert all(d.prompt_token_ids is None for d in deltas)
+    assert [decoder.decode(d, prompt_token_ids=[1, 2, 3]) for d in deltas] == outputs

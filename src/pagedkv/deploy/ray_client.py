@@ -74,6 +74,7 @@ class _Live:
 
     done: asyncio.Future  # set once its last message (final output, or failure) arrived
     task: asyncio.Task  # its `_serve`
+    prompt_token_ids: list[int]  # the replica does not send them back
     started: bool = False  # an output arrived: a retry elsewhere would repeat it
     replica: str | None = None  # the replica serving the current attempt, once it named itself
     lost: str | None = None  # why that replica's output stream ended under it (its messages may be lost)
@@ -198,7 +199,7 @@ class RayEngineClient:
                      block_hashes: list[bytes] | None) -> None:
         from ray.exceptions import RayActorError
 
-        live = self._live[request_id] = _Live(self._loop.create_future(), asyncio.current_task())
+        live = self._live[request_id] = _Live(self._loop.create_future(), asyncio.current_task(), token_ids)
         try:
             for attempt in range(1, self._max_attempts + 1):
                 call = self._handle.generate.remote(request_id, token_ids, params, block_hashes=block_hashes,
@@ -289,7 +290,7 @@ class RayEngineClient:
             if live is None:
                 return  # aborted since (or failed over): nobody waits for it
             live.started = True
-            self._outputs.put(self._decoder.decode(delta))
+            self._outputs.put(self._decoder.decode(delta, live.prompt_token_ids))
             if delta.finished:
                 live.done.set_result(None)
         else:

@@ -32,7 +32,8 @@ ongoing requests (autoscaling, `max_ongoing_requests`) and its cancellation hone
 caller cancels it (its client went away), the request is aborted and its blocks freed at once.
 
 The messages: `("output", OutputDelta)` per output the engine thread delivers (a request's new
-tokens and text only, `pagedkv.distributed.output_deltas`), and `("failed", request_id,
+tokens and text only, `pagedkv.distributed.output_deltas`; not the prompt's ids, which the sender
+sent), and `("failed", request_id,
 message, status)` once a request fails. Each `outputs` item is `(packed messages, load)`
 (`unpack_messages` reads them), `load` being `Load` below, so the ingress sees each replica's
 queues and stats without asking. An `outputs` stream that ends (the ingress went away) cancels
@@ -80,12 +81,17 @@ MAX_ITEM_BYTES = 1 << 20
 
 
 def pack_messages(messages: list, limit: int = MAX_ITEM_BYTES) -> list[bytes]:
-    """`messages` pickled, in order, as as few pieces as keep each under `limit` bytes (a message is never split)."""
+    """`messages` pickled, in order, in pieces of at most `limit` bytes each (a message is never split).
+
+    Pickled once; when that is too large, cut by count into as many pieces as its size asks for (each
+    pickled once more), and a piece still too large (its messages were larger than the average) is cut again."""
     blob = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
     if len(blob) <= limit or len(messages) == 1:
         return [blob]
-    half = len(messages) // 2
-    return pack_messages(messages[:half], limit) + pack_messages(messages[half:], limit)
+    num_pieces = min(len(messages), -(-len(blob) // limit) + 1)
+    step = -(-len(messages) // num_pieces)
+    return [piece for start in range(0, len(messages), step)
+            for piece in pack_messages(messages[start:start + step], limit)]
 
 
 def unpack_messages(blob: bytes) -> list:
@@ -146,7 +152,7 @@ class _OutboxStream(RequestStream):
     def __init__(self, loop: asyncio.AbstractEventLoop, outbox: _Outbox):
         super().__init__(loop)
         self._outbox = outbox
-        self._encoder = DeltaEncoder()
+        self._encoder = DeltaEncoder(send_prompt_token_ids=False)  # the sender has them: it sent them
         self.error: Exception | None = None
         self.ended: asyncio.Future = loop.create_future()
 

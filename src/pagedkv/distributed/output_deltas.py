@@ -64,10 +64,14 @@ class _Sent:
 
 
 class DeltaEncoder:
-    """The sending side: `encode(output)` -> the `OutputDelta` that brings the receiver up to date."""
+    """The sending side: `encode(output)` -> the `OutputDelta` that brings the receiver up to date.
 
-    def __init__(self):
+    `send_prompt_token_ids=False` leaves the prompt's ids out of the first delta too, for a receiver that
+    sent them itself (it passes them to `DeltaDecoder.decode`)."""
+
+    def __init__(self, send_prompt_token_ids: bool = True):
         self._sent: dict[str, dict[int, _Sent]] = {}
+        self._send_prompt_token_ids = send_prompt_token_ids
 
     def encode(self, output: RequestOutput) -> OutputDelta:
         first = output.request_id not in self._sent
@@ -90,7 +94,7 @@ class DeltaEncoder:
             del self._sent[output.request_id]
         return OutputDelta(output.request_id, completions, output.finished, output.num_cached_tokens, output.error,
                            output.metrics, output.prompt if first else None,
-                           output.prompt_token_ids if first else None)
+                           output.prompt_token_ids if first and self._send_prompt_token_ids else None)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's state (aborted: no final output will come)."""
@@ -110,10 +114,12 @@ class DeltaDecoder:
     def __init__(self):
         self._received: dict[str, _Received] = {}
 
-    def decode(self, delta: OutputDelta) -> RequestOutput:
+    def decode(self, delta: OutputDelta, prompt_token_ids: list[int] | None = None) -> RequestOutput:
+        """The request's full output so far; `prompt_token_ids`: its prompt, when the sender left it out."""
         state = self._received.get(delta.request_id)
         if state is None:
-            state = self._received[delta.request_id] = _Received(delta.prompt, delta.prompt_token_ids or [])
+            prompt_ids = delta.prompt_token_ids if delta.prompt_token_ids is not None else prompt_token_ids
+            state = self._received[delta.request_id] = _Received(delta.prompt, prompt_ids or [])
         for part in delta.completions:
             before = state.completions.get(part.index)
             tokens = before.token_ids[:part.token_offset] if before else []
