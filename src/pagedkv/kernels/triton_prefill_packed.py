@@ -25,9 +25,10 @@ tile's first token (`attend`'s TILE_TOKENS). The prefix loop, the chunk loop, th
 (NUM_SPLITS, one counter per sequence x query tile x kv head) and the in-launch merge are the
 split kernel's own (`triton_prefill_split_parts`).
 
-Opt-in (`SplitPrefillTuning.pack_gqa`, or PAGEDKV_PREFILL_PACK_GQA=on for the engine), not yet
-timed on a GPU: the split kernel's launch sends a step here when the group is > 1 and divides
-the resolved BLOCK_M; otherwise it runs the unpacked program and logs why, once per reason.
+Opt-in (`SplitPrefillTuning.pack_gqa`, or PAGEDKV_PREFILL_PACK_GQA=on for the engine): on the
+H200 it was 1.7-3.6% slower than the unpacked program at page 16 and within 1% at pages 64 and 128
+(it spills at 128 registers). The split kernel's launch sends a step here when the group is > 1 and
+divides the resolved BLOCK_M; otherwise it runs the unpacked program and logs why, once per reason.
 """
 
 from __future__ import annotations
