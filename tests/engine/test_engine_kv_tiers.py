@@ -265,6 +265,23 @@ def test_writer_threads_keep_each_keys_write_and_delete_in_order(tmp_path):
     store.close()  # idempotent
 
 
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities on this platform")
+def test_writer_threads_run_nicer_than_the_step_loop(tmp_path):
+    import numpy as np
+
+    from pagedkv.engine.kv_disk import DiskStore
+
+    store = DiskStore(tmp_path, "ef" * 32, 64, num_write_threads=2)
+    store.write_async(b"\1" * 32, np.zeros(64, dtype=np.uint8))
+    store.flush()  # the threads have set their priority before their first job
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if own >= 19:
+        pytest.skip("this process already runs at the lowest priority")
+    assert all(os.getpriority(os.PRIO_PROCESS, thread.native_id) > own for thread in store._threads)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own  # the process (and its step loop) keeps its priority
+    store.close()
+
+
 def _file_of(llm, prompt, index):
     from pagedkv.core.prefix_cache import hash_blocks
 
