@@ -32,7 +32,7 @@ def _output(request_id: str, tokens: list[int], finished: bool) -> RequestOutput
 class _Call:
     """One scripted `generate` call on replica `replica`: names the replica, then queues `script`'s messages for
     the output stream (an exception is raised on the call; "hang" waits until cancelled; ("break", error) breaks
-    the output stream with `error`), then ends."""
+    the output stream with `error`; "end" ends it), then ends."""
 
     def __init__(self, replica: "_Replica", script):
         self.replica, self.script = replica, script
@@ -51,6 +51,7 @@ class _Call:
             if item == "hang":
                 await asyncio.sleep(3600)
             self.replica.outbox.put_nowait(item[1] if item[0] == "break" else item)
+            self.replica.num_streamed += 1
             await asyncio.sleep(0)
 
     def cancel(self):
@@ -65,15 +66,20 @@ class _Replica:
 
         self.name = name
         self.outbox = asyncio.Queue()  # what the replica holds for the stream until it is read
+        self.num_streamed = 0
+        self.num_streams = 0  # `outputs` calls opened
 
     def outputs(self, replica: str):
         assert replica == self.name
+        self.num_streams += 1
 
         async def run():
             while True:
                 message = await self.outbox.get()
                 if isinstance(message, BaseException):  # the stream breaks (the replica lives on)
                     raise message
+                if message == "end":  # the replica ends the stream (it was idle)
+                    return
                 (blob,) = pack_messages([message])
                 yield blob, Load(self.name, "n1", 0, 1, 60, None)
 
@@ -104,8 +110,9 @@ class _Handle:
 
     app_name, deployment_name = "app", "engine"
 
-    def __init__(self, scripts):
+    def __init__(self, scripts, one_replica: bool = False):
         self.scripts = list(scripts)
+        self.one_replica = one_replica  # every call on replica r0, else each on a replica of its own
         self.replicas: dict[str, _Replica] = {}
         self.calls: list[tuple] = []
         self.generate = _Method(self._generate)
@@ -117,8 +124,8 @@ class _Handle:
         return self
 
     def _generate(self, *args, **kwargs):
-        name = f"r{len(self.calls)}"
-        self.replicas[name] = _Replica(name)
+        name = "r0" if self.one_replica else f"r{len(self.calls)}"
+        self.replicas.setdefault(name, _Replica(name))
         call = _Call(self.replicas[name], self.scripts.pop(0))
         self.calls.append((args, kwargs, call))
         return call
@@ -279,5 +286,21 @@ def test_a_broken_output_stream_fails_its_started_requests_at_once_and_cancels_t
         while not handle.calls[0][2].cancelled and time.monotonic() < deadline:
             time.sleep(0.01)
         assert handle.calls[0][2].cancelled and len(handle.calls) == 1  # aborted there; not retried
+    finally:
+        client.shutdown()
+
+
+def test_a_stream_the_replica_ends_is_reopened_for_the_request_still_waiting_on_it():
+    # "a" is answered on r0's stream; then r0 ends that stream (idle, as a replica does), with "b" already
+    # sent there and nothing of it out yet: the client opens a new stream, and b's outputs come on it.
+    handle = _Handle([_messages("a", 2), ["end"] + _messages("b", 3)], one_replica=True)
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+        assert _drain(client)[-1].outputs[0].token_ids == [5, 6]
+        client.add_request("b", [1, 2, 3], SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert outputs[-1].finished and outputs[-1].error is None and outputs[-1].outputs[0].token_ids == [5, 6, 7]
+        assert handle.replicas["r0"].num_streams == 2
     finally:
         client.shutdown()

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from pagedkv.deploy.replica import EngineReplica, pack_messages, unpack_messages  # noqa: E402
+from pagedkv.deploy.replica import OUTPUTS_IDLE_S, EngineReplica, pack_messages, unpack_messages  # noqa: E402
 from pagedkv.distributed.output_deltas import DeltaDecoder  # noqa: E402
 from pagedkv.engine.config import EngineConfig  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
@@ -136,3 +136,18 @@ def test_a_second_output_stream_of_a_sender_takes_over_and_the_first_ends(replic
     tokens = asyncio.run(run())
     assert tokens == LLM(**OPTIONS).generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
     assert asyncio.run(replica.check_integrity()) == 0
+
+
+def test_an_idle_output_stream_ends_and_a_busy_one_does_not(replica):
+    async def run():
+        replica.outputs_idle_s = 0.01  # shorter than a CPU step: only the request in flight keeps the stream open
+        try:
+            idle = replica.outputs("idle")
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(idle.__anext__(), 10)  # nothing sent here: it ends
+            return await _serve(replica, [("busy", PROMPTS[1], GREEDY)], sender="busy")
+        finally:
+            replica.outputs_idle_s = OUTPUTS_IDLE_S
+
+    done, failed = asyncio.run(run())
+    assert not failed and len(done["busy"].outputs[0].token_ids) == GREEDY.max_tokens

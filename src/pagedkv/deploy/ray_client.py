@@ -26,9 +26,10 @@ into an error event and `[DONE]` (or a 500). Ray Serve restarts
 the replica; the router takes it back once the controller reports it running. An output stream
 that ends while its replica lives on (a message the transport refused) may have lost messages of
 the requests in flight there: each one that had output fails at once and is cancelled at the
-replica (which frees its blocks), rather than when its call ends. One with no output yet waits
-for its call: the next stream this client opens to the replica takes the replica's queue over,
-so its outputs can still come; if the replica died, its call fails and it is retried elsewhere.
+replica (which frees its blocks), rather than when its call ends. For the others the client opens
+a new stream at once, which takes the replica's queue over, so their outputs still come; if the
+replica died, their calls fail and they are retried elsewhere. A replica also ends a stream that
+has been idle a while (`replica.OUTPUTS_IDLE_S`): the next request opens another.
 
 `health()` lists the engine deployment's replicas as the Serve controller reports them
 (refreshed every `REPLICA_POLL_S` in the background, so a /health request never waits on Ray),
@@ -82,14 +83,6 @@ class _Live:
 
 class ReplicaStreamEndedError(PagedKVError):
     """A replica's output stream ended before a request's last message came on it."""
-
-
-async def call_ended_and(done: asyncio.Future, channel: asyncio.Task | None) -> None:
-    """Once a request's call has ended: wait for its last message, or raise if its replica's stream ends first."""
-    if not done.done() and channel is not None:
-        await asyncio.wait((done, channel), return_when=asyncio.FIRST_COMPLETED)
-    if not done.done():
-        raise ReplicaStreamEndedError("the replica's output stream ended before the request's last output")
 
 
 class RayEngineClient:
@@ -204,11 +197,11 @@ class RayEngineClient:
             for attempt in range(1, self._max_attempts + 1):
                 call = self._handle.generate.remote(request_id, token_ids, params, block_hashes=block_hashes,
                                                     sender=self._sender)
-                channel = None
                 try:
                     async for replica in call:  # one item: the replica that took it
-                        live.replica, channel = replica, self._channel(replica)
-                    await call_ended_and(live.done, channel)
+                        live.replica = replica
+                        self._channel(replica)
+                    await self._last_message(live)
                     return
                 except asyncio.CancelledError:
                     call.cancel()  # the replica aborts it
@@ -224,6 +217,15 @@ class RayEngineClient:
         finally:
             del self._live[request_id]
             self._decoder.forget(request_id)
+
+    async def _last_message(self, live: _Live) -> None:
+        """Once a request's call has ended: wait for its last message, which comes on its replica's stream (or
+        on the one that replaced it); raise if that replica has no stream left to bring it."""
+        while not live.done.done():
+            channel = self._channels.get(live.replica) if live.replica is not None else None
+            if channel is None:
+                raise ReplicaStreamEndedError("the replica's output stream ended before the request's last output")
+            await asyncio.wait((live.done, channel), return_when=asyncio.FIRST_COMPLETED)
 
     def _end_or_retry(self, request_id: str, live: _Live, attempt: int, error: Exception, retry: bool) -> bool:
         """After an attempt failed: True once the request ended with an error output, False to try again."""
@@ -245,9 +247,10 @@ class RayEngineClient:
 
     async def _read(self, replica: str) -> None:
         call = self._handle.outputs.remote(self._sender, replica=replica)
-        why = "it ended"
+        why, num_items = "it ended", 0
         try:
             async for blob, load in call:
+                num_items += 1
                 self._loads[load.replica] = load
                 if load.stats is not None:
                     self._stats[load.replica] = load.stats
@@ -266,6 +269,11 @@ class RayEngineClient:
             if why is not None:
                 self._lose(replica, f"the output stream of replica {replica} ended before the request's last "
                                     f"output ({why})")
+                # A stream of its own again for what is still in flight there (it takes the replica's queue over);
+                # not after a stream that brought nothing (the replica is gone): that would only spin.
+                if num_items and any(live.replica == replica and not live.done.done() and live.lost is None
+                                     for live in self._live.values()):
+                    self._channel(replica)
 
     def _lose(self, replica: str, why: str) -> None:
         """Fail the requests with output in flight on `replica`, whose output stream ended (module docstring)."""

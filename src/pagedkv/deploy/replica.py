@@ -39,6 +39,9 @@ message, status)` once a request fails. Each `outputs` item is `(packed messages
 queues and stats without asking. An `outputs` stream that ends (the ingress went away) cancels
 that sender's requests here. A sender that opens a second `outputs` stream (its first one broke)
 takes its messages over from the first, which ends: two readers never split one sender's messages.
+A stream whose sender has had no request here and nothing queued for `OUTPUTS_IDLE_S` ends, and
+the sender opens another with its next request: Ray Serve counts an open stream as an ongoing
+request, and a replica being drained (scaled down, redeployed) waits for its ongoing requests.
 
 Routing stats (`record_routing_stats`, polled by the Serve controller and handed to every
 router): the engine's waiting and running requests and free blocks, how many `generate` calls
@@ -75,6 +78,8 @@ logger = logging.getLogger("pagedkv.deploy")
 MAX_PUBLISHED_BLOCK_HASHES = 2048
 #: A replica attaches its engine stats to an output at most this often.
 STATS_PERIOD_S = 0.05
+#: An `outputs` stream ends after this long with no request of its sender here and nothing queued.
+OUTPUTS_IDLE_S = 5.0
 #: An `outputs` item's pickled messages stay under this many bytes unless one message alone is larger (a
 #: quarter of the 4 MiB that Serve's gRPC channel to a replica accepts by default).
 MAX_ITEM_BYTES = 1 << 20
@@ -129,10 +134,19 @@ class _Outbox:
         self.reader = reader
         self._ready.set()  # wake the old reader, so that it ends
 
-    async def take(self, reader: object) -> list | None:
-        """Every message queued since the last call (waits for the first); None once another reader took over."""
+    async def take(self, reader: object, idle_s: float) -> list | None:
+        """Every message queued since the last call (waits for the first); None once another reader took over,
+        or once `idle_s` passed with no request of this sender here and nothing queued."""
         while True:
-            await self._ready.wait()
+            if self.requests or self.messages:
+                await self._ready.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self._ready.wait(), idle_s)
+                except TimeoutError:
+                    if not self.requests and not self.messages:
+                        return None
+                    continue
             if self.reader is not reader:
                 return None
             self._ready.clear()
@@ -228,6 +242,7 @@ class EngineReplica:
         self._outboxes: dict[str, _Outbox] = {}  # sender -> what it has yet to read
         self._replica, self._node = replica_identity()
         self._last_stats_s = 0.0
+        self.outputs_idle_s = OUTPUTS_IDLE_S
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -270,7 +285,7 @@ class EngineReplica:
         reader = object()
         outbox.attach(reader)
         try:
-            while (messages := await outbox.take(reader)) is not None:
+            while (messages := await outbox.take(reader, self.outputs_idle_s)) is not None:
                 load = self._load()
                 for blob in pack_messages(messages):
                     yield blob, load
