@@ -307,7 +307,8 @@ def run_group(name: str, calls: int, warmup: int) -> dict:
         routed = echo.options(name="EchoRouted", request_router_config=pagedkv_router)
         await echo_rows(serve.run(routed.bind(), name="echo-routed", route_prefix=None), "echo, pagedkv rtr")
         for label, router in (("engine, pagedkv rtr", None), ("engine, default rtr", RequestRouterConfig())):
-            deployment = engine_deployment(cfg, RayServeConfig()).options(func_or_class=TimedReplica)
+            deployment = engine_deployment(cfg, RayServeConfig()).options(
+                func_or_class=TimedReplica, graceful_shutdown_timeout_s=1)  # delete at once: the next engine waits
             if router is not None:
                 deployment = deployment.options(request_router_config=router)
             app = f"hops-{len(rows)}"
