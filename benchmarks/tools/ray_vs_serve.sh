@@ -93,6 +93,38 @@ phase() {  # phase NAME LIMIT_S ARGS...: one `bench serve` run under timeout, ne
   timeout -k 5 "$t" "${BENCH[@]}" --out "$W/$name" "$@" > "$W/$name.log" 2>&1
   say "$name: exit $? $(grep -E 'Output token throughput|^TTFT ' "$W/$name.log" | tr -s ' ' | tr '\n' ' ')"
 }
+# PYSPY=1: during the second saturated run, py-spy (carried as a wheel in .whl) samples each server process for
+# PYSPY_S seconds (8), its children too (the engine process): `serve`'s server; a Ray mode's ingress replica and
+# engine replica. Collapsed stacks in pyspy_<mode>_<role>.txt, their top frames in pyspy_<mode>.top
+# (benchmarks/tools/collapsed_top.py). Sampling does not pause the processes (--nonblocking).
+PYSPY_BIN=$(ls "$SITE"/bin/py-spy "$SITE"/py_spy-*.data/scripts/py-spy 2>/dev/null | head -1)
+[ -n "$PYSPY_BIN" ] && chmod +x "$PYSPY_BIN" 2>/dev/null
+PROFILERS=()
+profile_server() {
+  [ -z "$PYSPY_BIN" ] && { say "py-spy: not carried"; return; }
+  local mode=$1 role pid
+  PROFILERS=()
+  for role in server ingress engine; do
+    case $role in
+      server) [ "${mode#ray}" = "$mode" ] && pid=$SERVER_PID || continue ;;
+      ingress) [ "${mode#ray}" != "$mode" ] && pid=$(pgrep -f "ServeReplica:pagedkv:PagedKVIngress" | head -1) || continue ;;
+      engine) [ "${mode#ray}" != "$mode" ] && pid=$(pgrep -f "ServeReplica:pagedkv:PagedKVEngine" | head -1) || continue ;;
+    esac
+    [ -z "$pid" ] && { say "py-spy: no $role process"; continue; }
+    "$PYSPY_BIN" record --pid "$pid" --subprocesses --nonblocking --threads --rate 200 --duration "${PYSPY_S:-8}" \
+      --format raw -o "$W/pyspy_${mode}_$role.txt" > "$W/pyspy_${mode}_$role.log" 2>&1 &
+    PROFILERS+=($!)
+  done
+}
+wait_profiles() {
+  [ ${#PROFILERS[@]} = 0 ] && return
+  wait "${PROFILERS[@]}" 2>/dev/null
+  PROFILERS=()
+  $PY benchmarks/tools/collapsed_top.py "$W"/pyspy_"$1"_*.txt > "$W/pyspy_$1.top" 2>&1
+  say "py-spy $1: $(head -c 300 "$W/pyspy_$1.top" | tr '\n' ' ')"
+  cp "$W"/pyspy_"$1"* "$OUT/" 2>/dev/null
+}
+
 for mode in $MODES; do
   [ "$(left)" -lt 120 ] && { say "$mode: skipped, budget spent"; continue; }
   extra=(); envs=(); URL="http://127.0.0.1:$PORT"
@@ -119,9 +151,11 @@ for mode in $MODES; do
     phase "$mode-warm2" 120 --dataset random --random-input-len "$WARM_IN" --random-output-len "$WARM_OUT" --num-prompts 64 \
       --vocab-size "$VOCAB"
     for k in $(seq "$SAT_REPEATS"); do  # one server start, the saturated run repeated: the median is reported
+      [ "$k" = 2 ] && [ "${PYSPY:-0}" = 1 ] && profile_server "$mode"
       phase "$mode-sat$([ "$k" = 1 ] || echo "$k")" 200 --dataset ids --dataset-path "$W/requests.json" \
         --num-prompts "$NUM_REQUESTS"
     done
+    wait_profiles "$mode"
     phase "$mode-low" 120 --dataset random --random-input-len "$LOW_IN" --random-output-len "$LOW_OUT" \
       --num-prompts "$LOW_PROMPTS" --max-concurrency 1 --vocab-size "$VOCAB"
   else
