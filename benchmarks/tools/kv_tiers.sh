@@ -36,7 +36,10 @@ EXTRA=(); [ "${SMOKE:-0}" = 1 ] && EXTRA=(--smoke)
 [ "${PROFILE:-0}" = 1 ] && EXTRA+=(--profile-host)
 # CHAT_SIZE=C,K,T,S,F: C conversations of T turns over K system prompts of S tokens, F in flight (every model), e.g.
 # 32,16,3,8192,2: long shared prefixes, where recomputing a prefix costs more per token than copying it back.
-[ -n "${CHAT_SIZE:-}" ] && EXTRA+=(--chat-size "$CHAT_SIZE")  # cProfile per configuration: host_profile_*.txt (slower runs)
+[ -n "${CHAT_SIZE:-}" ] && EXTRA+=(--chat-size "$CHAT_SIZE")
+# IN_STEP=T: one more configuration, the tiers copying at most T tokens' worth of restored blocks before a step's
+# kernels (0: every restore beside the step, its request computing from the next step); about 30 s more per model.
+[ -n "${IN_STEP:-}" ] && EXTRA+=(--in-step-restore-tokens "$IN_STEP")  # cProfile per configuration: host_profile_*.txt (slower runs)
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"
 timeout "${CHAT_TIMEOUT_S:-480}" $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" \
   --kv-offload-memory "$HOST_MEMORY" --kv-offload-dir "$DIR" --mixed-step-graphs "$GRAPHS" --out "$OUT" "${EXTRA[@]}" 2>&1 | tee "$OUT/kv_tiers.log" | grep -E "^\S+ \| " \

@@ -53,12 +53,14 @@ def parse_memory(text: str) -> int | float:
 def offload_options(args: argparse.Namespace) -> dict:
     """The KV tiers' `EngineConfig` fields from `add_engine_arguments`' flags."""
     return {"kv_offload_memory": args.kv_offload_memory, "kv_offload_dir": args.kv_offload_dir,
-            "kv_offload_disk_bytes": args.kv_offload_disk_size}
+            "kv_offload_disk_bytes": args.kv_offload_disk_size,
+            "kv_offload_in_step_restore_tokens": args.kv_offload_in_step_restore_tokens}
 
 
 def add_engine_arguments(group) -> None:
     """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
-    --max-model-len, --kv-offload-memory, --kv-offload-dir, --kv-offload-disk-size, --kv-cache-dtype,
+    --max-model-len, --kv-offload-memory, --kv-offload-dir, --kv-offload-disk-size,
+    --kv-offload-in-step-restore-tokens, --kv-cache-dtype,
     --enforce-eager, --mixed-step-graphs."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
@@ -80,6 +82,11 @@ def add_engine_arguments(group) -> None:
                             "DIR finds its prefixes again (default: off)")
     group.add_argument("--kv-offload-disk-size", type=parse_size, default=64 * 2**30, metavar="SIZE",
                        help="the disk tier's size cap, LRU beyond it (default 64GiB)")
+    group.add_argument("--kv-offload-in-step-restore-tokens", type=int, default=None, metavar="N",
+                       help="tokens' worth of restored KV a step copies before its kernels, so that their requests "
+                            "compute in it; the rest copy beside the step and compute from the next "
+                            "(default: --max-num-batched-tokens; 0 for small models, whose KV copies nearly as "
+                            "slowly as it computes)")
     from pagedkv.core.memory import KV_CACHE_DTYPES
 
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

@@ -82,15 +82,19 @@ def test_every_prefix_spills_when_the_pool_holds_one_request():
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("budget_tokens, where, params", [(64, "in the step", "greedy"),
-                                                         (8, "beside the step", "seeded")])
-def test_restored_requests_compute_the_same_tokens_in_their_step_or_the_next(budget_tokens, where, params):
-    """Restores within the step's budget (its tokens' worth of blocks) are copied before its kernels; a budget
-    of 8 tokens (2 blocks) sends the longer restores beside the step. Tokens as without tiers, either way."""
+@pytest.mark.parametrize("options, where, params", [
+    (dict(max_num_batched_tokens=64), "in the step", "greedy"),
+    (dict(max_num_batched_tokens=8), "beside the step", "seeded"),
+    (dict(max_num_batched_tokens=64, kv_offload_in_step_restore_tokens=0), "beside the step", "greedy"),
+])
+def test_restored_requests_compute_the_same_tokens_in_their_step_or_the_next(options, where, params):
+    """Restores within the step's budget (its tokens' worth of blocks, or kv_offload_in_step_restore_tokens)
+    are copied before its kernels; a budget of 8 tokens (2 blocks) sends the longer restores beside the step,
+    and an in-step budget of 0 every restore. Tokens as without tiers, either way."""
     params = GREEDY if params == "greedy" else SEEDED
     prompts = _chat_prompts(num_heads=3, per_head=1, head_len=20)
     expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, params))
-    llm = _llm(num_blocks=9, watermark=0.0, max_num_batched_tokens=budget_tokens, kv_offload_memory=512 * 2**10)
+    llm = _llm(num_blocks=9, watermark=0.0, kv_offload_memory=512 * 2**10, **options)
     restored = {"in the step": 0, "beside the step": 0}
     move = llm.engine.runner.offload.move
 
@@ -103,6 +107,8 @@ def test_restored_requests_compute_the_same_tokens_in_their_step_or_the_next(bud
     assert _tokens(_one_by_one(llm, prompts, params)) == expected
     assert _tokens(_one_by_one(llm, prompts, params)) == expected  # every prefix restored from the host
     assert restored[where] > 0 and restored[where] >= llm.stats()["kv_restored_blocks"] // 2
+    if options.get("kv_offload_in_step_restore_tokens") == 0:
+        assert restored["in the step"] == 0
     llm.engine.check_integrity()
 
 
@@ -384,6 +390,7 @@ def test_host_pool_stays_bounded_over_requests_with_aborts(tmp_path):
     (dict(kv_offload_memory=1.5), "kv_offload_memory"),
     (dict(kv_offload_dir="/tmp/x"), "kv_offload_memory"),
     (dict(kv_offload_memory=2**20, kv_offload_dir=""), "kv_offload_dir"),
+    (dict(kv_offload_memory=2**20, kv_offload_in_step_restore_tokens=-16), "kv_offload_in_step_restore_tokens"),
 ])
 def test_bad_offload_config_names_the_field(options, match):
     with pytest.raises(ConfigError, match=match):

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
-from pagedkv.bench.chat_tiers_report import markdown, step_line
+from pagedkv.bench.chat_tiers_report import TIERED, in_step_label, markdown, step_line
 from pagedkv.engine.outputs import STEP_PHASES
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
@@ -275,8 +275,12 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     # The disk tier's cap keeps a run inside a small disk; LRU keeps what the restart replays (the latest turns).
     disk_bytes = 64 * 2**20 if smoke else DISK_CAP_BYTES
     configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}),
-               ("GPU + host + disk", dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir),
-                                          kv_offload_disk_bytes=disk_bytes))]
+               (TIERED, dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir),
+                             kv_offload_disk_bytes=disk_bytes))]
+    if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
+        configs.append((in_step_label(args.in_step_restore_tokens),
+                        dict(configs[-1][1], kv_offload_dir=str(Path(offload_dir) / "in-step"),
+                             kv_offload_in_step_restore_tokens=args.in_step_restore_tokens)))
     result = {"workload": workload.__dict__, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
               "mixed_step_graphs": "off" if device.type != "cuda" else args.mixed_step_graphs,
               "block_size": block_size, "host_bytes": host_bytes, "configs": {}}
@@ -317,7 +321,7 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
                   f"prefill {bound['prefill_s'] * 1e3:.1f} ms; copying the prefix {bound['copy_s'] * 1e3:.1f} ms "
                   f"+ the message's prefill {bound['user_prefill_s'] * 1e3:.1f} ms: TTFT at most "
                   f"{bound['max_ttft_gain']:.2f}x lower", flush=True)
-        if options.get("kv_offload_dir"):
+        if label == TIERED:  # the restart reads its disk
             tiered = (llm, prompts)
         else:
             llm.shutdown()

@@ -30,7 +30,9 @@ class EngineConfig:
     GPU prefix cache evicts spill there and come back with a copy instead of a prefill. 0: off.
     kv_offload_dir: a directory for the disk tier behind it (needs kv_offload_memory), which
     a restarted engine finds again; kv_offload_disk_bytes caps its size (LRU beyond it).
-    See docs/kv-tiers.md.
+    kv_offload_in_step_restore_tokens: how many tokens' worth of restored blocks a step copies
+    before its kernels, their requests computing in that step (None: max_num_batched_tokens); the
+    rest are copied beside the step, their requests computing from the next one. See docs/kv-tiers.md.
     """
 
     model: str | None = None
@@ -67,6 +69,7 @@ class EngineConfig:
     kv_offload_memory: int = 0  # bytes of host memory for the KV tiers' host tier (0: no host tier)
     kv_offload_dir: str | None = None  # the disk tier's directory (None: no disk tier)
     kv_offload_disk_bytes: int = 64 * 2**30  # the disk tier's size cap
+    kv_offload_in_step_restore_tokens: int | None = None  # None: max_num_batched_tokens
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
@@ -79,6 +82,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a number of bytes >= 0 (such as 4 * 2**30), got {value!r}")
+        tokens = self.kv_offload_in_step_restore_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise ConfigError(f"kv_offload_in_step_restore_tokens must be a number of tokens >= 0 (or None: "
+                              f"max_num_batched_tokens), got {tokens!r}")
         if self.kv_offload_dir is not None:
             if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:
                 raise ConfigError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")

@@ -51,7 +51,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._has_windows = config.has_windows
         # a budget's worth of restored KV copies in less time than computing it (kv_offload's docstring)
-        max_in_step_restores = config.max_num_batched_tokens // config.block_size
+        in_step_tokens = config.max_in_step_restore_tokens
+        max_in_step_restores = (config.max_num_batched_tokens if in_step_tokens is None else in_step_tokens) \
+            // config.block_size
         if self._has_windows:
             self.block_manager = HybridBlockManager(
                 config.kv_layout, config.num_blocks, config.block_size,

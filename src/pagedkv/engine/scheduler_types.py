@@ -54,12 +54,16 @@ class SchedulerConfig:
     kv_layout: KVLayout | None = None  # layer groups; None or no sliding group: one table per sequence
     num_offload_blocks: int = 0  # host blocks of the KV tiers' host tier (beside the swap blocks)
     disk_capacity_blocks: int = 0  # blocks the disk tier may hold (0: no disk tier)
+    # tokens' worth of restored blocks copied before a step's kernels (None: max_num_batched_tokens); see kv_offload
+    max_in_step_restore_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             require_positive_int(name, getattr(self, name))
         for name in ("num_swap_blocks", "num_offload_blocks", "disk_capacity_blocks"):
             require_positive_int(name, getattr(self, name), allow_zero=True)
+        if self.max_in_step_restore_tokens is not None:
+            require_positive_int("max_in_step_restore_tokens", self.max_in_step_restore_tokens, allow_zero=True)
         if self.disk_capacity_blocks and not self.num_offload_blocks:
             raise ConfigError("a disk tier (disk_capacity_blocks > 0) needs a host tier to stage through "
                               "(num_offload_blocks > 0)")
