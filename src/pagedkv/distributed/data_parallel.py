@@ -388,14 +388,25 @@ class ReplicaStatsSum:
 
     def __init__(self, per_replica: list[dict | None]):
         self.per_replica = per_replica
+        self._total: dict | None = None  # summed once, on first use: a server reads a dozen fields per step
 
     def __getattr__(self, name: str):
-        total = self.as_dict()
+        if name.startswith("_"):  # not a stat (and unpickling looks these up before __init__'s fields exist)
+            raise AttributeError(name)
+        total = self._totals()
         if name in total:
             return total[name]
         raise AttributeError(name)
 
     def as_dict(self) -> dict:
+        return dict(self._totals())
+
+    def _totals(self) -> dict:
+        if self._total is None:
+            self._total = self._sum()
+        return self._total
+
+    def _sum(self) -> dict:
         live = [s for s in self.per_replica if s]
         total: dict = {}
         for stats in live:
