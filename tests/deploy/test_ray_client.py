@@ -304,3 +304,25 @@ def test_a_stream_the_replica_ends_is_reopened_for_the_request_still_waiting_on_
         assert handle.replicas["r0"].num_streams == 2
     finally:
         client.shutdown()
+
+
+def test_a_request_whose_first_output_went_down_with_a_broken_stream_fails_rather_than_lose_tokens():
+    # "b" is answered on r0's stream. Then the stream breaks with "a"'s first output in the message it lost, "a"
+    # having shown nothing yet: the client opens a new stream, whose next output of "a" continues from the lost
+    # one. A gap: "a" fails (and is aborted at the replica) rather than stream text with a hole in it.
+    second = _messages("a", 3)[1]
+    handle = _Handle([_messages("b", 2), [("break", RuntimeError("RESOURCE_EXHAUSTED")), second, "hang"]],
+                     one_replica=True)
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
+        assert _drain(client)[-1].outputs[0].token_ids == [5, 6]
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert len(outputs) == 1 and outputs[0].finished and "lost" in outputs[0].error
+        deadline = time.monotonic() + 10
+        while not handle.calls[1][2].cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handle.calls[1][2].cancelled and handle.replicas["r0"].num_streams == 2  # reopened; aborted there
+    finally:
+        client.shutdown()

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from pagedkv.distributed.output_deltas import DeltaDecoder, DeltaEncoder
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
@@ -62,3 +64,17 @@ def test_a_receiver_that_sent_the_prompt_gets_no_prompt_ids_back_and_rebuilds_th
     deltas = [encoder.encode(o) for o in outputs]
     assert all(d.prompt_token_ids is None for d in deltas)
     assert [decoder.decode(d, prompt_token_ids=[1, 2, 3]) for d in deltas] == outputs
+
+
+def test_a_delta_after_a_lost_one_is_a_gap_not_an_output_with_a_hole():
+    from pagedkv.distributed.output_deltas import OutputGapError
+
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    outputs = list(_evolving_outputs(random.Random(4), "r", n=1, steps=4))
+    deltas = [encoder.encode(o) for o in outputs]
+    decoder.decode(deltas[0])
+    with pytest.raises(OutputGapError, match="lost"):
+        decoder.decode(deltas[2])  # deltas[1] never arrived
+    assert not decoder._received  # the request's state is gone with it
+    with pytest.raises(OutputGapError):
+        DeltaDecoder().decode(deltas[1])  # the first one never arrived

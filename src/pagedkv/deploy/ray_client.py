@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from pagedkv.deploy.replica import Load, unpack_messages
 from pagedkv.distributed.data_parallel import ReplicaStatsSum
-from pagedkv.distributed.output_deltas import DeltaDecoder
+from pagedkv.distributed.output_deltas import DeltaDecoder, OutputGapError
 from pagedkv.distributed.router import RoutingPolicy, prompt_block_hashes
 from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
@@ -297,8 +297,15 @@ class RayEngineClient:
             live = self._live.get(delta.request_id)
             if live is None:
                 return  # aborted since (or failed over): nobody waits for it
+            try:
+                output = self._decoder.decode(delta, live.prompt_token_ids)
+            except OutputGapError as error:  # a message of it was lost with a broken stream: it cannot go on
+                if live.lost is None:
+                    live.started, live.lost = True, str(error)
+                    live.task.cancel()
+                return
             live.started = True
-            self._outputs.put(self._decoder.decode(delta, live.prompt_token_ids))
+            self._outputs.put(output)
             if delta.finished:
                 live.done.set_result(None)
         else:

@@ -9,7 +9,9 @@ the prompt once; `DeltaDecoder` on the other side rebuilds full `RequestOutput`s
 reads them (the server, `LLM.generate`) sees no difference.
 
 Tokens and text only grow, except that a finished sample's text can be rewritten (its final
-full decode, a cut at a stop string): the offset then says where the new text starts.
+full decode, a cut at a stop string): the offset then says where the new text starts. A delta
+whose offsets point past what the receiver holds continues from a message it never got: the
+decoder raises `OutputGapError` rather than build a request's output with a hole in it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.errors import PagedKVError
+
+
+class OutputGapError(PagedKVError):
+    """A delta continues from output the receiver never got (a message was lost on the way)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,12 @@ class DeltaDecoder:
             state = self._received[delta.request_id] = _Received(delta.prompt, prompt_ids or [])
         for part in delta.completions:
             before = state.completions.get(part.index)
+            have_tokens, have_text = (len(before.token_ids), len(before.text)) if before else (0, 0)
+            if part.token_offset > have_tokens or part.text_offset > have_text:
+                self._received.pop(delta.request_id, None)
+                raise OutputGapError(f"request {delta.request_id}: sample {part.index} continues from token "
+                                     f"{part.token_offset} (character {part.text_offset}), but {have_tokens} "
+                                     f"tokens ({have_text} characters) arrived: an earlier output was lost")
             tokens = before.token_ids[:part.token_offset] if before else []
             text = before.text[:part.text_offset] if before else ""
             logprobs = None
