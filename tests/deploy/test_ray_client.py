@@ -141,6 +141,14 @@ def _messages(request_id: str, num_tokens: int) -> list:
             for k in range(1, num_tokens + 1)]
 
 
+def _cancelled(call: _Call, within_s: float = 10.0) -> bool:
+    """Whether the client cancels `call` (the cancellation reaches the replica, which aborts the request there)."""
+    deadline = time.monotonic() + within_s
+    while not call.cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return call.cancelled
+
+
 def _drain(client, until_s: float = 10.0) -> list[RequestOutput]:
     outputs, deadline = [], time.monotonic() + until_s
     while client.has_unfinished_requests() and time.monotonic() < deadline:
@@ -201,10 +209,7 @@ def test_abort_cancels_the_call_and_drops_later_outputs():
             first = client.step()
         assert first and not first[0].finished
         assert client.abort("a") and not client.abort("a")
-        deadline = time.monotonic() + 10
-        while not handle.calls[0][2].cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert handle.calls[0][2].cancelled  # the cancellation goes on to the replica, which aborts it there
+        assert _cancelled(handle.calls[0][2])  # the cancellation goes on to the replica, which aborts it there
         assert not client.has_unfinished_requests() and client.step(timeout_s=0.01) == []
     finally:
         client.shutdown()
@@ -282,10 +287,7 @@ def test_a_broken_output_stream_fails_its_started_requests_at_once_and_cancels_t
         assert outputs[0].outputs[0].token_ids == [5]
         assert outputs[-1].finished and "RESOURCE_EXHAUSTED" in outputs[-1].error
         assert not client.has_unfinished_requests()
-        deadline = time.monotonic() + 10
-        while not handle.calls[0][2].cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert handle.calls[0][2].cancelled and len(handle.calls) == 1  # aborted there; not retried
+        assert _cancelled(handle.calls[0][2]) and len(handle.calls) == 1  # aborted there; not retried
     finally:
         client.shutdown()
 
@@ -320,9 +322,6 @@ def test_a_request_whose_first_output_went_down_with_a_broken_stream_fails_rathe
         client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
         outputs = _drain(client)
         assert len(outputs) == 1 and outputs[0].finished and "lost" in outputs[0].error
-        deadline = time.monotonic() + 10
-        while not handle.calls[1][2].cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert handle.calls[1][2].cancelled and handle.replicas["r0"].num_streams == 2  # reopened; aborted there
+        assert _cancelled(handle.calls[1][2]) and handle.replicas["r0"].num_streams == 2  # reopened; aborted there
     finally:
         client.shutdown()
