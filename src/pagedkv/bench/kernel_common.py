@@ -1,9 +1,10 @@
 """What the sections of `pagedkv bench kernel` share: Llama-3-8B attention shapes, paged test data,
 timing (CUDA-graph replays under `do_bench`), checks against the reference, and table cells.
 
-`bench.kernel` (the grid, validation and report), `bench.kernel_fp8` (FP8 against bf16 caches)
-and `bench.kernel_steps` (engine-shaped cases) all import from here and never from each other
-in reverse.
+The sections (`bench.kernel_validate`, `bench.kernel_decode` (the grid), `bench.kernel_prefill`,
+`bench.kernel_variants`, `bench.kernel_fp8` (FP8 against bf16 caches), `bench.kernel_steps`
+(engine-shaped cases), `bench.kernel_flashinfer`) all import from here and never the reverse;
+`bench.kernel` runs them in order and `bench.kernel_report` writes what they return.
 """
 
 from __future__ import annotations
