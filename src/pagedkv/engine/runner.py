@@ -59,7 +59,7 @@ class HFModelAdapter:
 
     def __init__(self, model: torch.nn.Module, pool: KVPool):
         from pagedkv.hf.attention import PagedAttentionMetadata
-        from pagedkv.hf.cache import PagedKVCacheBase
+        from pagedkv.hf.cache_base import PagedKVCacheBase
 
         class StepCache(PagedKVCacheBase):
             """Serves the runner's metadata for this step to the `pagedkv` attention function."""

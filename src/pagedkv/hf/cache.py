@@ -28,96 +28,23 @@ into the step's metadata transfer).
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache
 
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable
 from pagedkv.env import env_choice
 from pagedkv.errors import ConfigError, InvalidArgumentError, PagedKVError, require_positive_int
-from pagedkv.hf.attention import ATTN_IMPLEMENTATION, STEP_ATTR, PagedAttentionMetadata, register
+from pagedkv.hf.attention import ATTN_IMPLEMENTATION, PagedAttentionMetadata, register
+from pagedkv.hf.cache_base import PagedKVCacheBase, host_int, row_indices
 from pagedkv.hf.kv_scales import calibration_token_ids, checkpoint_kv_scales
+from pagedkv.hf.step_metadata import StepMetadataPacker
 from pagedkv.kernels import KVPool, resolve_backend
 from pagedkv.kernels.fp8 import DEFAULT_HEADROOM, KVScales
 from pagedkv.models.config import kv_shape_of
 
 logger = logging.getLogger("pagedkv")
-
-#: The narrowest block-table width of a decode step's metadata (256 tokens at 16-token pages).
-_MIN_TABLE_WIDTH = 16
-
-
-class PagedKVCacheBase(Cache):
-    """What both paged caches share: `update` tags the key for the attention function and stores nothing.
-
-    Subclasses provide `attention_metadata(attention_mask, batch, q_len)`, called by the
-    attention function of every layer; it must return the same object for all layers of
-    one forward.
-    """
-
-    def __init__(self, pool: KVPool):
-        super().__init__(layers=[])
-        self.pool = pool
-        # Per layer, the K and V pages as [num_blocks * block_size, Hkv, D]: a slot is a row index.
-        # Made once here, so the attention function's write is one index_copy_ each, with no view per call.
-        self.k_rows = [k.view(-1, pool.num_kv_heads, pool.head_dim) for k in pool.k_caches]
-        self.v_rows = [v.view(-1, pool.num_kv_heads, pool.head_dim) for v in pool.v_caches]
-        self.pool_device_index = pool.kv.get_device()  # what `Tensor.get_device()` of the model's K/V must equal
-        self._metadata: PagedAttentionMetadata | None = None
-        self._attention_ran = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hand the new K/V back, tagged with this cache; the attention function writes them into pages."""
-        if not self._attention_ran:
-            raise PagedKVError(
-                f"a pagedkv cache needs attn_implementation={ATTN_IMPLEMENTATION!r}, and the previous layer's "
-                f"attention did not go through it. If the model uses another attn_implementation, call "
-                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) after `import pagedkv.hf`. If it already "
-                f"asked for it, this architecture does not support custom attention functions (Falcon, for one, "
-                f"runs its own attention code), so it cannot use a pagedkv cache"
-            )
-        if layer_idx == 0:
-            self._metadata = None  # a new forward begins
-        self._attention_ran = False
-        setattr(key_states, STEP_ATTR, self)
-        return key_states, value_states
-
-    def attention_metadata(self, attention_mask: torch.Tensor | None, batch: int, q_len: int) -> PagedAttentionMetadata:
-        """The metadata of the current forward (built on the first layer's call)."""
-        self._attention_ran = True
-        if self._metadata is None:
-            self._metadata = self._build_metadata(attention_mask, batch, q_len)
-        return self._metadata
-
-    def _build_metadata(self, attention_mask, batch: int, q_len: int) -> PagedAttentionMetadata:
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        """The number of layers, as transformers reads `len(cache)`."""
-        return self.pool.num_layers
-
-    # transformers asks these of any cache
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * self.pool.num_layers
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
 
 
 class PagePool:
@@ -214,84 +141,6 @@ class CacheMemory:
         return 1.0 - self.num_blocks / self.num_unshared_blocks if self.num_unshared_blocks else 0.0
 
 
-def _host_int(name: str, value: object) -> int:
-    """An int from an int or a one-element integer tensor (one host read: generate passes device tensors)."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
-
-
-def _row_indices(indices: object, num_rows: int) -> list[int]:
-    """Row numbers in [0, num_rows) from an int or bool tensor (or a sequence), read as tensor indexing would."""
-    indices = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
-    if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex():
-        raise InvalidArgumentError(f"row indices must be a 1-D integer or boolean tensor, got {tuple(indices.shape)} "
-                                   f"{indices.dtype}")
-    if indices.dtype == torch.bool:
-        if indices.numel() != num_rows:
-            raise InvalidArgumentError(f"a boolean row mask must have {num_rows} entries (one per row), "
-                                       f"got {indices.numel()} entries")
-        return indices.nonzero().squeeze(1).tolist()
-    rows = indices.tolist()
-    for i, row in enumerate(rows):
-        if not -num_rows <= row < num_rows:
-            raise InvalidArgumentError(f"row index {row} is outside the cache's {num_rows} rows")
-        if row < 0:
-            rows[i] = row + num_rows
-    return rows
-
-
-def _align(packed: list[int]) -> None:
-    """Pad `packed` to an even length: the next int64 segment starts on 16 bytes."""
-    if len(packed) & 1:
-        packed.append(0)
-
-
-class _HostStaging:
-    """The per-step metadata's way to the device: one host buffer, one device buffer, one copy.
-
-    On CUDA both buffers are made once (and regrown, doubling, when a step needs more), so a
-    step allocates nothing. The host buffer is pinned, so the copy is truly asynchronous: a
-    copy from pageable memory makes the host wait for the stream, i.e. for every kernel queued
-    before it. An event guards the host buffer's reuse (the previous step's copy is long done
-    by then: generate reads its tokens back every step). The device buffer needs no guard: the
-    copy into it is queued on the stream behind every kernel that read the previous step's.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._host: torch.Tensor | None = None  # pinned int64 buffer (CUDA only)
-        self._host_values = None  # a numpy view of it: filling it from a list is one C loop
-        self._on_device: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    def to_device(self, values: list[int]) -> torch.Tensor:
-        """`values` as an int64 tensor on the device (without waiting for the device on CUDA).
-
-        On CUDA the result is a view of the reused device buffer: valid until the next call.
-        """
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-        n = len(values)
-        if self._host is None or self._host.numel() < n:
-            # A dropped buffer stays alive until its pending copy ends (the caching allocators track both).
-            capacity = max(4096, 2 * n)
-            self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-            self._host_values = self._host.numpy()
-            self._on_device = torch.empty(capacity, dtype=torch.int64, device=self.device)
-            self._copied = torch.cuda.Event()
-        else:
-            self._copied.synchronize()
-        self._host_values[:n] = values
-        on_device = self._on_device[:n]
-        on_device.copy_(self._host[:n], non_blocking=True)
-        self._copied.record()  # on the current stream, where the copy was queued
-        return on_device
-
-
 class PagedCache(PagedKVCacheBase):
     """A transformers `Cache` whose K/V live in a shared `PagePool`. See the module docstring."""
 
@@ -311,12 +160,11 @@ class PagedCache(PagedKVCacheBase):
         # True while every row's tokens are its last `num_tokens` columns (pads only on the left),
         # which is what lets `crop` drop columns per row without a per-column record.
         self._left_aligned = True
-        self._staging = _HostStaging(self.pool.device)
+        self._packer = StepMetadataPacker(self.pool)
         # With `pool.fused_decode`, decode steps on the Triton backend run the fused decode + K/V write
         # kernel (one launch per layer). It stores the model's dtype: FP8 pools take write + decode.
         self._decode_kernel = pool.decode_write_kernel() if pool.fused_decode and not pool.kv.is_fp8 \
             and resolve_backend("auto", self.pool.device) == "triton" else None
-        self._table_width = _MIN_TABLE_WIDTH  # block-table columns of a decode step's metadata; only grows
 
     @property
     def max_batch_size(self) -> int | None:
@@ -353,7 +201,7 @@ class PagedCache(PagedKVCacheBase):
         a positive `crop(k)` is the legacy form: keep the first k tokens (nothing if k >= length).
         A 0-d integer tensor is accepted, as assisted and prompt-lookup decoding pass one.
         """
-        tokens_to_remove = _host_int("tokens_to_remove", tokens_to_remove)
+        tokens_to_remove = host_int("tokens_to_remove", tokens_to_remove)
         length = self._seq_length
         if tokens_to_remove > 0:  # legacy: the length to keep
             if tokens_to_remove >= length:
@@ -375,16 +223,16 @@ class PagedCache(PagedKVCacheBase):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: new row i continues old row `beam_idx[i]`, by forking its block table (no K/V copied)."""
         if self._seq_length > 0:  # as DynamicCache: an empty cache has nothing to reorder
-            self._select_rows(_row_indices(beam_idx, len(self.tables)))
+            self._select_rows(row_indices(beam_idx, len(self.tables)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows `indices` (int indices may repeat: repeated rows share blocks; or a boolean mask)."""
         if self._seq_length > 0:
-            self._select_rows(_row_indices(indices, len(self.tables)))
+            self._select_rows(row_indices(indices, len(self.tables)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row `repeats` times in place (row r becomes rows r*repeats ...), sharing its blocks."""
-        repeats = require_positive_int("repeats", _host_int("repeats", repeats))
+        repeats = require_positive_int("repeats", host_int("repeats", repeats))
         if self._seq_length > 0:
             self._select_rows([row for row in range(len(self.tables)) for _ in range(repeats)])
 
@@ -451,8 +299,8 @@ class PagedCache(PagedKVCacheBase):
             raise
         self._seq_length += q_len
         if q_len == 1 and self._decode_kernel is not None:
-            return self._pack_decode(copies)
-        return self._pack(num_new, q_len, copies, token_index)
+            return self._packer.pack_decode(self.tables, copies, self._decode_kernel)
+        return self._packer.pack(self.tables, num_new, q_len, copies, token_index)
 
     def _append(self, num_new: list[int] | None, q_len: int) -> list[BlockCopy]:
         """Grow every row, all rows or none (a shortfall raises with nothing claimed); returns the CoW copies."""
@@ -468,122 +316,12 @@ class PagedCache(PagedKVCacheBase):
                 num_done += 1
         except PagedKVError:
             # A rolled-back row keeps its private copy of a shared block: fill it before anyone reads it.
-            self._copy_blocks(copies)
+            self._packer.copy_blocks(copies)
             for table, n in zip(tables[:num_done], counts):
                 table.truncate(table.num_tokens - n)
             raise
         return copies
 
-    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
-        if copies:
-            src = torch.tensor([c.src for c in copies], device=self.pool.device)
-            dst = torch.tensor([c.dst for c in copies], device=self.pool.device)
-            self.pool.kv_storage.index_copy_(2, dst, self.pool.kv_storage.index_select(2, src))
-
-    def _copy_on_write(self, on_device: torch.Tensor, copies_at: int, num_copies: int) -> None:
-        """Copy each (src, dst) block pair packed at `copies_at` (srcs, then dsts), every layer's K and V at once."""
-        if num_copies:
-            kv = self.pool.kv_storage  # [2, L, N, B, Hkv, D]: one block id addresses every layer's K and V
-            src = on_device[copies_at:copies_at + num_copies]
-            dst = on_device[copies_at + num_copies:copies_at + 2 * num_copies]
-            kv.index_copy_(2, dst, kv.index_select(2, src))
-
-    def _pack_decode(self, copies: list[BlockCopy]) -> PagedAttentionMetadata:
-        """A decode step's metadata for the fused kernel, in one host-to-device copy:
-
-            | seq_lens (batch) | cow src | cow dst | block tables (batch x width) |
-
-        every segment starting on 16 bytes. No slot mapping: the kernel finds the new token's
-        slot through the block table. The table width is a power of two that only grows, so
-        its stride, one of the kernel's launch arguments, changes a few times in a generation
-        instead of every block_size tokens (each change is one launch through Triton per
-        configuration; the rest replay the bound launch).
-        """
-        tables = self.tables
-        batch = len(tables)
-        packed = [table.num_tokens for table in tables]
-        max_len = max(packed)
-        max_blocks = max([len(table.block_ids) for table in tables])
-        width = self._table_width
-        if max_blocks > width:
-            width = self._table_width = 1 << (max_blocks - 1).bit_length()
-        _align(packed)
-        copies_at = len(packed)
-        packed += [c.src for c in copies]
-        packed += [c.dst for c in copies]
-        _align(packed)
-        tables_at = len(packed)
-        padding = [0] * width
-        for table in tables:
-            block_ids = table.block_ids
-            packed += block_ids
-            packed += padding[len(block_ids):]
-        on_device = self._staging.to_device(packed)
-        self._copy_on_write(on_device, copies_at, len(copies))
-        seq_lens = on_device[:batch]
-        block_tables = on_device[tables_at:tables_at + batch * width].view(batch, width)
-        return PagedAttentionMetadata(None, batch, block_tables, seq_lens, max_len, None, None, None, 0, 0, None,
-                                      self._decode_kernel.step(block_tables, seq_lens, max_len))
-
-    def _pack(self, num_new: list[int] | None, q_len: int, copies: list[BlockCopy],
-              token_index: torch.Tensor | None) -> PagedAttentionMetadata:
-        """The step's metadata in one host-to-device copy; performs the copy-on-write copies first."""
-        tables = self.tables
-        batch = len(tables)
-        block_size = self.pool.block_size
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        if q_len == 1:
-            for table in tables:
-                position = table.num_tokens - 1
-                slots.append(table.block_ids[position // block_size] * block_size + position % block_size)
-                seq_lens.append(position + 1)
-        else:
-            for row, table in enumerate(tables):
-                n = q_len if num_new is None else num_new[row]
-                slots += table.slot_mapping(table.num_tokens - n, table.num_tokens)
-                seq_lens.append(table.num_tokens)
-        max_blocks = max(1, max((table.num_blocks for table in tables), default=0))
-        # [slots | seq_lens | cu_seqlens_q (prefill) | cow src | cow dst | block tables], every kernel input
-        # starting on 16 bytes: Triton specializes pointers on that alignment, so a shifting offset would
-        # compile (and cache) another variant of the kernel mid-generation.
-        num_slots = len(slots)
-        packed = slots  # grown in place from here on
-        _align(packed)
-        seq_lens_at = len(packed)
-        packed += seq_lens
-        _align(packed)
-        cu_at = len(packed)
-        if q_len > 1:
-            cu = 0
-            packed.append(0)
-            for row in range(batch):
-                cu += q_len if num_new is None else num_new[row]
-                packed.append(cu)
-            _align(packed)
-        copies_at = len(packed)
-        num_copies = len(copies)
-        packed += [c.src for c in copies]
-        packed += [c.dst for c in copies]
-        _align(packed)
-        tables_at = len(packed)
-        for table in tables:
-            packed += table.block_ids
-            if table.num_blocks < max_blocks:
-                packed += [0] * (max_blocks - table.num_blocks)
-        on_device = self._staging.to_device(packed)
-        self._copy_on_write(on_device, copies_at, num_copies)
-        slot_mapping = on_device[:num_slots]
-        seq_lens_t = on_device[seq_lens_at:seq_lens_at + batch]
-        block_tables = on_device[tables_at:tables_at + batch * max_blocks].view(batch, max_blocks)
-        max_len = max(seq_lens, default=0)
-        if q_len == 1:
-            return PagedAttentionMetadata(slot_mapping, batch, block_tables, seq_lens_t, max_len,
-                                          None, None, None, 0, 0, token_index)
-        cu_seqlens_q = on_device[cu_at:cu_at + batch + 1]
-        max_seqlen_q = q_len if num_new is None else max(num_new)
-        return PagedAttentionMetadata(slot_mapping, 0, None, None, 0, block_tables, seq_lens_t, cu_seqlens_q,
-                                      max_seqlen_q, max_len, token_index)
 
     def free(self) -> None:
         """Give every block back to the pool; the cache is empty and reusable."""
@@ -630,7 +368,7 @@ __all__ = ["CacheMemory", "PagePool", "PagedCache", "PagedKVCacheBase", "kv_shap
 @torch.no_grad()
 def calibrate_kv_scales(model: torch.nn.Module, token_ids: list[int], dtype: torch.dtype,
                         headroom: float = DEFAULT_HEADROOM, block_size: int = 16) -> KVScales:
-    """Scales from one forward of `token_ids` through a model-dtype `PagedCache` (see the module docstring)."""
+    """Scales from one forward of `token_ids` through a model-dtype `PagedCache` (see `pagedkv.hf.kv_scales`)."""
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     limit = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
     token_ids = list(token_ids)[:limit] if limit else list(token_ids)
