@@ -1,6 +1,7 @@
 """`RayEngineClient` over a scripted handle (no cluster): retries before the first output, fails after it, aborts."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -34,8 +35,8 @@ class _Call:
     the output stream (an exception is raised on the call; "hang" waits until cancelled; ("break", error) breaks
     the output stream with `error`; "end" ends it), then ends."""
 
-    def __init__(self, replica: "_Replica", script):
-        self.replica, self.script = replica, script
+    def __init__(self, replica: "_Replica", script, request_id: str):
+        self.replica, self.script, self.request_id = replica, script, request_id
         self.cancelled = False
 
     def __aiter__(self):
@@ -46,6 +47,8 @@ class _Call:
 
         yield self.replica.name
         for item in self.script:
+            if isinstance(item, tuple) and item[0] == "output":  # under the id this call was made with
+                item = ("output", dataclasses.replace(item[1], request_id=self.request_id))
             if isinstance(item, BaseException):
                 raise item
             if item == "hang":
@@ -126,7 +129,7 @@ class _Handle:
     def _generate(self, *args, **kwargs):
         name = "r0" if self.one_replica else f"r{len(self.calls)}"
         self.replicas.setdefault(name, _Replica(name))
-        call = _Call(self.replicas[name], self.scripts.pop(0))
+        call = _Call(self.replicas[name], self.scripts.pop(0), args[0])
         self.calls.append((args, kwargs, call))
         return call
 
@@ -308,20 +311,51 @@ def test_a_stream_the_replica_ends_is_reopened_for_the_request_still_waiting_on_
         client.shutdown()
 
 
-def test_a_request_whose_first_output_went_down_with_a_broken_stream_fails_rather_than_lose_tokens():
-    # "b" is answered on r0's stream. Then the stream breaks with "a"'s first output in the message it lost, "a"
-    # having shown nothing yet: the client opens a new stream, whose next output of "a" continues from the lost
-    # one. A gap: "a" fails (and is aborted at the replica) rather than stream text with a hole in it.
-    second = _messages("a", 3)[1]
-    handle = _Handle([_messages("b", 2), [("break", RuntimeError("RESOURCE_EXHAUSTED")), second, "hang"]],
-                     one_replica=True)
+def test_a_request_with_no_output_when_its_stream_broke_is_retried_and_the_old_attempts_output_dropped():
+    # "b" is answered on r0's stream. Then the stream breaks while "a" has shown nothing (its first output may
+    # have gone down with it): its call is cancelled and it is retried under an id of its own, and an output of
+    # the first attempt that still comes (on the stream the client reopened at once) is not taken for it.
+    handle = _Handle([_messages("b", 2), [("break", RuntimeError("RESOURCE_EXHAUSTED")), _messages("a", 3)[1],
+                                          "hang"], _messages("a", 3)], one_replica=True)
     client = RayEngineClient(handle, INFO, None)
     try:
         client.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
         assert _drain(client)[-1].outputs[0].token_ids == [5, 6]
         client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
         outputs = _drain(client)
-        assert len(outputs) == 1 and outputs[0].finished and "lost" in outputs[0].error
-        assert _cancelled(handle.calls[1][2]) and handle.replicas["r0"].num_streams == 2  # reopened; aborted there
+        assert [o.outputs[0].token_ids for o in outputs] == [[5], [5, 6], [5, 6, 7]] and outputs[-1].error is None
+        assert {o.request_id for o in outputs} == {"a"}
+        assert _cancelled(handle.calls[1][2]) and len(handle.calls) == 3
+        assert handle.calls[2][0][0] != "a" and handle.calls[2][0][0].startswith("a#")  # the retry's own id
+    finally:
+        client.shutdown()
+
+
+def test_an_output_that_continues_from_a_lost_one_fails_its_request_rather_than_show_a_gap():
+    first, _, third = _messages("a", 3)
+    handle = _Handle([[first, third, "hang"]])
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert [o.outputs[0].token_ids for o in outputs[:-1]] == [[5]]
+        assert outputs[-1].finished and "lost" in outputs[-1].error
+        assert _cancelled(handle.calls[0][2]) and len(handle.calls) == 1  # aborted there; not retried
+    finally:
+        client.shutdown()
+
+
+def test_a_request_whose_only_output_went_down_with_a_broken_stream_is_retried_not_left_hanging():
+    # "a" wants one token: its first output is its last, and it is in the message the broken stream lost.
+    handle = _Handle([_messages("b", 2), [("break", RuntimeError("RESOURCE_EXHAUSTED")), "hang"], _messages("a", 1)],
+                     one_replica=True)
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
+        _drain(client)
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1))
+        outputs = _drain(client)
+        assert outputs[-1].finished and outputs[-1].error is None and outputs[-1].outputs[0].token_ids == [5]
+        assert not client.has_unfinished_requests() and len(handle.calls) == 3
     finally:
         client.shutdown()

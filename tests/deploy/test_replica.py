@@ -6,6 +6,7 @@ goes away mid-request has the request aborted and its blocks freed.
 """
 
 import asyncio
+import time
 
 import pytest
 
@@ -151,3 +152,41 @@ def test_an_idle_output_stream_ends_and_a_busy_one_does_not(replica):
 
     done, failed = asyncio.run(run())
     assert not failed and len(done["busy"].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("end", ["finished", "aborted"])
+def test_a_stream_read_without_pause_idles_out_once_its_last_request_ended(replica, end):
+    # As Serve reads an `outputs` stream: the next item is asked for as soon as one went out, so the reader is
+    # already waiting when the request's call ends; the call's end must wake it for the idle clock to start.
+    async def run():
+        replica.outputs_idle_s = 0.2
+        seen = []
+
+        async def read():
+            async for blob, _ in replica.outputs(f"pull-{end}"):
+                seen.extend(unpack_messages(blob))
+
+        reader = asyncio.create_task(read())
+        params = GREEDY if end == "finished" else SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        call = replica.generate(f"idle-{end}", PROMPTS[0], params, sender=f"pull-{end}")
+        assert await call.__anext__() == "local"
+        if end == "finished":
+            with pytest.raises(StopAsyncIteration):
+                await call.__anext__()
+        else:
+            while not seen:
+                await asyncio.sleep(0.01)
+            await call.aclose()  # the ingress cancelled it
+        done, _ = await asyncio.wait({reader}, timeout=10)
+        reader.cancel()
+        return bool(done)
+
+    try:
+        assert asyncio.run(run()), "the stream stayed open after its last request ended"
+    finally:
+        replica.outputs_idle_s = OUTPUTS_IDLE_S
+    for _ in range(200):  # an aborted request's blocks are freed on the engine thread
+        if asyncio.run(replica.check_integrity()) == 0:
+            break
+        time.sleep(0.05)
+    assert asyncio.run(replica.check_integrity()) == 0

@@ -19,17 +19,18 @@ The prompt is hashed here, once (when routing by prefix): the request router mat
 those keys and the replica's engine reuses them.
 
 Faults: a replica that fails (its actor killed, its node gone) before a request's first
-output is retried on another replica, up to `max_attempts` calls in all: its client has seen
-nothing, so nothing is lost. A request that had already streamed output, or whose replica's
-output stream ended before its last message, ends with an error output, which the app turns
-into an error event and `[DONE]` (or a 500). Ray Serve restarts
-the replica; the router takes it back once the controller reports it running. An output stream
-that ends while its replica lives on (a message the transport refused) may have lost messages of
-the requests in flight there: each one that had output fails at once and is cancelled at the
-replica (which frees its blocks), rather than when its call ends. For the others the client opens
-a new stream at once, which takes the replica's queue over, so their outputs still come; if the
-replica died, their calls fail and they are retried elsewhere. A replica also ends a stream that
-has been idle a while (`replica.OUTPUTS_IDLE_S`): the next request opens another.
+output is retried, up to `max_attempts` calls in all: its client has seen nothing, so nothing is
+lost. Each attempt has an id of its own at the replicas, so a late message of an attempt given up
+on is dropped, never taken for the next one's. A request that had already streamed output ends
+with an error output, which the app turns into an error event and `[DONE]` (or a 500). Ray Serve
+restarts the replica; the router takes it back once the controller reports it running. An output
+stream can also break while its replica lives on (a message the transport refused): every request
+in flight there may have lost a message with it, so each is cancelled at the replica (which frees
+its blocks) and fails if it had output or is retried if not, at once rather than when its call
+ends; a new stream then takes the replica's queue over from the broken one's reader. Outputs are
+deltas, and one that continues from a lost message fails its request rather than show a gap. A
+replica ends a stream that has been idle a while (`replica.OUTPUTS_IDLE_S`): the next request
+opens another.
 
 `health()` lists the engine deployment's replicas as the Serve controller reports them
 (refreshed every `REPLICA_POLL_S` in the background, so a /health request never waits on Ray),
@@ -73,9 +74,11 @@ def failed_output(request_id: str, message: str, reason: str = "error") -> Reque
 class _Live:
     """A request in flight, as the client loop tracks it."""
 
+    request_id: str
     done: asyncio.Future  # set once its last message (final output, or failure) arrived
     task: asyncio.Task  # its `_serve`
     prompt_token_ids: list[int]  # the replica does not send them back
+    wire_id: str = ""  # the current attempt's id at the replicas (the request id, then one per retry)
     started: bool = False  # an output arrived: a retry elsewhere would repeat it
     replica: str | None = None  # the replica serving the current attempt, once it named itself
     lost: str | None = None  # why that replica's output stream ended under it (its messages may be lost)
@@ -192,10 +195,15 @@ class RayEngineClient:
                      block_hashes: list[bytes] | None) -> None:
         from ray.exceptions import RayActorError
 
-        live = self._live[request_id] = _Live(self._loop.create_future(), asyncio.current_task(), token_ids)
+        live = _Live(request_id, self._loop.create_future(), asyncio.current_task(), token_ids)
         try:
             for attempt in range(1, self._max_attempts + 1):
-                call = self._handle.generate.remote(request_id, token_ids, params, block_hashes=block_hashes,
+                # NOTE: each attempt has an id of its own at the replicas. A retry may land on the replica that
+                # is still aborting the attempt before it, whose late messages must not pass for this one's.
+                live.wire_id = request_id if attempt == 1 else f"{request_id}#retry{attempt}-{uuid.uuid4().hex[:8]}"
+                live.replica = live.lost = None
+                self._live[live.wire_id] = live
+                call = self._handle.generate.remote(live.wire_id, token_ids, params, block_hashes=block_hashes,
                                                     sender=self._sender)
                 try:
                     async for replica in call:  # one item: the replica that took it
@@ -207,47 +215,53 @@ class RayEngineClient:
                     call.cancel()  # the replica aborts it
                     if live.lost is None:
                         raise
-                    asyncio.current_task().uncancel()  # cancelled by _lose: it ends here, with an error output
-                    self._end_or_retry(request_id, live, attempt, ReplicaStreamEndedError(live.lost), retry=False)
+                    asyncio.current_task().uncancel()  # cancelled by _lose: this attempt is over
+                    error, retry = ReplicaStreamEndedError(live.lost), True
+                except Exception as raised:  # noqa: BLE001 - whatever ended the call ends (or retries) this request
+                    error, retry = raised, isinstance(raised, (RayActorError, ReplicaStreamEndedError))
+                if self._end_or_retry(request_id, live, attempt, error, retry):
                     return
-                except Exception as error:  # noqa: BLE001 - whatever ended the call ends (or retries) this request
-                    if self._end_or_retry(request_id, live, attempt, error, isinstance(error, RayActorError)):
-                        return
+                self._forget(live)  # from here on, this attempt's late messages are dropped
                 await asyncio.sleep(_RETRY_BACKOFF_S)
         finally:
-            del self._live[request_id]
-            self._decoder.forget(request_id)
+            self._forget(live)
+
+    def _forget(self, live: _Live) -> None:
+        if self._live.get(live.wire_id) is live:
+            del self._live[live.wire_id]
+        self._decoder.forget(live.wire_id)
 
     async def _last_message(self, live: _Live) -> None:
         """Once a request's call has ended: wait for its last message, which comes on its replica's stream (or
         on the one that replaced it); raise if that replica has no stream left to bring it."""
         while not live.done.done():
             channel = self._channels.get(live.replica) if live.replica is not None else None
-            if channel is None:
+            if channel is None or channel.done():
                 raise ReplicaStreamEndedError("the replica's output stream ended before the request's last output")
             await asyncio.wait((live.done, channel), return_when=asyncio.FIRST_COMPLETED)
 
     def _end_or_retry(self, request_id: str, live: _Live, attempt: int, error: Exception, retry: bool) -> bool:
-        """After an attempt failed: True once the request ended with an error output, False to try again."""
+        """After an attempt failed: True once the request ended with an error output, False to try again (only
+        a request that has shown nothing, after a fault that may not be its own)."""
         if live.started or attempt == self._max_attempts or not retry:
             logger.warning("request %s failed on its replica: %s: %s", request_id, type(error).__name__, error)
             self._outputs.put(failed_output(request_id, f"the replica serving this request failed: "
                                                         f"{type(error).__name__}: {error}"))
             return True
-        logger.warning("request %s: its replica failed before the first output (%s); retrying on another",
+        logger.warning("request %s: its replica failed before the first output (%s); retrying",
                        request_id, type(error).__name__)
         return False
 
     def _channel(self, replica: str) -> asyncio.Task:
         """The task reading this client's output stream from `replica` (started on first use)."""
         task = self._channels.get(replica)
-        if task is None:
+        if task is None or task.done():
             task = self._channels[replica] = self._loop.create_task(self._read(replica))
         return task
 
     async def _read(self, replica: str) -> None:
         call = self._handle.outputs.remote(self._sender, replica=replica)
-        why, num_items = "it ended", 0
+        broke, num_items = None, 0
         try:
             async for blob, load in call:
                 num_items += 1
@@ -257,30 +271,37 @@ class RayEngineClient:
                 for message in unpack_messages(blob):
                     self._take(message)
         except asyncio.CancelledError:
-            why = None
             call.cancel()
+            num_items = -1  # closed here: nothing to recover
             raise
-        except Exception as error:  # noqa: BLE001 - the replica is gone, or the stream broke; see _serve
-            why = f"{type(error).__name__}: {error}"
-            logger.warning("the output stream of replica %s ended: %s", replica, why)
+        except Exception as error:  # noqa: BLE001 - the replica is gone, or the stream broke
+            broke = f"{type(error).__name__}: {error}"
+            logger.warning("the output stream of replica %s ended: %s", replica, broke)
         finally:
             if self._channels.get(replica) is asyncio.current_task():
                 del self._channels[replica]
-            if why is not None:
-                self._lose(replica, f"the output stream of replica {replica} ended before the request's last "
-                                    f"output ({why})")
-                # A stream of its own again for what is still in flight there (it takes the replica's queue over);
-                # not after a stream that brought nothing (the replica is gone): that would only spin.
-                if num_items and any(live.replica == replica and not live.done.done() and live.lost is None
-                                     for live in self._live.values()):
-                    self._channel(replica)
+            if num_items >= 0:
+                self._ended(replica, broke, num_items)
 
-    def _lose(self, replica: str, why: str) -> None:
-        """Fail the requests with output in flight on `replica`, whose output stream ended (module docstring)."""
-        for live in self._live.values():
-            if live.replica == replica and live.started and not live.done.done() and live.lost is None:
+    def _ended(self, replica: str, broke: str | None, num_items: int) -> None:
+        """`replica`'s output stream ended, not closed by this client (see the module docstring's Faults).
+
+        It ended by itself (the replica's idle end) after bringing items: nothing was lost; a new stream for
+        anything still in flight there. It broke: the messages of the requests there may be lost with it, so
+        each one is cancelled at the replica, then fails if it had output or is retried if not; and a new
+        stream at once, so that the replica's still-running reader of the broken one stops taking messages.
+        It brought nothing (the replica is gone, or never had this stream): the requests there are cancelled
+        and fail or are retried, with no new stream (which would only end the same way)."""
+        in_flight = [live for live in self._live.values()
+                     if live.replica == replica and not live.done.done() and live.lost is None]
+        if broke is not None or not num_items:
+            why = f"the output stream of replica {replica} ended before the request's last output" + (
+                f" ({broke})" if broke else " (it brought nothing)")
+            for live in in_flight:
                 live.lost = why
                 live.task.cancel()
+        if num_items and not self._closed and (broke is not None or in_flight):
+            self._channel(replica)
 
     def _cancel_channels(self) -> list[asyncio.Task]:
         tasks = list(self._channels.values())
@@ -292,29 +313,26 @@ class RayEngineClient:
         await asyncio.gather(*self._cancel_channels(), return_exceptions=True)
 
     def _take(self, message: tuple) -> None:
+        live = self._live.get(message[1].request_id if message[0] == "output" else message[1])
+        if live is None or live.done.done():
+            return  # aborted, failed over or ended since: nobody waits for it
         if message[0] == "output":
             delta = message[1]
-            live = self._live.get(delta.request_id)
-            if live is None:
-                return  # aborted since (or failed over): nobody waits for it
             try:
                 output = self._decoder.decode(delta, live.prompt_token_ids)
             except OutputGapError as error:  # a message of it was lost with a broken stream: it cannot go on
-                if live.lost is None:
-                    live.started, live.lost = True, str(error)
-                    live.task.cancel()
+                live.started, live.lost = True, str(error)
+                live.task.cancel()
                 return
             live.started = True
+            output.request_id = live.request_id
             self._outputs.put(output)
             if delta.finished:
                 live.done.set_result(None)
         else:
-            _, request_id, text, status = message
-            live = self._live.get(request_id)
-            if live is None:
-                return
-            self._decoder.forget(request_id)
-            self._outputs.put(failed_output(request_id, text, "rejected" if status < 500 else "error"))
+            _, wire_id, text, status = message
+            self._decoder.forget(wire_id)
+            self._outputs.put(failed_output(live.request_id, text, "rejected" if status < 500 else "error"))
             live.done.set_result(None)
 
     async def _watch_replicas(self) -> None:

@@ -129,6 +129,12 @@ class _Outbox:
         self.messages.append(message)
         self._ready.set()
 
+    def leave(self, task: asyncio.Task) -> None:
+        """A `generate` call of this sender is over; the last one's leaving wakes the reader (it may idle out)."""
+        self.requests.discard(task)
+        if not self.requests:
+            self._ready.set()
+
     def attach(self, reader: object) -> None:
         """Make `reader` the one `take` serves; a reader it replaces gets None from its next `take`."""
         self.reader = reader
@@ -264,7 +270,7 @@ class EngineReplica:
             if stream.error is not None:
                 outbox.put(self._failure(request_id, stream.error))
         finally:
-            outbox.requests.discard(task)
+            outbox.leave(task)
             if not stream.ended.done():  # the caller went away (or cancelled): free the blocks now
                 self._async_engine.abort(request_id)
 
