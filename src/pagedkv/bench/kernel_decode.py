@@ -32,7 +32,6 @@ from pagedkv.bench.kernel_common import (
 GRID = [(1, 32768), (8, 4096), (64, 4096), (256, 512), (64, 512)]
 SMOKE_GRID = [(1, 256), (4, 64)]
 PAGE_SIZES = (16, 128)
-SDPA_REFERENCE_TBPS = {(64, 4096): 4.09, (1, 32768): 2.11, (256, 512): 3.6}  # measured on the H200
 #: Small-work decode cases that carry the >= 80% of copy target.
 SMALL_WORK = ((1, 32768), (8, 4096), (64, 512))
 
