@@ -359,3 +359,69 @@ def test_a_request_whose_only_output_went_down_with_a_broken_stream_is_retried_n
         assert not client.has_unfinished_requests() and len(handle.calls) == 3
     finally:
         client.shutdown()
+
+
+def _until(predicate, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_an_abort_in_the_same_turn_as_a_broken_stream_is_not_retried():
+    handle = _Handle([_messages("b", 2), ["hang"], ["hang"]], one_replica=True)
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
+        _drain(client)
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        assert _until(lambda: "a" in client._live and client._live["a"].replica == "r0")
+
+        future = client._requests.pop("a")  # what abort() does on the engine thread, then on the loop:
+
+        def break_and_abort():  # the stream breaks and the abort lands in one turn: two cancellations of "a"
+            handle.replicas["r0"].outbox.put_nowait(RuntimeError("RESOURCE_EXHAUSTED"))
+            future.cancel()
+
+        client._loop.call_soon_threadsafe(break_and_abort)
+        assert _cancelled(handle.calls[1][2])
+        time.sleep(0.5)  # past the retry backoff
+        assert len(handle.calls) == 2 and not client.has_unfinished_requests()  # aborted: never sent again
+    finally:
+        client.shutdown()
+
+
+def test_a_request_whose_last_output_never_comes_is_retried_after_two_streams():
+    # "b"'s call ended at r0 but none of its messages come (another reader took them). Later streams bring other
+    # requests' outputs and end cleanly; "b" waits for at most its stream and the one after, then is sent again.
+    handle = _Handle([_messages("c1", 2), [], ["end"] + _messages("c2", 2), ["end"] + _messages("c3", 2),
+                      _messages("b", 2)], one_replica=True)
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("c1", [1, 2, 3], SamplingParams(max_tokens=2))
+        _drain(client)
+        client.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
+        assert _until(lambda: len(handle.calls) == 2)
+        outputs = []
+        for request_id in ("c2", "c3"):
+            client.add_request(request_id, [1, 2, 3], SamplingParams(max_tokens=2))
+            outputs += _drain(client, until_s=3) if request_id == "c3" else [o for _ in range(50) for o in
+                                                                              client.step(timeout_s=0.01)]
+        outputs += _drain(client)
+        final = [o for o in outputs if o.request_id == "b" and o.finished]
+        assert final and final[-1].error is None and final[-1].outputs[0].token_ids == [5, 6]
+        assert handle.calls[-1][0][0].startswith("b#")  # sent again, under an id of its own
+    finally:
+        client.shutdown()
+
+
+def test_a_gap_before_anything_was_shown_retries_the_request():
+    handle = _Handle([[_messages("a", 3)[1], "hang"], _messages("a", 3)])  # its first output never came
+    client = RayEngineClient(handle, INFO, None)
+    try:
+        client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+        outputs = _drain(client)
+        assert outputs[-1].error is None and outputs[-1].outputs[0].token_ids == [5, 6, 7]
+        assert _cancelled(handle.calls[0][2]) and len(handle.calls) == 2
+    finally:
+        client.shutdown()

@@ -203,19 +203,23 @@ class RayEngineClient:
                 live.wire_id = request_id if attempt == 1 else f"{request_id}#retry{attempt}-{uuid.uuid4().hex[:8]}"
                 live.replica = live.lost = None
                 self._live[live.wire_id] = live
-                call = self._handle.generate.remote(live.wire_id, token_ids, params, block_hashes=block_hashes,
-                                                    sender=self._sender)
+                call = None
                 try:
+                    call = self._handle.generate.remote(live.wire_id, token_ids, params, block_hashes=block_hashes,
+                                                        sender=self._sender)
                     async for replica in call:  # one item: the replica that took it
                         live.replica = replica
-                        self._channel(replica)
+                        if not self._closed:
+                            self._channel(replica)
                     await self._last_message(live)
                     return
                 except asyncio.CancelledError:
-                    call.cancel()  # the replica aborts it
-                    if live.lost is None:
+                    if call is not None:
+                        call.cancel()  # the replica aborts it
+                    # Cancelled by `_ended` or a gap (`lost`): this attempt is over. A second cancellation (an
+                    # abort in the same turn) leaves the count above zero: that one wins.
+                    if live.lost is None or asyncio.current_task().uncancel():
                         raise
-                    asyncio.current_task().uncancel()  # cancelled by _lose: this attempt is over
                     error, retry = ReplicaStreamEndedError(live.lost), True
                 except Exception as raised:  # noqa: BLE001 - whatever ended the call ends (or retries) this request
                     error, retry = raised, isinstance(raised, (RayActorError, ReplicaStreamEndedError))
@@ -227,18 +231,21 @@ class RayEngineClient:
             self._forget(live)
 
     def _forget(self, live: _Live) -> None:
-        if self._live.get(live.wire_id) is live:
+        if self._live.get(live.wire_id) is live:  # (a new request may have taken an aborted one's id already)
             del self._live[live.wire_id]
-        self._decoder.forget(live.wire_id)
+            self._decoder.forget(live.wire_id)
 
     async def _last_message(self, live: _Live) -> None:
-        """Once a request's call has ended: wait for its last message, which comes on its replica's stream (or
-        on the one that replaced it); raise if that replica has no stream left to bring it."""
-        while not live.done.done():
+        """Once a request's call has ended (its last message is queued at the replica): wait for that message on
+        the replica's stream, or on the one that replaced it, which took the queue over; raise if neither
+        brought it (the stream before lost it)."""
+        for _ in range(2):
             channel = self._channels.get(live.replica) if live.replica is not None else None
-            if channel is None or channel.done():
-                raise ReplicaStreamEndedError("the replica's output stream ended before the request's last output")
+            if live.done.done() or channel is None or channel.done():
+                break
             await asyncio.wait((live.done, channel), return_when=asyncio.FIRST_COMPLETED)
+        if not live.done.done():
+            raise ReplicaStreamEndedError("the replica's output stream ended before the request's last output")
 
     def _end_or_retry(self, request_id: str, live: _Live, attempt: int, error: Exception, retry: bool) -> bool:
         """After an attempt failed: True once the request ended with an error output, False to try again (only
@@ -248,8 +255,8 @@ class RayEngineClient:
             self._outputs.put(failed_output(request_id, f"the replica serving this request failed: "
                                                         f"{type(error).__name__}: {error}"))
             return True
-        logger.warning("request %s: its replica failed before the first output (%s); retrying",
-                       request_id, type(error).__name__)
+        logger.warning("request %s: its attempt failed before the first output (%s: %s); retrying",
+                       request_id, type(error).__name__, error)
         return False
 
     def _channel(self, replica: str) -> asyncio.Task:
@@ -314,14 +321,14 @@ class RayEngineClient:
 
     def _take(self, message: tuple) -> None:
         live = self._live.get(message[1].request_id if message[0] == "output" else message[1])
-        if live is None or live.done.done():
-            return  # aborted, failed over or ended since: nobody waits for it
+        if live is None or live.done.done() or live.lost is not None:
+            return  # aborted, failed over, ended or given up since: nobody waits for it
         if message[0] == "output":
             delta = message[1]
             try:
                 output = self._decoder.decode(delta, live.prompt_token_ids)
-            except OutputGapError as error:  # a message of it was lost with a broken stream: it cannot go on
-                live.started, live.lost = True, str(error)
+            except OutputGapError as error:  # a message of this attempt was lost: it cannot go on (retried if
+                live.lost = str(error)  # nothing was shown yet, else failed)
                 live.task.cancel()
                 return
             live.started = True
