@@ -1,6 +1,7 @@
 """`pagedkv serve --engine-process`: the engine in a process of its own answers as the in-process engine does."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -54,3 +55,22 @@ def test_the_engine_runs_in_its_own_process_by_default_on_cuda_only():
     cuda, cpu = EngineConfig(device="cuda"), EngineConfig(device="cpu")
     assert uses_engine_process(None, cuda) and not uses_engine_process(None, cpu)
     assert not uses_engine_process(False, cuda) and uses_engine_process(True, cpu)
+
+
+def test_blocks_an_abort_frees_between_steps_reach_the_pushed_stats():
+    # The server's per-step metrics read the stats the engine process pushes; once it is idle it steps no more,
+    # so the blocks an abort frees must still be pushed, or /metrics would show them in use for good.
+    engine = DataParallelEngine(EngineConfig(**OPTIONS), 1)
+    try:
+        engine.add_request("long", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while not engine.latest_stats().num_used_blocks and time.monotonic() < deadline:
+            engine.step()  # until a push shows its blocks held (pushes come after steps, 50 ms apart at most)
+        assert engine.latest_stats().num_used_blocks > 0
+        engine.abort("long")
+        while engine.latest_stats().num_used_blocks and time.monotonic() < deadline:
+            engine.step()
+            time.sleep(0.02)
+        assert engine.latest_stats().num_used_blocks == 0
+    finally:
+        engine.shutdown()

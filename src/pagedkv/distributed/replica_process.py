@@ -72,13 +72,19 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
         sched = engine.scheduler
         load[index * LOAD_FIELDS:(index + 1) * LOAD_FIELDS] = [len(sched.waiting), len(sched.running),
                                                                    sched.block_manager.num_free_blocks, 1, consumed]
+        # Idle, with blocks freed since the last push (an abort between steps, or a free the last step's
+        # push came too early for): push again, or the parent's metrics would keep the stale count.
+        if pushed_free != sched.block_manager.num_free_blocks and not engine.has_unfinished_requests():
+            push_stats()
 
     last_push = last_keys_push = 0.0
+    pushed_free = -1  # the free block count the last pushed stats carried
     cache = bm.prefix_cache if num_published_block_hashes else None
 
     def push_stats() -> None:  # the parent's `latest_stats()`: metrics that never wait on this process
-        nonlocal last_push, last_keys_push
+        nonlocal last_push, last_keys_push, pushed_free
         last_push = time.perf_counter()
+        pushed_free = bm.num_free_blocks
         send(("load", engine.stats().as_dict()))
         if cache is not None and (last_push - last_keys_push >= KEYS_PUSH_S or not engine.has_unfinished_requests()):
             last_keys_push = last_push
