@@ -144,12 +144,17 @@ def _messages(request_id: str, num_tokens: int) -> list:
             for k in range(1, num_tokens + 1)]
 
 
-def _cancelled(call: _Call, within_s: float = 10.0) -> bool:
-    """Whether the client cancels `call` (the cancellation reaches the replica, which aborts the request there)."""
+def _until(predicate, within_s: float = 10.0) -> bool:
+    """Whether `predicate()` holds within `within_s` (polled)."""
     deadline = time.monotonic() + within_s
-    while not call.cancelled and time.monotonic() < deadline:
+    while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return call.cancelled
+    return predicate()
+
+
+def _cancelled(call: _Call) -> bool:
+    """Whether the client cancels `call` (the cancellation reaches the replica, which aborts the request there)."""
+    return _until(lambda: call.cancelled)
 
 
 def _drain(client, until_s: float = 10.0) -> list[RequestOutput]:
@@ -359,13 +364,6 @@ def test_a_request_whose_only_output_went_down_with_a_broken_stream_is_retried_n
         assert not client.has_unfinished_requests() and len(handle.calls) == 3
     finally:
         client.shutdown()
-
-
-def _until(predicate, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_an_abort_in_the_same_turn_as_a_broken_stream_is_not_retried():
