@@ -1,7 +1,6 @@
 """`RayEngineClient` over a scripted handle (no cluster): retries before the first output, fails after it, aborts."""
 
 import asyncio
-import dataclasses
 import time
 
 import pytest
@@ -48,7 +47,7 @@ class _Call:
         yield self.replica.name
         for item in self.script:
             if isinstance(item, tuple) and item[0] == "output":  # under the id this call was made with
-                item = ("output", dataclasses.replace(item[1], request_id=self.request_id))
+                item = ("output", item[1]._replace(request_id=self.request_id))
             if isinstance(item, BaseException):
                 raise item
             if item == "hang":

@@ -285,3 +285,32 @@ def test_a_replica_that_dies_before_it_is_ready_fails_startup_instead_of_hanging
 
     with pytest.raises(ConfigError, match=r"replica 0 failed to start: its process exited \(code 3\)"):
         DataParallelEngine(EngineConfig(model="random:tiny-qwen3", device="cpu"), 1, engine_factory=_die_before_ready)
+
+
+def test_a_replica_forwarding_its_deltas_gives_the_same_tokens_without_prompt_ids():
+    """`decode_outputs=False` (a Ray Serve replica): step() hands the engine process's deltas on as they came."""
+    from pagedkv.distributed.data_parallel import DataParallelEngine
+    from pagedkv.distributed.output_deltas import DeltaDecoder, OutputDelta
+    from pagedkv.engine.config import EngineConfig
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = _prompts(count=3)
+    single = [o.outputs[0].token_ids for o in LLM("random:tiny-qwen3", device="cpu", block_size=4,
+                                                    num_blocks=128).generate(prompts, params)]
+    engine = DataParallelEngine(EngineConfig(model="random:tiny-qwen3", device="cpu", block_size=4, num_blocks=128),
+                                1, decode_outputs=False)
+    try:
+        for k, prompt in enumerate(prompts):
+            engine.add_request(f"r{k}", prompt, params)
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas += engine.step(timeout_s=1.0)
+        assert deltas and all(isinstance(d, OutputDelta) and d.prompt_token_ids is None for d in deltas)
+        decoder, final = DeltaDecoder(), {}
+        for delta in deltas:
+            final[delta.request_id] = decoder.decode(delta, prompt_token_ids=prompts[int(delta.request_id[1:])])
+        assert [final[f"r{k}"].outputs[0].token_ids for k in range(len(prompts))] == single
+        assert final["r0"].prompt_token_ids == prompts[0] and all(o.finished for o in final.values())
+        assert engine.stats().num_used_blocks == 0
+    finally:
+        engine.shutdown()

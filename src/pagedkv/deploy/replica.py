@@ -33,7 +33,7 @@ caller cancels it (its client went away), the request is aborted and its blocks 
 
 The messages: `("output", OutputDelta)` per output the engine thread delivers (a request's new
 tokens and text only, `pagedkv.distributed.output_deltas`; not the prompt's ids, which the sender
-sent), and `("failed", request_id,
+sent; an engine process's deltas pass through as it made them, never rebuilt here), and `("failed", request_id,
 message, status)` once a request fails. Each `outputs` item is `(packed messages, load)`
 (`unpack_messages` reads them), `load` being `Load` below, so the ingress sees each replica's
 queues and stats without asking. An `outputs` stream that ends (the ingress went away) cancels
@@ -64,7 +64,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedkv.distributed.data_parallel import DataParallelEngine
-from pagedkv.distributed.output_deltas import DeltaEncoder
+from pagedkv.distributed.output_deltas import DeltaEncoder, OutputDelta
 from pagedkv.distributed.router import RouterConfig, RoutingPolicy
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
@@ -183,7 +183,9 @@ class _OutboxStream(RequestStream):
         if isinstance(item, BaseException):
             self.end(item)
             return
-        self._outbox.put(("output", self._encoder.encode(item)))
+        # The engine process's deltas go on as they came (without the prompt's ids); an engine thread's
+        # outputs, and a rejection, are whole outputs to encode here.
+        self._outbox.put(("output", item if isinstance(item, OutputDelta) else self._encoder.encode(item)))
         if item.finished:
             self.ended.set_result(None)
 
@@ -235,7 +237,7 @@ class EngineReplica:
         if uses_engine_process(engine_process, config):
             # One replica, so nothing to route; the prompt hashes come with each request (see generate).
             engine = DataParallelEngine(config, 1, router_config=RouterConfig(RoutingPolicy.ROUND_ROBIN),
-                                        num_published_block_hashes=MAX_PUBLISHED_BLOCK_HASHES)
+                                        num_published_block_hashes=MAX_PUBLISHED_BLOCK_HASHES, decode_outputs=False)
             self._process = engine.replicas[0]
         else:
             engine = LLMEngine(config)

@@ -111,11 +111,13 @@ class DataParallelEngine:
 
     def __init__(self, config: EngineConfig, data_parallel_size: int, tokenizer=None,
                  router_config: RouterConfig = RouterConfig(), engine_factory=None,
-                 num_published_block_hashes: int = 0):
+                 num_published_block_hashes: int = 0, decode_outputs: bool = True):
         """`engine_factory(config)` builds each replica's engine in its process (default `LLMEngine`; it
         must pickle). With a factory the parent loads no tokenizer: `tokenizer` is the one it uses.
         `num_published_block_hashes` > 0: each replica pushes that many of its most recently cached
-        prefix keys (see `published_block_hashes`)."""
+        prefix keys (see `published_block_hashes`). `decode_outputs=False`: `step()` returns the replicas'
+        `OutputDelta`s as they came, without the prompt's ids, for a parent that forwards them (a Ray Serve
+        replica: rebuilding each output here only to encode it again cost more than the rest of its work)."""
         import torch
 
         from pagedkv.engine.scheduler import Scheduler
@@ -138,7 +140,7 @@ class DataParallelEngine:
             # run at exit) stops them.
             process = context.Process(target=replica_main, daemon=config.tensor_parallel_size == 1,
                                       args=(replace(config, device=device), index, child, self._load,
-                                            engine_factory, num_published_block_hashes))
+                                            engine_factory, num_published_block_hashes, decode_outputs))
             process.start()
             child.close()  # the child holds its end now: if it dies, this end reads EOF instead of waiting forever
             pending.append((index, process, parent))
@@ -165,7 +167,7 @@ class DataParallelEngine:
         self.max_model_len = min(r.info["max_model_len"] for r in self.replicas)
         self._fits = Scheduler(self.replicas[0].info["scheduler_config"])  # bookkeeping only: admission checks
         self._request_replica: dict[str, int] = {}
-        self._decoder = DeltaDecoder()
+        self._decoder = DeltaDecoder() if decode_outputs else None
         self._stream_outputs = True
         logger.info("data parallel: %d replicas on %s", len(self.replicas), ", ".join(devices))
 
@@ -237,7 +239,8 @@ class DataParallelEngine:
             return False
         replica = self.replicas[index]
         replica.requests.discard(request_id)
-        self._decoder.forget(request_id)
+        if self._decoder is not None:
+            self._decoder.forget(request_id)
         if replica.process.is_alive():
             replica.send(("abort", request_id))
         return True
@@ -259,7 +262,8 @@ class DataParallelEngine:
         return len(self._request_replica)
 
     def step(self, timeout_s: float = 0.01) -> list[RequestOutput]:
-        """Outputs every replica produced since the last call (waits up to `timeout_s` when there are none)."""
+        """Outputs every replica produced since the last call (waits up to `timeout_s` when there are none);
+        with `decode_outputs=False` a live request's are `OutputDelta`s (its failures still `RequestOutput`s)."""
         outputs: list[RequestOutput] = []
         deadline = time.perf_counter() + timeout_s
         while True:
@@ -267,8 +271,8 @@ class DataParallelEngine:
                 self._drain(replica)
                 for kind, payload in replica.inbox:
                     if kind == "outputs":  # not those of requests aborted since the replica sent them
-                        outputs += [self._decoder.decode(delta) for delta in payload
-                                    if delta.request_id in replica.requests]
+                        live = [delta for delta in payload if delta.request_id in replica.requests]
+                        outputs += live if self._decoder is None else [self._decoder.decode(d) for d in live]
                     elif kind == "rejected":
                         request_id, message = payload
                         outputs.append(self._failed(request_id, message, "rejected"))
@@ -300,7 +304,8 @@ class DataParallelEngine:
             replica.closed = True
 
     def _failed(self, request_id: str, message: str, reason: str) -> RequestOutput:
-        self._decoder.forget(request_id)
+        if self._decoder is not None:
+            self._decoder.forget(request_id)
         return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], reason)], True, error=message)
 
     def stats(self, timeout_s: float = 30.0):

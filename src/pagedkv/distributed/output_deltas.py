@@ -16,7 +16,7 @@ decoder raises `OutputGapError` rather than build a request's output with a hole
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.errors import PagedKVError
@@ -26,8 +26,9 @@ class OutputGapError(PagedKVError):
     """A delta continues from output the receiver never got (a message was lost on the way)."""
 
 
-@dataclass(frozen=True)
-class CompletionDelta:
+class CompletionDelta(NamedTuple):
+    """What one completion gained (a named tuple: tens of thousands are built, pickled and read per second)."""
+
     index: int
     token_offset: int  # the new token ids continue the completion's tokens from here
     token_ids: list[int]
@@ -37,9 +38,15 @@ class CompletionDelta:
     logprobs_offset: int
     logprobs: list | None
 
+    @property
+    def num_tokens(self) -> int:
+        """The completion's token count once this delta is applied."""
+        return self.token_offset + len(self.token_ids)
 
-@dataclass(frozen=True)
-class OutputDelta:
+
+class OutputDelta(NamedTuple):
+    """What one request gained since its last output."""
+
     request_id: str
     completions: list[CompletionDelta]
     finished: bool
@@ -48,6 +55,12 @@ class OutputDelta:
     metrics: dict
     prompt: str | None = None  # the prompt and its ids travel with a request's first output only
     prompt_token_ids: list[int] | None = None
+
+    @property
+    def outputs(self) -> list[CompletionDelta]:
+        """The completions' deltas, under `RequestOutput`'s name: code that only routes outputs (reads
+        `request_id`, `finished`, `error`, and each completion's `finish_reason` and `num_tokens`) takes either."""
+        return self.completions
 
 
 def _common_prefix(old: str, new: str) -> int:
@@ -61,13 +74,13 @@ def _common_prefix(old: str, new: str) -> int:
     return size
 
 
-@dataclass
 class _Sent:
     """What the other side already has of one completion."""
 
-    num_tokens: int = 0
-    text: str = ""
-    num_logprobs: int = 0
+    __slots__ = ("num_tokens", "text", "num_logprobs")
+
+    def __init__(self):
+        self.num_tokens, self.text, self.num_logprobs = 0, "", 0
 
 
 class DeltaEncoder:
@@ -81,21 +94,24 @@ class DeltaEncoder:
         self._send_prompt_token_ids = send_prompt_token_ids
 
     def encode(self, output: RequestOutput) -> OutputDelta:
-        first = output.request_id not in self._sent
-        sent = self._sent.setdefault(output.request_id, {})
+        sent = self._sent.get(output.request_id)
+        first = sent is None
+        if first:
+            sent = self._sent[output.request_id] = {}
         completions = []
         for completion in output.outputs:
-            before = sent.setdefault(completion.index, _Sent())
-            tokens = completion.token_ids
+            before = sent.get(completion.index)
+            if before is None:
+                before = sent[completion.index] = _Sent()
+            tokens, text, logprobs = completion.token_ids, completion.text, completion.logprobs
             token_offset = before.num_tokens if len(tokens) >= before.num_tokens else 0
-            text_offset = _common_prefix(before.text, completion.text)
-            logprobs = completion.logprobs
+            text_offset = _common_prefix(before.text, text)
             logprobs_offset = min(before.num_logprobs, len(logprobs)) if logprobs is not None else 0
             completions.append(CompletionDelta(
-                completion.index, token_offset, tokens[token_offset:], text_offset, completion.text[text_offset:],
+                completion.index, token_offset, tokens[token_offset:], text_offset, text[text_offset:],
                 completion.finish_reason, logprobs_offset,
                 logprobs[logprobs_offset:] if logprobs is not None else None))
-            before.num_tokens, before.text = len(tokens), completion.text
+            before.num_tokens, before.text = len(tokens), text
             before.num_logprobs = len(logprobs) if logprobs is not None else 0
         if output.finished:
             del self._sent[output.request_id]
@@ -108,11 +124,12 @@ class DeltaEncoder:
         self._sent.pop(request_id, None)
 
 
-@dataclass
 class _Received:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    __slots__ = ("prompt", "prompt_token_ids", "completions")
+
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int]):
+        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
+        self.completions: dict[int, CompletionOutput] = {}
 
 
 class DeltaDecoder:
@@ -127,26 +144,29 @@ class DeltaDecoder:
         if state is None:
             prompt_ids = delta.prompt_token_ids if delta.prompt_token_ids is not None else prompt_token_ids
             state = self._received[delta.request_id] = _Received(delta.prompt, prompt_ids or [])
+        completions = state.completions
         for part in delta.completions:
-            before = state.completions.get(part.index)
+            before = completions.get(part.index)
             have_tokens, have_text = (len(before.token_ids), len(before.text)) if before else (0, 0)
             if part.token_offset > have_tokens or part.text_offset > have_text:
                 self._received.pop(delta.request_id, None)
                 raise OutputGapError(f"request {delta.request_id}: sample {part.index} continues from token "
                                      f"{part.token_offset} (character {part.text_offset}), but {have_tokens} "
                                      f"tokens ({have_text} characters) arrived: an earlier output was lost")
-            tokens = before.token_ids[:part.token_offset] if before else []
-            text = before.text[:part.text_offset] if before else ""
-            logprobs = None
-            if part.logprobs is not None:
-                old = (before.logprobs or []) if before else []
-                logprobs = old[:part.logprobs_offset] + part.logprobs
-            state.completions[part.index] = CompletionOutput(part.index, text + part.text, tokens + part.token_ids,
-                                                             part.finish_reason, logprobs)
+            if before is None:
+                tokens, text, logprobs = list(part.token_ids), part.text, part.logprobs
+            else:  # one copy of what came before (a fresh list per output: a reader may still hold the last one)
+                tokens = (before.token_ids if part.token_offset == have_tokens
+                          else before.token_ids[:part.token_offset]) + part.token_ids
+                text = (before.text if part.text_offset == have_text else before.text[:part.text_offset]) + part.text
+                logprobs = part.logprobs
+                if logprobs is not None:
+                    logprobs = (before.logprobs or [])[:part.logprobs_offset] + logprobs
+            completions[part.index] = CompletionOutput(part.index, text, tokens, part.finish_reason, logprobs)
         if delta.finished:
             del self._received[delta.request_id]
-        return RequestOutput(delta.request_id, state.prompt, state.prompt_token_ids,
-                             [state.completions[i] for i in sorted(state.completions)], delta.finished,
+        outputs = list(completions.values()) if len(completions) == 1 else [completions[i] for i in sorted(completions)]
+        return RequestOutput(delta.request_id, state.prompt, state.prompt_token_ids, outputs, delta.finished,
                              num_cached_tokens=delta.num_cached_tokens, error=delta.error, metrics=delta.metrics)
 
     def forget(self, request_id: str) -> None:

@@ -36,8 +36,11 @@ KEYS_PUSH_S = 0.5
 
 
 def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=None,
-                  num_published_block_hashes: int = 0) -> None:
-    """A replica process: serve commands from `conn`, step the engine, send outputs back; exit when the parent goes."""
+                  num_published_block_hashes: int = 0, send_prompt_token_ids: bool = True) -> None:
+    """A replica process: serve commands from `conn`, step the engine, send outputs back; exit when the parent goes.
+
+    `send_prompt_token_ids=False` leaves the prompt's ids out of the outputs (the parent forwards them to
+    whoever sent the prompt)."""
     from pagedkv.engine.engine import LLMEngine
 
     # Ctrl-C reaches the whole process group; the parent handles it and stops the replicas in order.
@@ -57,7 +60,7 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
     consumed = 0
-    encoder = DeltaEncoder()  # streamed outputs cross the pipe as what each request gained since its last
+    encoder = DeltaEncoder(send_prompt_token_ids)  # streamed outputs cross the pipe as what each request gained since its last
     # Replies go out through a sender thread, never from this loop: the parent may be blocked
     # sending this replica a burst of requests while not reading, and a loop blocked on its own
     # send (its outputs filling the pipe) would then never read them - both sides stuck for good.

@@ -33,6 +33,10 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
 
 @dataclass
 class RequestOutput:
