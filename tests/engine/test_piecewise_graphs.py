@@ -6,6 +6,9 @@ attention over the padded step, inside the one graph). On CPU nothing is capture
 replay is checked here against plain eager steps. The GPU tests at the end capture and replay.
 """
 
+import threading
+import time
+
 import pytest
 import torch
 from helpers import tiny
@@ -116,3 +119,66 @@ def test_captured_graphs_equal_eager_steps_on_gpu(name, mode):
            [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)])
     assert got == want
 
+
+
+class _EventWaiter(threading.Thread):
+    """Records a CUDA event on a side stream and synchronizes on it, round after round, as another engine's KV disk
+    writers do (`DiskStore` waits on the copy stream's event before it reads a host block); keeps what failed."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.rounds = 0
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self):
+        stream = torch.cuda.Stream()
+        while not self.stop.is_set():
+            try:
+                done = torch.cuda.Event()
+                done.record(stream)
+                done.synchronize()
+            except Exception as error:  # noqa: BLE001 - the test reports it
+                self.errors.append(str(error)[:200])
+            self.rounds += 1
+
+    def wait_rounds(self, num_rounds: int, timeout_s: float = 10.0) -> None:
+        """Return once this thread has made `num_rounds` more rounds of CUDA calls."""
+        target, deadline = self.rounds + num_rounds, time.monotonic() + timeout_s
+        while self.rounds < target:
+            assert time.monotonic() < deadline, "the side thread made no CUDA calls"
+            time.sleep(0.0005)
+
+
+@pytest.mark.gpu
+def test_graphs_capture_while_another_thread_waits_on_cuda_events(monkeypatch):
+    """Another thread's CUDA calls during a capture (another engine's disk writers in the same process) leave the
+    engine's captures alone: the decode and piecewise graphs capture, and replay the eager engine's tokens. Every
+    capture is held open until the other thread has made two rounds of calls inside it; under a capture mode that
+    checks every thread ("global"), those calls fail and the capture is invalidated."""
+    model = tiny("tiny-qwen3").to("cuda")
+    options = dict(kv_cache_memory=64 * 2**20, max_num_batched_tokens=48, max_num_seqs=8, dtype="float32")
+    prompts, greedy, _ = _mixed_workload(model.config.vocab_size)
+    want = [o.outputs[0].token_ids for o in LLM(hf_model=model, enforce_eager=True, **options).generate(prompts, greedy)]
+    waiter = _EventWaiter()
+    capture_end = torch.cuda.CUDAGraph.capture_end
+    num_captures = []
+
+    def capture_end_after_the_waiters_calls(graph):
+        waiter.wait_rounds(2)
+        num_captures.append(1)
+        return capture_end(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", capture_end_after_the_waiters_calls)
+    waiter.start()
+    try:
+        llm = LLM(hf_model=model, mixed_step_graphs="piecewise", **options)
+    finally:
+        waiter.stop.set()
+        waiter.join()
+    monkeypatch.undo()
+    assert waiter.errors == []
+    runner = llm.engine.runner
+    assert runner.graphs and runner.piecewise.is_captured
+    assert len(num_captures) > len(runner.graphs)  # the piecewise graphs' captures were held open too
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want

@@ -168,7 +168,8 @@ def _tier_summary(stats: dict, block_size: int, block_nbytes: int, prompts: dict
         summary["gpu_hit_rate"] = stats["prefix_cache_hit_tokens"] / block_size / hittable if hittable else 0.0
     for key in ("kv_offloaded_blocks", "kv_restored_blocks", "kv_disk_written_blocks", "kv_disk_load_misses",
                 "kv_d2h_bytes", "kv_d2h_seconds", "kv_h2d_bytes", "kv_h2d_seconds", "kv_h2d_copy_seconds",
-                "kv_h2d_num_copies", "kv_disk_read_bytes", "kv_disk_read_seconds", "num_preemptions"):
+                "kv_h2d_num_copies", "kv_disk_read_bytes", "kv_disk_read_seconds", "kv_disk_write_waits",
+                "kv_disk_write_wait_seconds", "num_preemptions"):
         summary[key] = stats.get(key, 0)
     h2d_bytes = stats.get("kv_h2d_bytes", 0)
     summary["restore_bytes_per_s"] = h2d_bytes / stats["kv_h2d_seconds"] if stats.get("kv_h2d_seconds") else None
@@ -292,7 +293,6 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     result["warm_up_s"] = warm_kernels(LLM(**common, kv_offload_memory=host_bytes), other, max_num_seqs)
     print(f"{name} | warm-up: the whole workload of another seed through the tiers, "
           f"{result['warm_up_s']:.1f} s", flush=True)
-    tiered = None
     for label, options in configs:
         llm = LLM(**common, **options)
         run_chat(llm.engine, dataclasses.replace(other, num_conversations=2, num_concurrent=2).fixed_turns(),
@@ -315,25 +315,28 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
               f"{run['output_tokens_per_s']:,.0f} output tok/s, hits GPU {row['gpu_hit_rate'] * 100:.0f}% host "
               f"{row['host_hit_rate'] * 100:.0f}%", flush=True)
         print(f"{name} | {label} steps: {step_line(run['steps'])}", flush=True)
+        if row["kv_disk_written_blocks"] or row["kv_disk_write_waits"]:  # waits: every host block was being written
+            print(f"{name} | {label} disk writes: {row['kv_disk_written_blocks']} blocks; steps waited on "
+                  f"{row['kv_disk_write_waits']} of them, {row['kv_disk_write_wait_seconds'] * 1e3:.1f} ms",
+                  flush=True)
         if label == "GPU only":  # after its run, so the probes' prompts leave the measured run alone
             result["restore_bound"] = bound = restore_bound(llm.engine, workload, block_size, h2d)
             print(f"{name} | bound: a {bound['prefix_tokens']}-token prefix + {bound['user_tokens']}-token message "
                   f"prefill {bound['prefill_s'] * 1e3:.1f} ms; copying the prefix {bound['copy_s'] * 1e3:.1f} ms "
                   f"+ the message's prefill {bound['user_prefill_s'] * 1e3:.1f} ms: TTFT at most "
                   f"{bound['max_ttft_gain']:.2f}x lower", flush=True)
-        if label == TIERED:  # the restart reads its disk
-            tiered = (llm, prompts)
-        else:
-            llm.shutdown()
-            del llm
+        if label == TIERED:  # the restart replays its prompts on its disk
+            tiered_prompts = prompts
+        # Shut down before the next configuration's engine is built: the tiers' shutdown writes their cache to
+        # disk (what the restart reads) and joins the disk writer threads, whose backlog would otherwise run on
+        # beside the next configuration's graph captures and measured steps.
+        llm.shutdown()
+        del llm
     distinct = {key for p in prompts.values() for key in hittable_keys(p, block_size)}
     result["distinct_prefix_blocks"] = len(distinct)
     result["gpu_pool_share_of_prefixes"] = num_blocks / len(distinct) if distinct else 0.0
     result["same_prompts"] = len({row["prompts_hash"] for row in result["configs"].values()}) == 1
-    llm, prompts = tiered
-    llm.shutdown()  # writes what is only on the GPU and in host memory
-    del llm
-    result["restart"] = r = restart(LLM, common, configs[2][1], workload, prompts, block_size)
+    result["restart"] = r = restart(LLM, common, configs[2][1], workload, tiered_prompts, block_size)
     shutil.rmtree(offload_dir, ignore_errors=True)
     print(f"{name} | restart: per distinct prompt block {r['disk_share'] * 100:.1f}% read from disk, "
           f"{r['not_computed_share'] * 100:.1f}% not computed; first TTFT {r['first_ttft_s'] * 1e3:.1f} ms",

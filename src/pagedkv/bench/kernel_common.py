@@ -48,6 +48,8 @@ def _graphed(fn):
     launch on the H200 host) then stays out of kernels that themselves take tens of us."""
     import torch
 
+    from pagedkv.engine.piecewise_graphs import CAPTURE_ERROR_MODE
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -55,7 +57,7 @@ def _graphed(fn):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
         fn()
     return graph.replay
 

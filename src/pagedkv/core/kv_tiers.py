@@ -17,7 +17,8 @@ evictions into free host blocks beside the step (`pre_spill`).
 
 Eviction inside a tier is LRU over keys, and a prefix's tail goes before its head: a prefix touched as a whole is
 queued tail first, so its head ends up most recently used. Evicting a head first would strand the tail, which a
-hash-chain lookup can never reach again.
+hash-chain lookup can never reach again. The host tier passes over blocks whose disk write is still queued while
+others can be taken (`host_tier.py`): this module tells it which writes are queued and which have finished.
 
 A host block a copy of this step reads or fills (a restore, a swap-in, a spill, whose disk write reads it after the
 copies) is busy until the next step begins: the runner's copies of one step run device-to-host first, so reusing it
@@ -33,119 +34,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy
+from pagedkv.core.host_tier import HostTier
 from pagedkv.core.prefix_cache import BlockHash
 from pagedkv.errors import require_positive_int
-
-
-class HostTier:
-    """A pool of host blocks: cached ones by key (LRU, evictable) and owned ones (swapped sequences)."""
-
-    def __init__(self, num_blocks: int):
-        self.allocator = BlockAllocator(num_blocks)
-        self._block_of: dict[BlockHash, int] = {}
-        self._key_of: dict[int, BlockHash] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
-        self._busy: set[int] = set()  # read by this step's copies
-        self._release_later: list[int] = []  # freed this step, free from the next
-        self.last_evicted: list[int] = []  # cached blocks the last `allocate` evicted
-
-    @property
-    def num_blocks(self) -> int:
-        """Host blocks in the pool."""
-        return self.allocator.num_blocks
-
-    @property
-    def num_cached(self) -> int:
-        """Host blocks holding a cached key."""
-        return len(self._key_of)
-
-    @property
-    def num_available(self) -> int:
-        """Blocks an allocation could get now: free ones plus cached ones not busy."""
-        busy_cached = sum(1 for block in self._busy if block in self._key_of)
-        return self.allocator.num_free + len(self._lru) - busy_cached
-
-    @property
-    def num_releasing(self) -> int:
-        """Blocks freed this step, free from the next."""
-        return len(self._release_later)
-
-    def __contains__(self, key: BlockHash) -> bool:
-        return key in self._block_of
-
-    def begin_step(self) -> None:
-        """A new step: last step's copies are ordered before this one's, so busy and freed blocks come back."""
-        self._busy.clear()
-        if self._release_later:
-            self.allocator.free(self._release_later)
-            self._release_later = []
-
-    def match(self, keys: Sequence[BlockHash]) -> list[int]:
-        """Host blocks of the longest cached prefix of `keys`."""
-        blocks = []
-        for key in keys:
-            block = self._block_of.get(key)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
-
-    def touch(self, blocks: Sequence[int]) -> None:
-        """Mark a prefix's blocks used: queued tail first, so the head is evicted last."""
-        for block in reversed(blocks):
-            if block in self._lru:
-                self._lru.move_to_end(block)
-
-    def mark_busy(self, blocks: Sequence[int]) -> None:
-        """These blocks are read by this step's copies: keep them until the next step."""
-        self._busy.update(blocks)
-
-    def allocate(self, num_blocks: int) -> list[int] | None:
-        """`num_blocks` host blocks, evicting LRU cached ones as needed; None (no change) if they cannot be had."""
-        shortfall = num_blocks - self.allocator.num_free
-        self.last_evicted = []
-        if shortfall > 0:
-            if shortfall > len(self._lru):
-                return None
-            victims = []
-            for block in self._lru:  # least recently used first; stops as soon as it has enough
-                if block not in self._busy:
-                    victims.append(block)
-                    if len(victims) == shortfall:
-                        break
-            if len(victims) < shortfall:  # too many cached blocks are busy in this step
-                return None
-            for block in victims:
-                del self._lru[block]
-                del self._block_of[self._key_of.pop(block)]
-            self.allocator.free(victims)
-            self.last_evicted = victims
-        return self.allocator.allocate(num_blocks) if num_blocks else []
-
-    def insert(self, key: BlockHash, block: int) -> bool:
-        """Cache an allocated block under `key` (most recently used). False if the key is cached already."""
-        if key in self._block_of:
-            return False
-        self._block_of[key] = block
-        self._key_of[block] = key
-        self._lru[block] = None
-        return True
-
-    def free(self, blocks: Sequence[int]) -> None:
-        """Give back owned (uncached) blocks; they are reusable from the next step."""
-        self._release_later.extend(blocks)
-
-    def check_integrity(self) -> None:
-        """Assert maps, LRU queue and allocator agree."""
-        self.allocator.check_integrity()
-        assert len(self._block_of) == len(self._key_of), "host key and block maps differ in size"
-        for key, block in self._block_of.items():
-            assert self._key_of.get(block) == key, f"host block {block} maps back to another key"
-            assert self.allocator.ref_count(block) == 1, f"cached host block {block} has a bad ref count"
-        assert set(self._lru) == set(self._key_of), "host LRU queue and cached blocks differ"
-        assert not set(self._release_later) & set(self._key_of), "a host block is both cached and being freed"
 
 
 class DiskIndex:
@@ -233,6 +125,7 @@ class KVTiers:
         self.disk_disabled_reason: str | None = None
         self._loading: dict[BlockHash, int] = {}  # key -> host block its disk load fills
         self._from_disk: set[int] = set()  # host blocks loaded from disk, not restored yet
+        self._writes: dict[BlockHash, list[int]] = {}  # key -> host blocks of its queued disk writes, in order
         self.copies = TierCopies()
         self.stats = TierStats()
 
@@ -293,6 +186,8 @@ class KVTiers:
             return
         self.copies.disk_writes.append((key, host_block))
         self.copies.disk_deletes.extend(self.disk.add(key))
+        self._writes.setdefault(key, []).append(host_block)  # a key's writes finish in order (one writer thread)
+        self.host.start_write(host_block)
 
     # ------------------------------------------------------------------ lookup
     def match_host(self, keys: Sequence[BlockHash]) -> list[int]:
@@ -374,6 +269,11 @@ class KVTiers:
     def finish_writes(self, results: Sequence[tuple[BlockHash, bool]]) -> None:
         """The runner wrote these keys' files (True), or failed to (False: the key is forgotten)."""
         for key, ok in results:
+            blocks = self._writes.get(key)
+            if blocks:
+                self.host.end_write(blocks.pop(0))
+                if not blocks:
+                    del self._writes[key]
             if ok:
                 self.stats.disk_written_blocks += 1
             else:
@@ -416,3 +316,8 @@ class KVTiers:
         assert self._from_disk <= set(self.host._key_of), "a block loaded from disk is no longer cached"
         if self.disk is not None:
             self.disk.check_integrity()
+        queued = {}
+        for blocks in self._writes.values():
+            for block in blocks:
+                queued[block] = queued.get(block, 0) + 1
+        assert queued == self.host._writing, "the host tier's disk write counts differ from the queued writes"

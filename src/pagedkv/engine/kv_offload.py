@@ -76,6 +76,8 @@ class OffloadStats:
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
+    disk_write_waits: int = 0  # spills and swap-outs into a host block that waited for its disk write first
+    disk_write_wait_seconds: float = 0.0  # the step loop's time in those waits
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -257,13 +259,17 @@ class KVOffload:
 
     # ------------------------------------------------------------------ disk
     def _wait_writes(self, host_blocks) -> None:
-        """A host block about to be overwritten must first be done being written to disk."""
+        """A host block about to be overwritten must first be done being written to disk (the host tier takes such
+        a block only when no other is free to take: `pagedkv.core.host_tier`)."""
         if not self._writing:
             return
         for block in host_blocks:
             done = self._writing.pop(block, None)
-            if done is not None:
+            if done is not None and not done.is_set():
+                start = time.perf_counter()
                 done.wait()
+                self.stats.disk_write_waits += 1
+                self.stats.disk_write_wait_seconds += time.perf_counter() - start
 
     def _write(self, writes, ready) -> None:
         if not writes or self.disk is None:
@@ -364,6 +370,7 @@ class KVOffload:
             kv_h2d_seconds=o.h2d_seconds, kv_h2d_copy_seconds=o.h2d_copy_seconds,
             kv_h2d_num_copies=o.h2d_num_copies, kv_disk_read_bytes=o.disk_read_bytes,
             kv_disk_read_seconds=o.disk_read_seconds, kv_disk_write_bytes=o.disk_write_bytes,
+            kv_disk_write_waits=o.disk_write_waits, kv_disk_write_wait_seconds=o.disk_write_wait_seconds,
         )
 
     def poll(self) -> tuple[list[tuple[bytes, bool]], list[tuple[bytes, bool]], str | None]:

@@ -115,6 +115,8 @@ class EngineStats:
     kv_disk_read_bytes: int = 0
     kv_disk_read_seconds: float = 0.0
     kv_disk_write_bytes: int = 0
+    kv_disk_write_waits: int = 0  # host blocks a step waited for to finish their disk write before reusing them
+    kv_disk_write_wait_seconds: float = 0.0  # the steps' time in those waits
 
     @property
     def tokens_per_second(self) -> float:

@@ -50,6 +50,12 @@ from pagedkv.kernels.backend import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger("pagedkv")
 
+#: How every pagedkv capture treats CUDA calls made during it. "thread_local": only this thread's unsafe
+#: calls fail. Under torch's default "global" any thread's synchronize, event query or cudaMalloc during
+#: the capture fails there and invalidates the capture: another engine's disk writers in the same process
+#: (which wait on CUDA events) broke a second engine's graph capture that way.
+CAPTURE_ERROR_MODE = "thread_local"
+
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Padded token counts to capture: steps of 16 to 128, then growing by about 1/4 (32, 64, 128, 256, 512)."""
@@ -212,7 +218,7 @@ class PiecewiseGraphs:
     # ------------------------------------------------------------------ capture
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self._pool)
+        graph.capture_begin(pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE)
         self._graph_in_progress = graph
 
     def split_capture(self) -> None:

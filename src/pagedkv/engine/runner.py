@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pagedkv.engine.kv_offload import KVOffload
-from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
+from pagedkv.engine.piecewise_graphs import CAPTURE_ERROR_MODE, PiecewiseGraphs, token_buckets
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.step_input import StepInput
 from pagedkv.kernels import KVPool
@@ -290,7 +290,7 @@ class ModelRunner:
             run()  # compiles the kernels and settles cuBLAS workspaces outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 logits = run()
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize(self.device)
