@@ -34,6 +34,9 @@ DIR=${DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kv_tiers.XXXXXX")}
 start_log "$OUT"
 EXTRA=(); [ "${SMOKE:-0}" = 1 ] && EXTRA=(--smoke)
 [ "${PROFILE:-0}" = 1 ] && EXTRA+=(--profile-host)
+# GC=on: the garbage collector as it is during the measured runs (default freeze: the heap frozen before each run,
+# as `pagedkv serve` does after startup; a full pass over an unfrozen heap stalls a step for a few hundred ms).
+EXTRA+=(--gc "${GC:-freeze}")
 # CHAT_SIZE=C,K,T,S,F: C conversations of T turns over K system prompts of S tokens, F in flight (every model), e.g.
 # 32,16,3,8192,2: long shared prefixes, where recomputing a prefix costs more per token than copying it back.
 [ -n "${CHAT_SIZE:-}" ] && EXTRA+=(--chat-size "$CHAT_SIZE")

@@ -2,7 +2,7 @@
 
 import types
 
-from pagedkv.bench.engine_chat_tiers import run_chat
+from pagedkv.bench.chat_tiers_run import run_chat
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -47,7 +47,7 @@ class _Engine:
 
 
 def test_turns_that_reuse_a_system_prompt_are_reported_apart_from_its_first_use(monkeypatch):
-    import pagedkv.bench.engine_chat_tiers as bench
+    import pagedkv.bench.chat_tiers_run as bench
 
     engine = _Engine(system_tokens=4, cold_steps=20)
     monkeypatch.setattr(bench, "step_summary", lambda timings: {})

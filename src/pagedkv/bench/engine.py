@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--profile-host", action="store_true",
                         help="chat-tiers: cProfile each configuration's run (slower) and write the host functions "
                              "by time to host_profile_<model>_<config>.txt in --out")
+    parser.add_argument("--gc", default="freeze", choices=("freeze", "on"),
+                        help="chat-tiers: freeze: the heap is frozen before each measured run (gc.freeze after a "
+                             "collection, as `pagedkv serve` does after startup), so a full collection walks only "
+                             "what the run allocates; on: the collector as it is (full passes stall a step)")
     parser.add_argument("--chat-size", type=chat_size, default=None, metavar="C,K,T,S,F",
                         help="chat-tiers: C conversations of T turns over K system prompts of S tokens, F turns in "
                              "flight, for every model (default per model: 128,64,3,1024,4 for Qwen3-0.6B, "

@@ -44,17 +44,15 @@ import re
 import shutil
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
 from pagedkv.bench.chat_tiers_report import TIERED, in_step_label, markdown, step_line
-from pagedkv.engine.outputs import STEP_PHASES
+from pagedkv.bench.chat_tiers_run import run_chat
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
-from pagedkv.sim.cluster import percentile
 
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
 SIZES = {"qwen3-0.6b": (128, 64, 3, 1024, 4), "llama3-8b": (96, 48, 3, 1024, 4)}
@@ -86,74 +84,6 @@ def pinned_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> dict:
 def hittable_keys(prompt: list[int], block_size: int) -> list[bytes]:
     """Keys of the prompt blocks a cache could serve (never the block of the last prompt token)."""
     return hash_blocks(prompt, block_size)[:(len(prompt) - 1) // block_size]
-
-
-def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16) -> dict:
-    """`turns` ((conversation, turn, prompt, answer length), `MultiTurnChat.fixed_turns`) through `engine` in
-    their order, `max_in_flight` at a time, a turn only once its conversation's turn before it is answered;
-    TTFT per turn, output tok/s, and where the steps' host time went.
-
-    TTFT is reported over every turn and, as `ttft_reuse_*`, over the turns whose system prompt an earlier
-    turn of the run already sent (`system_tokens` tokens open every prompt): what a server that has run a
-    while sees, since a system prompt's first use is a cold prefill in every configuration."""
-    from pagedkv.engine.sampling_params import SamplingParams
-
-    engine.stream_outputs = True
-    engine.step_timings = []
-    submitted: dict[str, float] = {}
-    ttft: dict[str, float] = {}
-    prompts: dict[str, list[int]] = {}  # as submitted, in order
-    turn_of: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
-    systems_sent: set[tuple[int, ...]] = set()
-    reuses: set[str] = set()  # the turns whose system prompt an earlier turn sent
-    answered: set[tuple[int, int]] = set()
-    num_output_tokens = 0
-    due = deque(turns)
-    start = time.perf_counter()
-    in_flight = 0
-    while due or engine.has_unfinished_requests():
-        while due and in_flight < max_in_flight and (due[0][1] == 0 or (due[0][0], due[0][1] - 1) in answered):
-            conversation, turn, prompt, answer_len = due.popleft()
-            request_id = f"c{conversation}-t{turn}"
-            turn_of[request_id] = (conversation, turn)
-            prompts[request_id] = prompt
-            system = tuple(prompt[:system_tokens])
-            if system in systems_sent:
-                reuses.add(request_id)
-            systems_sent.add(system)
-            submitted[request_id] = time.perf_counter()
-            engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=answer_len,
-                                                                  ignore_eos=True))
-            in_flight += 1
-        outputs = engine.step()
-        now = time.perf_counter()
-        for output in outputs:
-            tokens = output.outputs[0].token_ids
-            if output.request_id not in ttft and tokens:
-                ttft[output.request_id] = now - submitted[output.request_id]
-            if output.finished:
-                in_flight -= 1
-                num_output_tokens += len(tokens)
-                answered.add(turn_of[output.request_id])
-    elapsed = time.perf_counter() - start
-    timings, engine.step_timings = engine.step_timings, None
-    values = list(ttft.values())
-    reusing = [value for request_id, value in ttft.items() if request_id in reuses]
-    return {"elapsed_s": elapsed, "num_requests": len(values), "num_output_tokens": num_output_tokens,
-            "output_tokens_per_s": num_output_tokens / elapsed, "ttft_p50_s": percentile(values, 50),
-            "ttft_p99_s": percentile(values, 99), "ttft_mean_s": sum(values) / len(values),
-            "num_reuse_requests": len(reusing), "ttft_reuse_p50_s": percentile(reusing, 50) if reusing else None,
-            "ttft_reuse_p99_s": percentile(reusing, 99) if reusing else None,
-            "steps": step_summary(timings), "prompts": prompts}
-
-
-def step_summary(timings: list, num_slowest: int = 3) -> dict:
-    """Host seconds per phase of the steps (`LLMEngine.step_timings`) and the slowest steps: what a config adds."""
-    phases = STEP_PHASES
-    slowest = sorted(timings, key=lambda t: t.total_s, reverse=True)[:num_slowest]
-    return {"num_steps": len(timings), **{phase: sum(getattr(t, phase) for t in timings) for phase in phases},
-            "slowest": [{"total_s": t.total_s, **{phase: getattr(t, phase) for phase in phases},
-                         "shape": dataclasses.asdict(t.shape)} for t in slowest]}
 
 
 def _tier_summary(stats: dict, block_size: int, block_nbytes: int, prompts: dict, tiered: bool) -> dict:
@@ -293,16 +223,17 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     result["warm_up_s"] = warm_kernels(LLM(**common, kv_offload_memory=host_bytes), other, max_num_seqs)
     print(f"{name} | warm-up: the whole workload of another seed through the tiers, "
           f"{result['warm_up_s']:.1f} s", flush=True)
+    freeze = args.gc == "freeze"
     for label, options in configs:
         llm = LLM(**common, **options)
         run_chat(llm.engine, dataclasses.replace(other, num_conversations=2, num_concurrent=2).fixed_turns(),
                  max_num_seqs)  # this engine's first steps
         stats_before = llm.stats()
         if args.profile_host:  # where the host time of the steps goes, per configuration (cProfile slows it)
-            run = profiled(lambda: run_chat(llm.engine, turns, max_num_seqs, system_len),
+            run = profiled(lambda: run_chat(llm.engine, turns, max_num_seqs, system_len, freeze_heap=freeze),
                            Path(args.out) / f"host_profile_{name}_{re.sub(r'[^a-z0-9]+', '_', label.lower())}.txt")
         else:
-            run = run_chat(llm.engine, turns, max_num_seqs, system_len)
+            run = run_chat(llm.engine, turns, max_num_seqs, system_len, freeze_heap=freeze)
         stats = {k: v - stats_before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in llm.stats().items()}
         prompts = run.pop("prompts")
         row = {**run, **_tier_summary(stats, block_size, llm.engine.pool.bytes_per_block, prompts,
@@ -315,10 +246,17 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
               f"{run['output_tokens_per_s']:,.0f} output tok/s, hits GPU {row['gpu_hit_rate'] * 100:.0f}% host "
               f"{row['host_hit_rate'] * 100:.0f}%", flush=True)
         print(f"{name} | {label} steps: {step_line(run['steps'])}", flush=True)
-        if row["kv_disk_written_blocks"] or row["kv_disk_write_waits"]:  # waits: every host block was being written
-            print(f"{name} | {label} disk writes: {row['kv_disk_written_blocks']} blocks; steps waited on "
-                  f"{row['kv_disk_write_waits']} of them, {row['kv_disk_write_wait_seconds'] * 1e3:.1f} ms",
-                  flush=True)
+        # What can stall a step beside its own work: a full garbage collection, and (tiers) a spill into a host
+        # block whose disk write is still queued, which happens only when every host block it could take is (and
+        # never while the host tier has free blocks).
+        host = llm.stats()
+        row["host_blocks_cached_at_end"] = host.get("kv_host_cached_blocks", 0)
+        tiers = (f"; steps waited {row['kv_disk_write_wait_seconds'] * 1e3:.1f} ms for {row['kv_disk_write_waits']} "
+                 f"host blocks' disk writes ({row['kv_disk_written_blocks']} written; host tier "
+                 f"{host['kv_host_cached_blocks']} of {host['kv_host_blocks']} blocks cached)") if host.get(
+                     "kv_host_blocks") else ""
+        print(f"{name} | {label} stalls: longest GC pause {run['gc_max_pause_s'] * 1e3:.1f} ms "
+              f"({run['gc_collections'][2]} full collections){tiers}", flush=True)
         if label == "GPU only":  # after its run, so the probes' prompts leave the measured run alone
             result["restore_bound"] = bound = restore_bound(llm.engine, workload, block_size, h2d)
             print(f"{name} | bound: a {bound['prefix_tokens']}-token prefix + {bound['user_tokens']}-token message "

@@ -70,7 +70,7 @@ class _Clock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-class _GcWatch:
+class GcWatch:
     """Python garbage collections while `active`: count per generation and each pause's (start, end)."""
 
     def __init__(self):
@@ -125,7 +125,7 @@ def _timed_runs(model, ids, make, steps: int, repeats: int, gc_mode: str, launch
     """`repeats` (>= 1) timed generate calls after an untimed one: samples, GC, allocator and launch counts."""
     samples: list[tuple[float, int, float, float]] = []  # (ms, decode step, start, end)
     device = model.device
-    watch = _GcWatch()
+    watch = GcWatch()
     gc.callbacks.append(watch)
     try:
         for repeat in range(repeats + 1):

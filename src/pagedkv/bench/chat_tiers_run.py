@@ -1,0 +1,94 @@
+"""The chat-tiers bench's turn loop: one run of a multi-turn chat workload through an engine, at a fixed number
+of turns in flight, and what it measured: TTFT per turn (over every turn, and over the turns that reuse a system
+prompt), output tok/s, the steps' host time per phase with the slowest steps, and the garbage collector's pauses
+(a full collection stops the step loop, so a slow step may be one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections import deque
+
+from pagedkv.bench.hf_latency import GcWatch
+from pagedkv.engine.outputs import STEP_PHASES
+from pagedkv.sim.cluster import percentile
+
+
+def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16, freeze_heap: bool = False) -> dict:
+    """`turns` ((conversation, turn, prompt, answer length), `MultiTurnChat.fixed_turns`) through `engine` in
+    their order, `max_in_flight` at a time, a turn only once its conversation's turn before it is answered;
+    TTFT per turn, output tok/s, and where the steps' host time went.
+
+    TTFT is reported over every turn and, as `ttft_reuse_*`, over the turns whose system prompt an earlier
+    turn of the run already sent (`system_tokens` tokens open every prompt): what a server that has run a
+    while sees, since a system prompt's first use is a cold prefill in every configuration. With `freeze_heap`
+    the heap is frozen for the run, as `pagedkv serve` freezes it after startup."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    engine.stream_outputs = True
+    engine.step_timings = []
+    submitted: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    prompts: dict[str, list[int]] = {}  # as submitted, in order
+    turn_of: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
+    systems_sent: set[tuple[int, ...]] = set()
+    reuses: set[str] = set()  # the turns whose system prompt an earlier turn sent
+    answered: set[tuple[int, int]] = set()
+    num_output_tokens = 0
+    due = deque(turns)
+    if freeze_heap:  # as a server after startup: a full collection then walks only what the run allocates
+        gc.collect()
+        gc.freeze()
+    gc_watch = GcWatch()  # a full collection stops the step loop: the longest pause, beside the slowest step
+    gc_watch.active = True
+    gc.callbacks.append(gc_watch)
+    start = time.perf_counter()
+    in_flight = 0
+    while due or engine.has_unfinished_requests():
+        while due and in_flight < max_in_flight and (due[0][1] == 0 or (due[0][0], due[0][1] - 1) in answered):
+            conversation, turn, prompt, answer_len = due.popleft()
+            request_id = f"c{conversation}-t{turn}"
+            turn_of[request_id] = (conversation, turn)
+            prompts[request_id] = prompt
+            system = tuple(prompt[:system_tokens])
+            if system in systems_sent:
+                reuses.add(request_id)
+            systems_sent.add(system)
+            submitted[request_id] = time.perf_counter()
+            engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=answer_len,
+                                                                  ignore_eos=True))
+            in_flight += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            tokens = output.outputs[0].token_ids
+            if output.request_id not in ttft and tokens:
+                ttft[output.request_id] = now - submitted[output.request_id]
+            if output.finished:
+                in_flight -= 1
+                num_output_tokens += len(tokens)
+                answered.add(turn_of[output.request_id])
+    elapsed = time.perf_counter() - start
+    gc.callbacks.remove(gc_watch)
+    if freeze_heap:
+        gc.unfreeze()  # the engine's objects may be collected again once it is dropped
+    timings, engine.step_timings = engine.step_timings, None
+    values = list(ttft.values())
+    reusing = [value for request_id, value in ttft.items() if request_id in reuses]
+    return {"elapsed_s": elapsed, "num_requests": len(values), "num_output_tokens": num_output_tokens,
+            "output_tokens_per_s": num_output_tokens / elapsed, "ttft_p50_s": percentile(values, 50),
+            "ttft_p99_s": percentile(values, 99), "ttft_mean_s": sum(values) / len(values),
+            "num_reuse_requests": len(reusing), "ttft_reuse_p50_s": percentile(reusing, 50) if reusing else None,
+            "ttft_reuse_p99_s": percentile(reusing, 99) if reusing else None,
+            "steps": step_summary(timings), "gc_collections": gc_watch.collections,
+            "gc_max_pause_s": max((end - begin for begin, end in gc_watch.pauses), default=0.0), "prompts": prompts}
+
+
+def step_summary(timings: list, num_slowest: int = 3) -> dict:
+    """Host seconds per phase of the steps (`LLMEngine.step_timings`) and the slowest steps: what a config adds."""
+    phases = STEP_PHASES
+    slowest = sorted(timings, key=lambda t: t.total_s, reverse=True)[:num_slowest]
+    return {"num_steps": len(timings), **{phase: sum(getattr(t, phase) for t in timings) for phase in phases},
+            "slowest": [{"total_s": t.total_s, **{phase: getattr(t, phase) for phase in phases},
+                         "shape": dataclasses.asdict(t.shape)} for t in slowest]}
