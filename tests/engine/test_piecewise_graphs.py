@@ -127,16 +127,16 @@ class _EventWaiter(threading.Thread):
 
     def __init__(self):
         super().__init__(daemon=True)
+        self.stream = torch.cuda.Stream()  # made here, before any capture begins
         self.rounds = 0
         self.errors: list[str] = []
         self.stop = threading.Event()
 
     def run(self):
-        stream = torch.cuda.Stream()
         while not self.stop.is_set():
             try:
                 done = torch.cuda.Event()
-                done.record(stream)
+                done.record(self.stream)
                 done.synchronize()
             except Exception as error:  # noqa: BLE001 - the test reports it
                 self.errors.append(str(error)[:200])
