@@ -8,6 +8,8 @@
 #   serve        direct `pagedkv serve` (first, so a Ray that does not stop cleanly cannot hold the GPU it needs)
 #   ray          `pagedkv serve --ray`: Serve's HTTP proxy, the ingress replica, one engine replica
 #   ray-direct   the same with Ray Serve's direct ingress (no proxy hop; the ingress listens on PORT + 1)
+#   ray-loop     ray-direct with Serve's user code and handle routers on each replica's own event loop
+#                (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0)
 #   ray-opt      the same with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Ray's preset of direct ingress, user code and
 #                routers on the replica's main event loop, gRPC between handles and replicas, a frozen heap
 # each with its default engine placement (a process of its own on CUDA, a thread on CPU; a -engine-process or
@@ -133,6 +135,8 @@ for mode in $MODES; do
   direct=(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=$((PORT + 1))
           RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1)  # no load balancer to leave
   case $mode in ray-direct*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;;
+                ray-loop*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0
+                                 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;;
                 ray-opt*) envs=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;; esac
   BENCH=($PY -m pagedkv bench serve --base-url "$URL" --request-rate inf --ignore-eos --seed 0 --disable-tqdm)
   started=$(date +%s)

@@ -11,7 +11,7 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 
 from pagedkv.deploy.ray_client import RayEngineClient  # noqa: E402
 from pagedkv.deploy.replica import Load, pack_messages  # noqa: E402
-from pagedkv.distributed.output_deltas import DeltaEncoder  # noqa: E402
+from pagedkv.distributed.output_deltas import DeltaEncoder, to_wire  # noqa: E402
 from pagedkv.distributed.router import prompt_block_hashes  # noqa: E402
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
@@ -47,7 +47,7 @@ class _Call:
         yield self.replica.name
         for item in self.script:
             if isinstance(item, tuple) and item[0] == "output":  # under the id this call was made with
-                item = ("output", item[1]._replace(request_id=self.request_id))
+                item = ("output", (self.request_id, *item[1][1:]))  # a wire delta: its id first
             if isinstance(item, BaseException):
                 raise item
             if item == "hang":
@@ -139,7 +139,7 @@ class _Handle:
 
 def _messages(request_id: str, num_tokens: int) -> list:
     encoder = DeltaEncoder(send_prompt_token_ids=False)  # as a replica encodes them
-    return [("output", encoder.encode(_output(request_id, list(range(5, 5 + k)), k == num_tokens)))
+    return [("output", to_wire(encoder.encode(_output(request_id, list(range(5, 5 + k)), k == num_tokens))))
             for k in range(1, num_tokens + 1)]
 
 

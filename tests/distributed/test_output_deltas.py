@@ -78,3 +78,17 @@ def test_a_delta_after_a_lost_one_is_a_gap_not_an_output_with_a_hole():
     assert not decoder._received  # the request's state is gone with it
     with pytest.raises(OutputGapError):
         DeltaDecoder().decode(deltas[1])  # the first one never arrived
+
+
+def test_the_wire_form_is_plain_tuples_and_decodes_to_the_same_outputs():
+    import pickle
+
+    from pagedkv.distributed.output_deltas import from_wire, to_wire
+
+    encoder, named, wired = DeltaEncoder(), DeltaDecoder(), DeltaDecoder()
+    for output in _evolving_outputs(random.Random(5), "r", n=2, steps=8):
+        delta = encoder.encode(output)
+        wire = pickle.loads(pickle.dumps(to_wire(delta)))
+        assert b"Delta" not in pickle.dumps(wire), "no class of ours to look up and call when unpickled"
+        assert from_wire(wire) == delta and from_wire(wire).completions[0].index == 0
+        assert wired.decode(wire) == named.decode(delta) == output

@@ -320,7 +320,7 @@ class RayEngineClient:
         await asyncio.gather(*self._cancel_channels(), return_exceptions=True)
 
     def _take(self, message: tuple) -> None:
-        live = self._live.get(message[1].request_id if message[0] == "output" else message[1])
+        live = self._live.get(message[1][0] if message[0] == "output" else message[1])  # [0]: a delta's id
         if live is None or live.done.done() or live.lost is not None:
             return  # aborted, failed over, ended or given up since: nobody waits for it
         if message[0] == "output":
@@ -334,7 +334,7 @@ class RayEngineClient:
             live.started = True
             output.request_id = live.request_id
             self._outputs.put(output)
-            if delta.finished:
+            if output.finished:
                 live.done.set_result(None)
         else:
             _, wire_id, text, status = message

@@ -31,7 +31,7 @@ last message queued for the sender. It stays open meanwhile, which keeps Ray Ser
 ongoing requests (autoscaling, `max_ongoing_requests`) and its cancellation honest: when the
 caller cancels it (its client went away), the request is aborted and its blocks freed at once.
 
-The messages: `("output", OutputDelta)` per output the engine thread delivers (a request's new
+The messages: `("output", delta)` (an `OutputDelta` in its wire form, `to_wire`) per output the engine thread delivers (a request's new
 tokens and text only, `pagedkv.distributed.output_deltas`; not the prompt's ids, which the sender
 sent; an engine process's deltas pass through as it made them, never rebuilt here), and `("failed", request_id,
 message, status)` once a request fails. Each `outputs` item is `(packed messages, load)`
@@ -64,7 +64,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedkv.distributed.data_parallel import DataParallelEngine
-from pagedkv.distributed.output_deltas import DeltaEncoder, OutputDelta
+from pagedkv.distributed.output_deltas import DeltaEncoder, OutputDelta, to_wire
 from pagedkv.distributed.router import RouterConfig, RoutingPolicy
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
@@ -185,7 +185,8 @@ class _OutboxStream(RequestStream):
             return
         # The engine process's deltas go on as they came (without the prompt's ids); an engine thread's
         # outputs, and a rejection, are whole outputs to encode here.
-        self._outbox.put(("output", item if isinstance(item, OutputDelta) else self._encoder.encode(item)))
+        delta = item if isinstance(item, OutputDelta) else self._encoder.encode(item)
+        self._outbox.put(("output", to_wire(delta)))
         if item.finished:
             self.ended.set_result(None)
 

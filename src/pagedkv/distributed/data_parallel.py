@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field, replace
 from multiprocessing import connection
 
-from pagedkv.distributed.output_deltas import DeltaDecoder
+from pagedkv.distributed.output_deltas import DeltaDecoder, from_wire
 from pagedkv.distributed.replica_process import LOAD_FIELDS, ProcessReplica, pickled, replica_main, send_all
 from pagedkv.distributed.router import Router, RouterConfig, RoutingPolicy
 from pagedkv.engine.client import QueueSizes
@@ -271,8 +271,9 @@ class DataParallelEngine:
                 self._drain(replica)
                 for kind, payload in replica.inbox:
                     if kind == "outputs":  # not those of requests aborted since the replica sent them
-                        live = [delta for delta in payload if delta.request_id in replica.requests]
-                        outputs += live if self._decoder is None else [self._decoder.decode(d) for d in live]
+                        live = [wire for wire in payload if wire[0] in replica.requests]  # wire[0]: its id
+                        outputs += [from_wire(w) for w in live] if self._decoder is None else \
+                            [self._decoder.decode(w) for w in live]
                     elif kind == "rejected":
                         request_id, message = payload
                         outputs.append(self._failed(request_id, message, "rejected"))

@@ -12,6 +12,11 @@ Tokens and text only grow, except that a finished sample's text can be rewritten
 full decode, a cut at a stop string): the offset then says where the new text starts. A delta
 whose offsets point past what the receiver holds continues from a message it never got: the
 decoder raises `OutputGapError` rather than build a request's output with a hole in it.
+
+Across a pipe or a Ray stream a delta travels as plain nested tuples (`to_wire`): a named tuple
+pickles through a Python-level `__reduce__` and unpickles through its Python `__new__`, which at
+saturation cost the Ray ingress more than decoding (plain tuples: 5x faster to pickle, 2.4x to
+unpickle). `DeltaDecoder.decode` reads either form; `from_wire` gives the named form back.
 """
 
 from __future__ import annotations
@@ -61,6 +66,16 @@ class OutputDelta(NamedTuple):
         """The completions' deltas, under `RequestOutput`'s name: code that only routes outputs (reads
         `request_id`, `finished`, `error`, and each completion's `finish_reason` and `num_tokens`) takes either."""
         return self.completions
+
+
+def to_wire(delta: OutputDelta) -> tuple:
+    """`delta` as plain tuples, the form that crosses a process boundary (see the module docstring)."""
+    return (delta[0], [tuple(part) for part in delta[1]], *delta[2:])
+
+
+def from_wire(wire: tuple) -> OutputDelta:
+    """The named form of a delta that crossed a process boundary."""
+    return OutputDelta(wire[0], [CompletionDelta._make(part) for part in wire[1]], *wire[2:])
 
 
 def _common_prefix(old: str, new: str) -> int:
@@ -138,36 +153,37 @@ class DeltaDecoder:
     def __init__(self):
         self._received: dict[str, _Received] = {}
 
-    def decode(self, delta: OutputDelta, prompt_token_ids: list[int] | None = None) -> RequestOutput:
-        """The request's full output so far; `prompt_token_ids`: its prompt, when the sender left it out."""
-        state = self._received.get(delta.request_id)
+    def decode(self, delta: OutputDelta | tuple, prompt_token_ids: list[int] | None = None) -> RequestOutput:
+        """The request's full output so far from `delta` (named, or as it came off the wire: `to_wire`);
+        `prompt_token_ids`: its prompt, when the sender left it out."""
+        request_id, parts, finished, num_cached_tokens, error, metrics, prompt, sent_prompt_ids = delta
+        state = self._received.get(request_id)
         if state is None:
-            prompt_ids = delta.prompt_token_ids if delta.prompt_token_ids is not None else prompt_token_ids
-            state = self._received[delta.request_id] = _Received(delta.prompt, prompt_ids or [])
+            prompt_ids = sent_prompt_ids if sent_prompt_ids is not None else prompt_token_ids
+            state = self._received[request_id] = _Received(prompt, prompt_ids or [])
         completions = state.completions
-        for part in delta.completions:
-            before = completions.get(part.index)
+        for index, token_offset, token_ids, text_offset, text, finish_reason, logprobs_offset, logprobs in parts:
+            before = completions.get(index)
             have_tokens, have_text = (len(before.token_ids), len(before.text)) if before else (0, 0)
-            if part.token_offset > have_tokens or part.text_offset > have_text:
-                self._received.pop(delta.request_id, None)
-                raise OutputGapError(f"request {delta.request_id}: sample {part.index} continues from token "
-                                     f"{part.token_offset} (character {part.text_offset}), but {have_tokens} "
+            if token_offset > have_tokens or text_offset > have_text:
+                self._received.pop(request_id, None)
+                raise OutputGapError(f"request {request_id}: sample {index} continues from token "
+                                     f"{token_offset} (character {text_offset}), but {have_tokens} "
                                      f"tokens ({have_text} characters) arrived: an earlier output was lost")
             if before is None:
-                tokens, text, logprobs = list(part.token_ids), part.text, part.logprobs
+                token_ids = list(token_ids)
             else:  # one copy of what came before (a fresh list per output: a reader may still hold the last one)
-                tokens = (before.token_ids if part.token_offset == have_tokens
-                          else before.token_ids[:part.token_offset]) + part.token_ids
-                text = (before.text if part.text_offset == have_text else before.text[:part.text_offset]) + part.text
-                logprobs = part.logprobs
+                token_ids = (before.token_ids if token_offset == have_tokens
+                             else before.token_ids[:token_offset]) + token_ids
+                text = (before.text if text_offset == have_text else before.text[:text_offset]) + text
                 if logprobs is not None:
-                    logprobs = (before.logprobs or [])[:part.logprobs_offset] + logprobs
-            completions[part.index] = CompletionOutput(part.index, text, tokens, part.finish_reason, logprobs)
-        if delta.finished:
-            del self._received[delta.request_id]
+                    logprobs = (before.logprobs or [])[:logprobs_offset] + logprobs
+            completions[index] = CompletionOutput(index, text, token_ids, finish_reason, logprobs)
+        if finished:
+            del self._received[request_id]
         outputs = list(completions.values()) if len(completions) == 1 else [completions[i] for i in sorted(completions)]
-        return RequestOutput(delta.request_id, state.prompt, state.prompt_token_ids, outputs, delta.finished,
-                             num_cached_tokens=delta.num_cached_tokens, error=delta.error, metrics=delta.metrics)
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, outputs, finished,
+                             num_cached_tokens=num_cached_tokens, error=error, metrics=metrics)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's state (aborted, or its replica died)."""
