@@ -156,7 +156,7 @@ def test_disk_reads_run_on_reader_threads_and_are_collected_after_the_launch(tmp
         return result
 
     def finishing(failed=False, wait=True):
-        events.append(("finish", bool(offload._reading)))
+        events.append(("finish", bool(offload.io._reading)))
         finish(failed, wait)
 
     offload.disk.load, runner._execute, offload.finish_loads = reading, launching, finishing

@@ -27,11 +27,7 @@ share of the copy, but the pool is [2, L, N, B, Hkv, D]: one block's layer is tw
 so a per-layer copy is 2n small strided copies per layer, and its L waits would sit inside the
 decode graphs, which capture the whole model. Within the cap the whole wait is a few ms.)
 
-Disk reads (a prompt's prefix found on disk) run on a few reader threads from the start of the
-step. The runner collects those done after it has launched the step's kernels and leaves the rest
-running: a slow read never holds a step up, and its prompt is admitted at the step after it is
-done (in the meantime the prompts behind it are admitted). A step with nothing to compute waits for
-them; under tensor parallelism every step does, so that the ranks agree on hits.
+Disk reads and writes run on threads beside the steps (`kv_disk_io.py`).
 
 A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
 writes, so that its eviction later needs no copy (and no wait) at all.
@@ -48,19 +44,13 @@ On the CPU the same functions run, synchronously, with no stream and no events.
 
 from __future__ import annotations
 
-import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv.engine.kv_disk import DiskStore
-
-logger = logging.getLogger("pagedkv")
-
-#: Threads that read a step's disk blocks into host memory, beside the step's launch.
-NUM_READ_THREADS = 4
+from pagedkv.engine.kv_disk_io import DiskIO
 
 
 @dataclass
@@ -109,15 +99,9 @@ class KVOffload:
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._restores_done = None  # event B of the last step that restored
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
-        self._writing: dict[int, object] = {}  # host block -> done event of its pending disk write
-        self._writing_swept_size = 64  # `poll` sweeps finished writes out of `_writing` past this size
         self.disk = disk
-        self._readers = ThreadPoolExecutor(NUM_READ_THREADS, "pagedkv-kv-read") if disk is not None else None
-        self._reading: list[tuple[list, object]] = []  # (loads, future) of this step's disk reads
-        self.tp = tp
-        self.reports = tp is None or tp.rank == 0  # only the scheduling rank consumes results
-        self._load_results: list[tuple[bytes, bool]] = []
         self.stats = OffloadStats()
+        self.io = DiskIO(disk, self._host_bytes, self.stats, tp)
 
     @property
     def num_host_blocks(self) -> int:
@@ -133,16 +117,20 @@ class KVOffload:
             torch.cuda.current_stream(self.device).wait_event(self._restores_done)
             self._restores_done = None
         self._collect_timings()
-        if not self.reports:
-            self.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
+        if not self.io.reports:
+            self.io.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
         if step.disk_loads:
-            self._load(step.disk_loads)
+            ready = None
+            if self.is_cuda:  # copies issued before this step may still read the host blocks these loads fill
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            self.io.load(step.disk_loads, ready)
         d2h = list(step.swap_out) + list(step.offload)
         h2d = list(step.swap_in) + list(step.restore_in_step)  # one batched copy the step's kernels wait for
         beside = step.restore or step.pre_offload  # copies the next step waits for, not this one
         if not (d2h or h2d or beside or step.disk_writes or step.disk_deletes):
             return
-        self._wait_writes(dst for _, dst in d2h + list(step.pre_offload))
+        self.io.wait_writes(dst for _, dst in d2h + list(step.pre_offload))
         ready = None
         if not self.is_cuda:
             self._d2h(d2h)
@@ -167,10 +155,8 @@ class KVOffload:
                     ready.record(self.stream)
             if d2h or h2d:
                 main.wait_event(spilled)  # outside any graph: the step's graphs are launched after this
-        self._write(step.disk_writes, ready.synchronize if ready is not None else None)
-        if self.disk is not None:
-            for key in step.disk_deletes:
-                self.disk.delete_async(key)
+        self.io.write(step.disk_writes, ready.synchronize if ready is not None else None)
+        self.io.delete(step.disk_deletes)
 
     def _mark(self):
         """A point in time: a CUDA event recorded on the copy stream, or perf_counter on the CPU."""
@@ -257,104 +243,18 @@ class KVOffload:
         self._storage.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))  # [2, L, n, B, Hkv, D]
         self._done("h2d", len(copies) * self.block_nbytes, start, copied, resumed)
 
-    # ------------------------------------------------------------------ disk
-    def _wait_writes(self, host_blocks) -> None:
-        """A host block about to be overwritten must first be done being written to disk (the host tier takes such
-        a block only when no other is free to take: `pagedkv.core.host_tier`)."""
-        if not self._writing:
-            return
-        for block in host_blocks:
-            done = self._writing.pop(block, None)
-            if done is not None and not done.is_set():
-                start = time.perf_counter()
-                done.wait()
-                self.stats.disk_write_waits += 1
-                self.stats.disk_write_wait_seconds += time.perf_counter() - start
-
-    def _write(self, writes, ready) -> None:
-        if not writes or self.disk is None:
-            return
-        for key, block in writes:
-            self._writing[block] = self.disk.write_async(key, self._host_bytes[block], ready)
-            self.stats.disk_write_bytes += self.block_nbytes
-
-    def _load(self, loads) -> None:
-        """Start reading files into host blocks on the reader threads; `finish_loads` collects them."""
-        ready = None
-        if self.is_cuda:  # copies issued before this step may still read the host blocks these loads fill
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        writes = [self._writing.pop(block, None) for _, block in loads]  # ... and disk writes read them
-        writes = [done for done in writes if done is not None]
-        size = -(-len(loads) // NUM_READ_THREADS)
-        for start in range(0, len(loads), size):
-            part = loads[start:start + size]
-            future = self._readers.submit(self._read, part, ready, writes) if self._readers is not None else None
-            self._reading.append((part, future))
-
-    def _read(self, loads, ready, writes) -> tuple[list[int], float]:
-        """On a reader thread: (1 if read, 0 if a miss) per load, and the seconds the reads took."""
-        if ready is not None:
-            ready.synchronize()
-        for done in writes:
-            done.wait()
-        start = time.perf_counter()
-        flags = [int(self.disk.load(key, self._host_bytes[block])) for key, block in loads]
-        return flags, time.perf_counter() - start
-
-    def finish_loads(self, failed: bool = False, wait: bool = True) -> None:
-        """Collect the disk reads (they run beside the steps' launches): all of them, or without `wait` on one rank
-        those done so far (the rest at a later call: a slow read never holds up a step). Under tensor parallelism
-        it always waits, the ranks' calls in step: a miss on any rank is a miss on all. After a `failed` step it
-        waits and drops them (the keys stay on disk)."""
-        if not self._reading:
-            return
-        reading, pending = [], []
-        for read in self._reading:
-            done = wait or failed or self.tp is not None or read[1] is None or read[1].done()
-            (reading if done else pending).append(read)
-        self._reading = pending
-        loads, flags, seconds = [], [], 0.0
-        for part, future in reading:
-            part_flags, part_seconds = future.result() if future is not None else ([0] * len(part), 0.0)
-            loads += part
-            flags += part_flags
-            seconds = max(seconds, part_seconds)  # the threads read side by side
-        if failed:
-            if self.reports:
-                self._load_results.extend((key, None) for key, _ in loads)
-            return
-        self.stats.disk_read_seconds += seconds
-        self.stats.disk_read_bytes += sum(flags) * self.block_nbytes
-        if self.tp is not None:
-            flags = self.tp.min_ints(flags)
-        if self.reports:
-            self._load_results.extend((key, bool(ok)) for (key, _), ok in zip(loads, flags))
-
     # ------------------------------------------------------------------ the bookkeeping's side
+    def finish_loads(self, failed: bool = False, wait: bool = True) -> None:
+        """Collect the step's disk reads (`DiskIO.finish_loads`)."""
+        self.io.finish_loads(failed, wait)
+
     def index_disk(self, tiers) -> None:
-        """Fill `tiers`' disk index from the files found (a restart), or turn the disk tier off if it cannot run."""
-        disk = self.disk
-        if disk is None or disk.disabled_reason is not None:
-            tiers.disable_disk(disk.disabled_reason if disk is not None else "no disk store")
-            return
-        for key in disk.scan():
-            for evicted in tiers.disk.add(key):
-                disk.delete_async(evicted)
-        if tiers.disk.num_blocks:
-            logger.info("KV disk tier: %d blocks found in %s", tiers.disk.num_blocks, disk.dir)
+        """Fill `tiers`' disk index from the files found, or turn the disk tier off (`DiskIO.index_disk`)."""
+        self.io.index_disk(tiers)
 
     def settle(self, tiers) -> None:
-        """Tell `tiers` (a `KVTiers`) what the disk reads and writes since the last call found."""
-        if self.tp is None:
-            self.finish_loads(wait=False)
-        loads, writes, disabled = self.poll()
-        if loads:
-            tiers.finish_loads(loads)
-        if writes:
-            tiers.finish_writes(writes)
-        if disabled is not None and tiers.disk is not None:
-            tiers.disable_disk(disabled)
+        """Tell `tiers` what the disk reads and writes since the last call found (`DiskIO.settle`)."""
+        self.io.settle(tiers)
 
     def stats_fields(self, tiers) -> dict:
         """The KV tiers' fields of `EngineStats`: `tiers`' counters and this pool's bytes and times."""
@@ -372,19 +272,6 @@ class KVOffload:
             kv_disk_read_seconds=o.disk_read_seconds, kv_disk_write_bytes=o.disk_write_bytes,
             kv_disk_write_waits=o.disk_write_waits, kv_disk_write_wait_seconds=o.disk_write_wait_seconds,
         )
-
-    def poll(self) -> tuple[list[tuple[bytes, bool]], list[tuple[bytes, bool]], str | None]:
-        """(disk loads (key, hit), disk writes (key, written), why the disk tier turned off or None) since the
-        last poll."""
-        loads, self._load_results = self._load_results, []
-        if self.disk is None:
-            return loads, [], None
-        # Finished writes left here are harmless (waiting on a set event returns at once), so the map is swept
-        # only once it has doubled: a backlog of thousands of queued writes costs a step nothing.
-        if len(self._writing) > self._writing_swept_size:
-            self._writing = {block: done for block, done in self._writing.items() if not done.is_set()}
-            self._writing_swept_size = 2 * len(self._writing) + 64
-        return loads, self.disk.poll(), self.disk.disabled_reason
 
     def persist(self, from_device, from_host, chunk_blocks: int = 64) -> None:
         """Write cached blocks to disk now, so a restart finds them ((key, device block) and (key, host block))."""
@@ -406,7 +293,4 @@ class KVOffload:
 
     def close(self) -> None:
         """Finish queued disk work."""
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.close()
+        self.io.close()
