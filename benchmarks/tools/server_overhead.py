@@ -320,7 +320,7 @@ def chunks_main(args: argparse.Namespace) -> int:
     from pagedkv.engine.outputs import CompletionOutput, RequestOutput
     from pagedkv.engine.sampling_params import SamplingParams
     from pagedkv.server import serving
-    from pagedkv.server.async_engine import RequestStream
+    from pagedkv.server.request_stream import RequestStream
 
     class Client:
         async def is_disconnected(self) -> bool:

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.server.async_engine import RequestFailedError, RequestStream, deliver_threadsafe
+from pagedkv.server.request_stream import RequestFailedError, RequestStream, deliver_threadsafe
 
 
 def _output(request_id: str, tokens: list[int], finished: bool = False) -> RequestOutput:

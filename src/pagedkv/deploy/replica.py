@@ -69,7 +69,8 @@ from pagedkv.distributed.router import RouterConfig, RoutingPolicy
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import EngineDeadError
-from pagedkv.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.request_stream import RequestFailedError, RequestStream
 from pagedkv.server.cli import uses_engine_process
 
 logger = logging.getLogger("pagedkv.deploy")

@@ -181,7 +181,7 @@ def serve(app, sock: socket.socket, *, shutdown_timeout_s: float = DEFAULT_SHUTD
     """
     import uvicorn
 
-    from pagedkv.server.async_engine import ShuttingDownError
+    from pagedkv.server.request_stream import ShuttingDownError
 
     async_engine = app.state.async_engine
 

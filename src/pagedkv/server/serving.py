@@ -28,10 +28,12 @@ from fastapi import Request
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.errors import EngineDeadError
 from pagedkv.server import protocol, sse
-from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream, ShuttingDownError
+from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import APIError, error_body
+from pagedkv.server.request_stream import RequestFailedError, RequestStream, ShuttingDownError
 from pagedkv.server.sse import ChunkEncoder
 
 DISCONNECT_POLL_S = 0.5
