@@ -23,99 +23,12 @@ from collections.abc import Sequence
 
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
-from pagedkv.core.kv_tiers import KVTiers, TierCopies
+from pagedkv.core.kv_tiers import KVTiers
+from pagedkv.core.pool_queries import PRE_SPILL_BLOCKS, PoolQueries
 from pagedkv.core.prefix_cache import BlockHash, PrefixCache, block_keys
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
-
-class PoolQueries:
-    """What every block manager answers the same way from its allocators and tables (`_tables`, `_swapped`)."""
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the GPU pool (shared by every table)."""
-        return self.allocator.num_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks held by sequences (cached-but-unused blocks count as free)."""
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the pool held by sequences."""
-        return self.num_used_blocks / self.num_blocks
-
-    @property
-    def num_free_swap_blocks(self) -> int:
-        """Host blocks a swap-out could get (0 without a host pool); blocks freed this step count as free."""
-        return self.tiers.host.num_available + self.tiers.host.num_releasing if self.tiers else 0
-
-    def watermark_blocks(self, watermark: float) -> int:
-        """Blocks that admission keeps free for running sequences to grow into."""
-        return int(watermark * self.num_blocks)
-
-    def has_table(self, seq_id: int) -> bool:
-        """Whether `seq_id` holds GPU blocks."""
-        return seq_id in self._tables
-
-    def can_admit(self, num_new_blocks: int, watermark: float) -> bool:
-        """Whether `num_new_blocks` fit while `watermark` of the pool stays free."""
-        return self.num_free_blocks - num_new_blocks >= self.watermark_blocks(watermark)
-
-    def is_swapped(self, seq_id: int) -> bool:
-        """Whether the sequence's KV lives in the swap space."""
-        return seq_id in self._swapped
-
-    # KV tiers (None: none). A manager with them fills `_restoring_blocks` (GPU blocks whose restore copy runs
-    # beside this step) and `_restoring_seqs` (sequences that wait a step for those blocks) as it admits.
-    tiers = None
-
-    def _init_restores(self, max_in_step_restore_blocks: int) -> None:
-        """The restore state both managers keep (see `_queue_restore`)."""
-        require_positive_int("max_in_step_restore_blocks", max_in_step_restore_blocks, allow_zero=True)
-        self.max_in_step_restore_blocks = max_in_step_restore_blocks  # restored blocks a step copies before its kernels
-        self._num_in_step_restore_blocks = 0  # restored this step before its kernels
-        self._restoring_blocks: set[int] = set()
-        self._restoring_seqs: set[int] = set()
-
-    def begin_step(self) -> None:
-        """A new step: last step's restores are ordered before it, so their sequences may compute."""
-        if self.tiers is not None:
-            self._restoring_blocks.clear()
-            self._restoring_seqs.clear()
-            self._num_in_step_restore_blocks = 0
-            self.tiers.begin_step()
-
-    def is_restoring(self, seq_id: int) -> bool:
-        """Whether the sequence's blocks are being restored beside this step (it computes from the next)."""
-        return seq_id in self._restoring_seqs
-
-    def _queue_restore(self, seq_id: int, host_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> None:
-        """Queue the copies of a request's restored blocks: before the step's kernels while the step's in-step
-        budget lasts (it computes in this step), else beside the step (it computes from the next)."""
-        in_step = self._num_in_step_restore_blocks + len(gpu_blocks) <= self.max_in_step_restore_blocks
-        self.tiers.restore(host_blocks, gpu_blocks, in_step=in_step)
-        if in_step:
-            self._num_in_step_restore_blocks += len(gpu_blocks)
-        else:
-            self._restoring_blocks.update(gpu_blocks)
-            self._restoring_seqs.add(seq_id)
-
-    def prefetch(self, token_ids: Sequence[int], known_keys: Sequence[BlockHash] = ()) -> bool:
-        """Whether the prompt waits for disk loads (never, without KV tiers). `known_keys`: see `match_prefix`."""
-        return False
-
-    def pre_spill(self) -> None:
-        """Copy next evictions to the host tier ahead of time (no KV tiers: nothing to do)."""
-
-    def take_tier_copies(self) -> TierCopies:
-        """The KV tiers' copies for this step (empty without tiers)."""
-        return self.tiers.take_copies() if self.tiers is not None else TierCopies()
-
-
-#: Blocks per step the host tier copies ahead of their eviction (see `KVBlockManager.pre_spill`).
-PRE_SPILL_BLOCKS = 32
+__all__ = ["PRE_SPILL_BLOCKS", "KVBlockManager", "PoolQueries"]  # the first and last live in pool_queries.py
 
 
 class KVBlockManager(PoolQueries):
@@ -277,7 +190,10 @@ class KVBlockManager(PoolQueries):
         free enough.
         """
         table = self._tables[seq_id]
-        needed = table.num_blocks_needed(num_new_tokens)
+        return self._append(table, num_new_tokens, table.num_blocks_needed(num_new_tokens))
+
+    def _append(self, table: BlockTable, num_new_tokens: int, needed: int) -> list[BlockCopy]:
+        """`append_slots` with its new blocks already counted (`needed`, from `num_blocks_needed`)."""
         if needed:
             if table.max_num_tokens is not None and table.num_tokens + num_new_tokens > table.max_num_tokens:
                 return table.append_tokens(num_new_tokens)  # raises SequenceTooLongError before any eviction
@@ -296,9 +212,11 @@ class KVBlockManager(PoolQueries):
         slots_needed = num_computed_tokens + num_new_tokens - table.num_tokens
         if slots_needed <= 0:
             return []
-        if table.num_blocks_needed(slots_needed) > self.num_free_blocks:
+        # NOTE: counted once and handed down; `_ensure_free` then evicts without raising (needed <= free).
+        needed = table.num_blocks_needed(slots_needed)
+        if needed > self.num_free_blocks:
             return None
-        return self.append_slots(seq_id, slots_needed)
+        return self._append(table, slots_needed, needed)
 
     def release_out_of_window(self, seq_id: int, num_computed_tokens: int) -> None:
         """Nothing to release: every layer keeps every token (sliding groups are `HybridBlockManager`'s)."""

@@ -37,12 +37,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.core.allocator import BlockAllocator
-from pagedkv.core.block_manager import PRE_SPILL_BLOCKS, PoolQueries
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
 from pagedkv.core.group_tables import count_table_owners, held_blocks, pair_swap_out, rebuild_swapped_in
 from pagedkv.core.group_tiers import GroupHit, GroupTiers, eviction_hook
 from pagedkv.core.kv_groups import KVLayout
 from pagedkv.core.kv_tiers import KVTiers
+from pagedkv.core.pool_queries import PRE_SPILL_BLOCKS, PoolQueries
 from pagedkv.core.prefix_cache import BlockHash, PrefixCache, block_keys
 from pagedkv.core.sliding_table import SlidingBlockTable
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
