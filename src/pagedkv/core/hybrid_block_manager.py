@@ -38,7 +38,8 @@ from collections.abc import Sequence
 
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
-from pagedkv.core.group_tables import count_table_owners, held_blocks, pair_swap_out, rebuild_swapped_in
+from pagedkv.core.group_swap import GroupSwap
+from pagedkv.core.group_tables import count_table_owners, held_blocks
 from pagedkv.core.group_tiers import GroupHit, GroupTiers, eviction_hook
 from pagedkv.core.kv_groups import KVLayout
 from pagedkv.core.kv_tiers import KVTiers
@@ -48,7 +49,7 @@ from pagedkv.core.sliding_table import SlidingBlockTable
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
 
-class HybridBlockManager(PoolQueries):
+class HybridBlockManager(GroupSwap, PoolQueries):
     """Per-group block tables over one GPU pool, with per-group prefix caches, and a host pool of
     `num_swap_blocks` (swap preemption) plus `num_offload_blocks` (the host tier) behind them;
     `disk_capacity_blocks` > 0 adds the disk tier."""
@@ -300,15 +301,6 @@ class HybridBlockManager(PoolQueries):
                 table.num_tokens = end
         return []
 
-    def blocks_to_resume(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks a swapped sequence takes to come back and reach `num_tokens` tokens (an upper bound)."""
-        groups, _ = self._swapped[seq_id]
-        total = 0
-        for (table_tokens, _, cpu_blocks), group in zip(groups, self.groups):
-            grow = num_blocks_for(num_tokens, self.block_size) - num_blocks_for(table_tokens, self.block_size)
-            total += len(cpu_blocks) + max(0, grow)
-        return total
-
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
                known_keys: Sequence[BlockHash] = ()) -> None:
         """Tokens up to `num_computed_tokens` have KV: cache the newly full blocks in every group."""
@@ -365,44 +357,6 @@ class HybridBlockManager(PoolQueries):
         self._tables[child_id] = [table.fork() for table in self._tables[parent_id]]
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._block_keys[child_id] = list(self._block_keys[parent_id])
-
-    # ------------------------------------------------------------------ swap
-    def can_swap_out(self, seq_id: int) -> bool:
-        """Whether the host pool can take every held block of the sequence (evicting cached host blocks)."""
-        return self.tiers is not None and sum(map(len, held_blocks(self._tables[seq_id]))) <= \
-            self.tiers.host.num_available
-
-    def swap_out(self, seq_id: int) -> list[BlockCopy]:
-        """Move the sequence's held blocks to CPU blocks; returns (GPU src, CPU dst) copies to run before reuse."""
-        tables = self._tables[seq_id]
-        num_held = sum(map(len, held_blocks(tables)))
-        if not self.can_swap_out(seq_id):
-            raise OutOfBlocksError(num_held, self.num_free_swap_blocks)
-        copies, groups = pair_swap_out(tables, self.tiers.allocate_swap(num_held))
-        num_tokens = self._num_tokens[seq_id]
-        self.free(seq_id)
-        self._swapped[seq_id] = (groups, num_tokens)
-        return copies
-
-    def blocks_to_swap_in(self, seq_id: int) -> int:
-        """GPU blocks a swap-in takes."""
-        return sum(len(blocks) for _, _, blocks in self._swapped[seq_id][0])
-
-    def swap_in(self, seq_id: int) -> list[BlockCopy]:
-        """Bring a swapped sequence back to fresh GPU blocks; returns (CPU src, GPU dst) copies."""
-        groups, num_tokens = self._swapped[seq_id]
-        num_blocks = self.blocks_to_swap_in(seq_id)
-        self._ensure_free(num_blocks)
-        gpu_blocks = self.allocator.allocate(num_blocks) if num_blocks else []
-        del self._swapped[seq_id]
-        self._tables[seq_id], copies = rebuild_swapped_in(groups, self.groups, gpu_blocks, self.allocator,
-                                                          self.block_size, self.max_num_tokens, self.null_block)
-        self._num_tokens[seq_id] = num_tokens
-        self._block_keys[seq_id] = []  # the next commit() re-hashes the full blocks, re-caching the held ones
-        cpu_all = [b for _, _, blocks in groups for b in blocks]
-        if cpu_all:
-            self.tiers.free_swap(cpu_all)  # reusable from the next step, once this step's copy has read them
-        return copies
 
     # ------------------------------------------------------------------ internals
     def _ensure_free(self, num_blocks: int) -> None:
