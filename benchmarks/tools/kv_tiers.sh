@@ -33,7 +33,10 @@ HOST_MEMORY=${HOST_MEMORY:-16GiB}; [ "${SMOKE:-0}" = 1 ] && HOST_MEMORY=${SMOKE_
 DIR=${DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kv_tiers.XXXXXX")}
 start_log "$OUT"
 EXTRA=(); [ "${SMOKE:-0}" = 1 ] && EXTRA=(--smoke)
-[ "${PROFILE:-0}" = 1 ] && EXTRA+=(--profile-host)
+[ "${PROFILE:-0}" = 1 ] && EXTRA+=(--profile-host)  # cProfile per configuration: host_profile_*.txt (slower runs)
+# PROFILE=torch: torch.profiler per configuration, torch_profile_*.txt: ops and CUDA runtime calls by own host time
+# (what in a step's launch waits for the device) and by device time (slower runs)
+[ "${PROFILE:-0}" = torch ] && EXTRA+=(--profile-torch)
 # GC=on: the garbage collector as it is during the measured runs (default freeze: the heap frozen before each run,
 # as `pagedkv serve` does after startup; a full pass over an unfrozen heap stalls a step for a few hundred ms).
 EXTRA+=(--gc "${GC:-freeze}")
@@ -42,7 +45,7 @@ EXTRA+=(--gc "${GC:-freeze}")
 [ -n "${CHAT_SIZE:-}" ] && EXTRA+=(--chat-size "$CHAT_SIZE")
 # IN_STEP=T: one more configuration, the tiers copying at most T tokens' worth of restored blocks before a step's
 # kernels (0: every restore beside the step, its request computing from the next step); about 30 s more per model.
-[ -n "${IN_STEP:-}" ] && EXTRA+=(--in-step-restore-tokens "$IN_STEP")  # cProfile per configuration: host_profile_*.txt (slower runs)
+[ -n "${IN_STEP:-}" ] && EXTRA+=(--in-step-restore-tokens "$IN_STEP")
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"
 timeout "${CHAT_TIMEOUT_S:-480}" $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" \
   --kv-offload-memory "$HOST_MEMORY" --kv-offload-dir "$DIR" --mixed-step-graphs "$GRAPHS" --out "$OUT" "${EXTRA[@]}" 2>&1 | tee "$OUT/kv_tiers.log" | grep -E "^\S+ \| " \

@@ -22,8 +22,11 @@
 # Writes $OUT/ray_vs_serve.md and .json (each server's figures; per Ray mode the saturated throughput ratio,
 # target >= 0.95x, and the TTFT P50 it adds at low load, target <= 3 ms) and results.tgz (every log, Ray's too).
 # About 7 minutes on an H200 for three modes (server starts with graph capture, Ray's take ~60 s); BUDGET_S (500)
-# bounds it. Direct serve's throughput moves between server starts (14k-21k tok/s on the H200 over five runs), so
-# compare modes within one run (each mode once in MODES), and run the script again to see the spread between starts.
+# bounds it. Direct serve's throughput moves between server starts and hosts (14k-25k tok/s on the H200 over the
+# runs so far), so compare modes within one run (each mode once in MODES), and run the script again to see the
+# spread between starts. INTERLEAVE=1 (MODES="serve <one Ray mode>") starts both servers at once (serve on
+# PORT + 100) and alternates their saturated runs, so the host's drift moves both alike; a CPU smoke of it runs
+# in about a minute (the command below with INTERLEAVE=1 MODES="serve ray-direct" SAT_REPEATS=2).
 # Benchmarks never assert.
 # CPU smoke from a clean python (the local check of the archive; `PY_VERSION=3.11 bash benchmarks/tools/ray_carry.sh`
 # first; PYTHONPATH_EXTRA holds torch, transformers and the server's packages, as the GPU image and .whl do):
@@ -52,12 +55,17 @@ start_log "$W"
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 # `ray stop --force` ends every Ray process of the machine: right on the GPU machine, wrong on a shared one.
 RAY_STOP=${RAY_STOP:-$(command -v nvidia-smi > /dev/null && echo 1 || echo 0)}
-stop_all() {  # the server, then any Ray process it left (a killed driver leaves its cluster running)
-  stop_server 45
+declare -A PIDS URLS  # per mode: its server's pid and base URL
+stop_all() {  # the server (or with none named, every one still up), then any Ray process left behind
+  if [ -n "$SERVER_PID" ]; then
+    stop_server 45
+  else
+    for pid in "${PIDS[@]}"; do SERVER_PID=$pid; stop_server 45; done
+  fi
   [ "$RAY_STOP" = 1 ] && timeout 60 $PY -m ray.scripts.scripts stop --force > /dev/null 2>&1
   return 0
 }
-trap 'stop_all; cp "$W"/ray_vs_serve.* "$W"/ray_hops.json "$W"/hops.log "$W/summary.log" "$OUT/" 2>/dev/null; tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null' EXIT
+trap 'SERVER_PID=; stop_all; cp "$W"/ray_vs_serve.* "$W"/ray_hops.json "$W"/hops.log "$W/summary.log" "$OUT/" 2>/dev/null; tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null' EXIT
 trap 'exit 130' INT TERM
 
 # Ray and the server's wheels, unpacked (no network here); PYTHONPATH absolute, as Ray's workers inherit it.
@@ -127,52 +135,90 @@ wait_profiles() {
   cp "$W"/pyspy_"$1"* "$OUT/" 2>/dev/null
 }
 
-for mode in $MODES; do
-  [ "$(left)" -lt 120 ] && { say "$mode: skipped, budget spent"; continue; }
-  extra=(); envs=(); URL="http://127.0.0.1:$PORT"
-  case $mode in ray*) extra+=(--ray) ;; serve*) ;; *) say "unknown mode $mode"; continue ;; esac
+start_mode() {  # start_mode MODE PORT: MODE's server on PORT (a direct ingress on PORT + 1); 0 once /health answers
+  local mode=$1 port=$2 extra=() envs=() direct started up=0
+  URLS[$mode]="http://127.0.0.1:$port"
+  case $mode in ray*) extra+=(--ray) ;; serve*) ;; *) say "unknown mode $mode"; return 1 ;; esac
   case $mode in *-engine-process) extra+=(--engine-process) ;; *-in-process) extra+=(--in-process) ;; esac
-  direct=(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=$((PORT + 1))
+  direct=(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=$((port + 1))
           RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1)  # no load balancer to leave
-  case $mode in ray-direct*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;;
+  case $mode in ray-direct*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
                 ray-loop*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0
-                                 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;;
-                ray-opt*) envs=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 "${direct[@]}"); URL="http://127.0.0.1:$((PORT + 1))" ;; esac
-  BENCH=($PY -m pagedkv bench serve --base-url "$URL" --request-rate inf --ignore-eos --seed 0 --disable-tqdm)
+                                 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
+                ray-opt*) envs=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;; esac
   started=$(date +%s)
-  env "${envs[@]}" $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$PORT" --log-level warning "${FLAGS[@]}" \
+  env "${envs[@]}" $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$port" --log-level warning "${FLAGS[@]}" \
     "${extra[@]}" > "$W/server_$mode.log" 2>&1 &
-  SERVER_PID=$!
-  up=0
+  PIDS[$mode]=$!
   for _ in $(seq 300); do  # /health answers 200 only once the app is deployed (Serve's proxy 404s before)
-    $PY -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null && { up=1; break; }
-    kill -0 "$SERVER_PID" 2>/dev/null || break
+    $PY -c "import urllib.request; urllib.request.urlopen('${URLS[$mode]}/health', timeout=2)" 2>/dev/null && { up=1; break; }
+    kill -0 "${PIDS[$mode]}" 2>/dev/null || break
     sleep 1
   done
   say "$mode: up=$up after $(( $(date +%s) - started )) s"
-  if [ $up = 1 ]; then
-    phase "$mode-warm" 120 --dataset ids --dataset-path "$W/requests_warm.json" --num-prompts 8
-    phase "$mode-warm2" 120 --dataset random --random-input-len "$WARM_IN" --random-output-len "$WARM_OUT" --num-prompts 64 \
-      --vocab-size "$VOCAB"
-    for k in $(seq "$SAT_REPEATS"); do  # one server start, the saturated run repeated: the median is reported
-      [ "$k" = 2 ] && [ "${PYSPY:-0}" = 1 ] && profile_server "$mode"
-      phase "$mode-sat$([ "$k" = 1 ] || echo "$k")" 200 --dataset ids --dataset-path "$W/requests.json" \
-        --num-prompts "$NUM_REQUESTS"
-    done
-    wait_profiles "$mode"
-    phase "$mode-low" 120 --dataset random --random-input-len "$LOW_IN" --random-output-len "$LOW_OUT" \
-      --num-prompts "$LOW_PROMPTS" --max-concurrency 1 --vocab-size "$VOCAB"
-  else
-    tail -20 "$W/server_$mode.log"
-  fi
-  if [ "${mode#ray}" != "$mode" ]; then  # Ray's own logs (the tail of each), for a replica that failed
+  [ $up = 1 ] || tail -20 "$W/server_$mode.log"
+  [ $up = 1 ]
+}
+stop_mode() {  # Ray's own logs first (the tail of each), for a replica that failed; then the server, and Ray
+  local mode=$1
+  if [ "${mode#ray}" != "$mode" ]; then
     mkdir -p "$W/ray-logs-$mode"
     for f in /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/serve/*.log; do
       [ -s "$f" ] && tail -c 100000 "$f" > "$W/ray-logs-$mode/$(basename "$f")"
     done
   fi
+  SERVER_PID=${PIDS[$mode]:-}
   stop_all
-done
+  unset "PIDS[$mode]"
+}
+on() {  # on MODE: the next phases load MODE's server
+  BENCH=($PY -m pagedkv bench serve --base-url "${URLS[$1]}" --request-rate inf --ignore-eos --seed 0 --disable-tqdm)
+  SERVER_PID=${PIDS[$1]}
+}
+warm() {
+  on "$1"
+  phase "$1-warm" 120 --dataset ids --dataset-path "$W/requests_warm.json" --num-prompts 8
+  phase "$1-warm2" 120 --dataset random --random-input-len "$WARM_IN" --random-output-len "$WARM_OUT" --num-prompts 64 \
+    --vocab-size "$VOCAB"
+}
+saturated() {  # saturated MODE K: the K-th saturated run (py-spy on the second with PYSPY=1)
+  on "$1"
+  [ "$2" = 2 ] && [ "${PYSPY:-0}" = 1 ] && profile_server "$1"
+  phase "$1-sat$([ "$2" = 1 ] || echo "$2")" 200 --dataset ids --dataset-path "$W/requests.json" \
+    --num-prompts "$NUM_REQUESTS"
+  [ "$2" = 2 ] && wait_profiles "$1"
+  return 0
+}
+low_load() {
+  on "$1"
+  phase "$1-low" 120 --dataset random --random-input-len "$LOW_IN" --random-output-len "$LOW_OUT" \
+    --num-prompts "$LOW_PROMPTS" --max-concurrency 1 --vocab-size "$VOCAB"
+}
+
+if [ "${INTERLEAVE:-0}" = 1 ]; then
+  # Both servers up at once (each KV pool is --kv-cache-memory 0.3 of the GPU), their saturated runs taking
+  # turns: the host's drift between runs then moves both alike, and the ratio is read from neighbouring runs.
+  # MODES holds one serve mode and one Ray mode; the serve mode listens on PORT + 100.
+  set -- $MODES
+  if [ $# = 2 ] && start_mode "$1" $(( PORT + 100 )) && start_mode "$2" "$PORT"; then
+    warm "$1"; warm "$2"
+    for k in $(seq "$SAT_REPEATS"); do saturated "$1" "$k"; saturated "$2" "$k"; done
+    low_load "$1"; low_load "$2"
+  else
+    [ $# = 2 ] || say "INTERLEAVE=1 takes two modes (serve, then one Ray mode), not: $MODES"
+  fi
+  for mode in $2 $1; do [ -n "${PIDS[$mode]:-}" ] && stop_mode "$mode"; done  # Ray's first: `ray stop` ends it
+else
+  for mode in $MODES; do
+    [ "$(left)" -lt 120 ] && { say "$mode: skipped, budget spent"; continue; }
+    if start_mode "$mode" "$PORT"; then
+      warm "$mode"
+      for k in $(seq "$SAT_REPEATS"); do saturated "$mode" "$k"; done
+      low_load "$mode"
+    fi
+    stop_mode "$mode"
+  done
+fi
 
 if [ "${HOPS:-0}" = 1 ]; then
   if [ "$(left)" -gt 150 ]; then

@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--profile-host", action="store_true",
                         help="chat-tiers: cProfile each configuration's run (slower) and write the host functions "
                              "by time to host_profile_<model>_<config>.txt in --out")
+    parser.add_argument("--profile-torch", action="store_true",
+                        help="chat-tiers: torch.profiler over each configuration's run (slower): its ops and CUDA "
+                             "runtime calls (a synchronize, a pageable copy, a pinned allocation) by their own host "
+                             "time, and by device time, in torch_profile_<model>_<config>.txt in --out")
     parser.add_argument("--gc", default="freeze", choices=("freeze", "on"),
                         help="chat-tiers: freeze: the heap is frozen before each measured run (gc.freeze after a "
                              "collection, as `pagedkv serve` does after startup), so a full collection walks only "

@@ -157,6 +157,22 @@ def profiled(call, path: Path):
     return result
 
 
+def torch_profiled(call, path: Path):
+    """`call()` under torch.profiler: ops and CUDA runtime calls by their own host time (a call that blocks the
+    step loop on the device shows there), and on CUDA by device time, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
+        result = call()
+    table = prof.key_averages()
+    text = table.table(sort_by="self_cpu_time_total", row_limit=40)
+    if on_cuda:
+        text += "\n" + table.table(sort_by="self_device_time_total", row_limit=25)
+    path.write_text(text)
+    return result
+
+
 def warm_kernels(llm, workload: MultiTurnChat, max_in_flight: int) -> float:
     """Run `workload` (another seed's conversations) through `llm` (GPU + host tier), then two of its last turns
     alone, and shut it down; the seconds it took.
@@ -229,9 +245,13 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
         run_chat(llm.engine, dataclasses.replace(other, num_conversations=2, num_concurrent=2).fixed_turns(),
                  max_num_seqs)  # this engine's first steps
         stats_before = llm.stats()
+        slug = f"{name}_{re.sub(r'[^a-z0-9]+', '_', label.lower())}"
         if args.profile_host:  # where the host time of the steps goes, per configuration (cProfile slows it)
             run = profiled(lambda: run_chat(llm.engine, turns, max_num_seqs, system_len, freeze_heap=freeze),
-                           Path(args.out) / f"host_profile_{name}_{re.sub(r'[^a-z0-9]+', '_', label.lower())}.txt")
+                           Path(args.out) / f"host_profile_{slug}.txt")
+        elif args.profile_torch:  # which runtime calls block the step loop, per configuration
+            run = torch_profiled(lambda: run_chat(llm.engine, turns, max_num_seqs, system_len, freeze_heap=freeze),
+                                 Path(args.out) / f"torch_profile_{slug}.txt")
         else:
             run = run_chat(llm.engine, turns, max_num_seqs, system_len, freeze_heap=freeze)
         stats = {k: v - stats_before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in llm.stats().items()}
