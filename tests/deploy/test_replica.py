@@ -56,9 +56,11 @@ async def _serve(replica: EngineReplica, calls: list[tuple[str, list[int], Sampl
     return done, failed
 
 
-@pytest.fixture(scope="module")
-def replica():
-    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=False)
+@pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
+def replica(request):
+    """Both placements: an engine thread's outputs are encoded by the replica, an engine process's deltas
+    pass through it as they came."""
+    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=request.param)
     yield replica
     replica.__del__()
 
@@ -69,6 +71,18 @@ def test_outputs_reach_the_sender_and_equal_the_engine(replica):
     assert not failed
     assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [
         e.outputs[0].token_ids for e in expected]
+    assert asyncio.run(replica.check_integrity()) == 0
+
+
+def test_samples_and_logprobs_reach_the_sender_as_the_engine_made_them(replica):
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=2, logprobs=2)
+    done, failed = asyncio.run(_serve(replica, [("n2", PROMPTS[1], params)]))
+    (expected,) = LLM(**OPTIONS).generate([PROMPTS[1]], params)
+    assert not failed and len(done["n2"].outputs) == 2
+    for got, want in zip(done["n2"].outputs, expected.outputs):
+        assert (got.index, got.token_ids, got.finish_reason) == (want.index, want.token_ids, want.finish_reason)
+        assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in want.logprobs]
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
     assert asyncio.run(replica.check_integrity()) == 0
 
 

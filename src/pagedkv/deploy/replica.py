@@ -31,12 +31,12 @@ last message queued for the sender. It stays open meanwhile, which keeps Ray Ser
 ongoing requests (autoscaling, `max_ongoing_requests`) and its cancellation honest: when the
 caller cancels it (its client went away), the request is aborted and its blocks freed at once.
 
-The messages: `("output", delta)` (an `OutputDelta` in its wire form, `to_wire`) per output the engine thread delivers (a request's new
-tokens and text only, `pagedkv.distributed.output_deltas`; not the prompt's ids, which the sender
-sent; an engine process's deltas pass through as it made them, never rebuilt here), and `("failed", request_id,
-message, status)` once a request fails. Each `outputs` item is `(packed messages, load)`
-(`unpack_messages` reads them), `load` being `Load` below, so the ingress sees each replica's
-queues and stats without asking. An `outputs` stream that ends (the ingress went away) cancels
+The messages: `("output", delta)` (an `OutputDelta` in its wire form, `to_wire`) per output the
+engine thread delivers (a request's new tokens and text only, `pagedkv.distributed.output_deltas`;
+not the prompt's ids, which the sender sent; an engine process's deltas pass through as it made
+them, never rebuilt here), and `("failed", request_id, message, status)` once a request fails.
+Each `outputs` item is `(packed messages, load)` (`unpack_messages` reads them), `load` being
+`Load` below, so the ingress sees each replica's queues and stats without asking. An `outputs` stream that ends (the ingress went away) cancels
 that sender's requests here. A sender that opens a second `outputs` stream (its first one broke)
 takes its messages over from the first, which ends: two readers never split one sender's messages.
 A stream whose sender has had no request here and nothing queued for `OUTPUTS_IDLE_S` ends, and
@@ -70,8 +70,8 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import EngineDeadError
 from pagedkv.server.async_engine import AsyncEngine
-from pagedkv.server.request_stream import RequestFailedError, RequestStream
 from pagedkv.server.cli import uses_engine_process
+from pagedkv.server.request_stream import RequestFailedError, RequestStream
 
 logger = logging.getLogger("pagedkv.deploy")
 

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field, replace
 from multiprocessing import connection
 
-from pagedkv.distributed.output_deltas import DeltaDecoder, from_wire
+from pagedkv.distributed.output_deltas import DeltaDecoder, OutputDelta, from_wire
 from pagedkv.distributed.replica_process import LOAD_FIELDS, ProcessReplica, pickled, replica_main, send_all
 from pagedkv.distributed.router import Router, RouterConfig, RoutingPolicy
 from pagedkv.engine.client import QueueSizes
@@ -261,10 +261,10 @@ class DataParallelEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._request_replica)
 
-    def step(self, timeout_s: float = 0.01) -> list[RequestOutput]:
+    def step(self, timeout_s: float = 0.01) -> list[RequestOutput | OutputDelta]:
         """Outputs every replica produced since the last call (waits up to `timeout_s` when there are none);
         with `decode_outputs=False` a live request's are `OutputDelta`s (its failures still `RequestOutput`s)."""
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput | OutputDelta] = []
         deadline = time.perf_counter() + timeout_s
         while True:
             for index, replica in enumerate(self.replicas):

@@ -60,7 +60,8 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
     consumed = 0
-    encoder = DeltaEncoder(send_prompt_token_ids)  # streamed outputs cross the pipe as what each request gained since its last
+    # Streamed outputs cross the pipe as what each request gained since its last.
+    encoder = DeltaEncoder(send_prompt_token_ids)
     # Replies go out through a sender thread, never from this loop: the parent may be blocked
     # sending this replica a burst of requests while not reading, and a loop blocked on its own
     # send (its outputs filling the pipe) would then never read them - both sides stuck for good.

@@ -358,6 +358,9 @@ class AsyncEngine:
             stream.put_threadsafe(item)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
+        # `output` may also be an `OutputDelta` (an engine that forwards its deltas: a Ray Serve replica, whose
+        # streams forward them too): read only what both answer alike, request_id, finished, error, and each
+        # completion's finish_reason and num_tokens (a delta's token_ids and text hold only what is new).
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
             return
