@@ -27,8 +27,6 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import OutputProcessor, Request, chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import EngineStats, RequestOutput, StepTiming
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.engine.sequence import Sequence
 from pagedkv.engine.step_input import StepInput, StepInputBuilder
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, StepFailedError
@@ -89,20 +87,7 @@ class LLMEngine:
             setattr(self, name, getattr(setup, name))
         self.max_model_len = plan.max_model_len
         self._seq_ids = itertools.count()
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=plan.num_blocks, block_size=config.block_size, max_model_len=plan.max_model_len,
-                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                watermark=config.watermark, preemption_mode=config.preemption_mode,
-                victim_policy=config.victim_policy, enable_chunked_prefill=config.enable_chunked_prefill,
-                enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=plan.num_swap_blocks,
-                num_offload_blocks=plan.num_offload_blocks, disk_capacity_blocks=plan.disk_capacity_blocks,
-                max_in_step_restore_tokens=config.kv_offload_in_step_restore_tokens,
-                kv_layout=setup.kv_layout,
-            ),
-            eos_token_ids=setup.eos_token_ids,
-            seq_ids=self._seq_ids,
-        )
+        self.scheduler = startup.build_scheduler(config, setup, plan, self._seq_ids)
         self.pool, self.runner = startup.build_runner(config, setup, plan, self.device, self.tp)
         self._index_disk()
         self.input_builder = StepInputBuilder(self.scheduler.block_manager, config.block_size,

@@ -6,6 +6,7 @@ builds a scheduler and a tokenizer on top of it.
 
     load_model_setup   HF model -> own decoder or HF modules; dtype, KV dtype, FP8 scales
     plan_pool          memory budget -> num_blocks (the smallest rank's), max_model_len, host blocks
+    build_scheduler    the engine's config and the pool plan -> the driver's Scheduler
     build_runner       KVPool + the host pool and disk tier (KVOffload) + ModelRunner (graph capture)
 
 The pool is sized from a memory budget, and a configuration where one max-length request
@@ -29,6 +30,8 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_disk import DiskStore, fingerprint
 from pagedkv.engine.kv_offload import KVOffload
 from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.errors import ConfigError
 from pagedkv.models.config import attention_shape, kv_shape_of, max_positions
 from pagedkv.models.loader import load_model, load_tokenizer, parse_dtype
@@ -177,6 +180,24 @@ def plan_pool(config: EngineConfig, setup: ModelSetup, device: torch.device, tp=
         num_offload_blocks = tp.min_int(num_offload_blocks)  # rank 0's host block ids address every rank's pool
     return PoolPlan(num_blocks, config.block_size, max_model_len, num_swap_blocks, bytes_per_block,
                     num_offload_blocks, disk_capacity_blocks)
+
+
+def build_scheduler(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, seq_ids) -> Scheduler:
+    """The driver's Scheduler over the planned pool; `seq_ids` is the counter the engine numbers sequences with."""
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=plan.num_blocks, block_size=config.block_size, max_model_len=plan.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            watermark=config.watermark, preemption_mode=config.preemption_mode,
+            victim_policy=config.victim_policy, enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=plan.num_swap_blocks,
+            num_offload_blocks=plan.num_offload_blocks, disk_capacity_blocks=plan.disk_capacity_blocks,
+            max_in_step_restore_tokens=config.kv_offload_in_step_restore_tokens,
+            kv_layout=setup.kv_layout,
+        ),
+        eos_token_ids=setup.eos_token_ids,
+        seq_ids=seq_ids,
+    )
 
 
 def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device: torch.device, tp=None):
