@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from pagedkv.distributed.data_parallel import ReplicaStatsSum
+from pagedkv.distributed.replica_process import ReplicaStatsSum
 
 A = {"num_blocks": 64, "num_used_blocks": 10, "block_size": 16, "tokens_per_second": 100.0, "num_preemptions": 2}
 B = {"num_blocks": 64, "num_used_blocks": 5, "block_size": 16, "tokens_per_second": 50.0, "num_preemptions": 1}

@@ -48,8 +48,8 @@ import uuid
 from dataclasses import dataclass
 
 from pagedkv.deploy.replica import Load, unpack_messages
-from pagedkv.distributed.data_parallel import ReplicaStatsSum
 from pagedkv.distributed.output_deltas import DeltaDecoder, OutputGapError
+from pagedkv.distributed.replica_process import ReplicaStatsSum
 from pagedkv.distributed.router import RoutingPolicy, prompt_block_hashes
 from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field, replace
 from multiprocessing import connection
 
 from pagedkv.distributed.output_deltas import DeltaDecoder, OutputDelta, from_wire
-from pagedkv.distributed.replica_process import LOAD_FIELDS, ProcessReplica, pickled, replica_main, send_all
+from pagedkv.distributed.replica_process import (LOAD_FIELDS, ProcessReplica, ReplicaStatsSum, pickled, replica_main,
+                                                  send_all)
 from pagedkv.distributed.router import Router, RouterConfig, RoutingPolicy
 from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.config import EngineConfig
@@ -387,40 +388,3 @@ class DataParallelEngine:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
-
-
-class ReplicaStatsSum:
-    """Summed engine stats with `as_dict()` like `EngineStats`, plus each replica's own."""
-
-    def __init__(self, per_replica: list[dict | None]):
-        self.per_replica = per_replica
-        self._total: dict | None = None  # summed once, on first use: a server reads a dozen fields per step
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):  # not a stat (and unpickling looks these up before __init__'s fields exist)
-            raise AttributeError(name)
-        total = self._totals()
-        if name in total:
-            return total[name]
-        raise AttributeError(name)
-
-    def as_dict(self) -> dict:
-        return dict(self._totals())
-
-    def _totals(self) -> dict:
-        if self._total is None:
-            self._total = self._sum()
-        return self._total
-
-    def _sum(self) -> dict:
-        live = [s for s in self.per_replica if s]
-        total: dict = {}
-        for stats in live:
-            for key, value in stats.items():
-                if isinstance(value, (int, float)) and key not in ("block_size", "tokens_per_second"):
-                    total[key] = total.get(key, 0) + value
-        if live:
-            total["block_size"] = live[0]["block_size"]
-        total["tokens_per_second"] = sum(s["tokens_per_second"] for s in live)
-        total["replicas"] = self.per_replica
-        return total

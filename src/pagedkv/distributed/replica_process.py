@@ -10,9 +10,9 @@
                         ("checked", error or None), and unasked ("load", stats) and ("keys", prefix keys)
 
 Its queues go into a shared array after every step and every command (`LOAD_FIELDS` per replica),
-which `ProcessReplica` reads as the router's view of the replica. Messages are pickled by the
-sender's caller and written by a sender thread on either side (`send_all`), so neither side ever
-blocks on a full pipe while the other is not reading.
+which `ProcessReplica` reads as the router's view of the replica; `ReplicaStatsSum` sums the stats
+the replicas push. Messages are pickled by the sender's caller and written by a sender thread on
+either side (`send_all`), so neither side ever blocks on a full pipe while the other is not reading.
 """
 
 from __future__ import annotations
@@ -166,6 +166,43 @@ def send_all(conn, outbox: queue.SimpleQueue) -> None:
             conn.send_bytes(message)
         except (OSError, EOFError, ValueError):
             return
+
+
+class ReplicaStatsSum:
+    """Summed engine stats with `as_dict()` like `EngineStats`, plus each replica's own."""
+
+    def __init__(self, per_replica: list[dict | None]):
+        self.per_replica = per_replica
+        self._total: dict | None = None  # summed once, on first use: a server reads a dozen fields per step
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # not a stat (and unpickling looks these up before __init__'s fields exist)
+            raise AttributeError(name)
+        total = self._totals()
+        if name in total:
+            return total[name]
+        raise AttributeError(name)
+
+    def as_dict(self) -> dict:
+        return dict(self._totals())
+
+    def _totals(self) -> dict:
+        if self._total is None:
+            self._total = self._sum()
+        return self._total
+
+    def _sum(self) -> dict:
+        live = [s for s in self.per_replica if s]
+        total: dict = {}
+        for stats in live:
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and key not in ("block_size", "tokens_per_second"):
+                    total[key] = total.get(key, 0) + value
+        if live:
+            total["block_size"] = live[0]["block_size"]
+        total["tokens_per_second"] = sum(s["tokens_per_second"] for s in live)
+        total["replicas"] = self.per_replica
+        return total
 
 
 class ProcessReplica:
