@@ -85,9 +85,10 @@ def test_the_wire_form_is_plain_tuples_and_decodes_to_the_same_outputs():
 
     from pagedkv.distributed.output_deltas import from_wire, to_wire
 
-    encoder, named, wired = DeltaEncoder(), DeltaDecoder(), DeltaDecoder()
+    encoder, wire_encoder, named, wired = DeltaEncoder(), DeltaEncoder(), DeltaDecoder(), DeltaDecoder()
     for output in _evolving_outputs(random.Random(5), "r", n=2, steps=8):
         delta = encoder.encode(output)
+        assert wire_encoder.encode_wire(output) == to_wire(delta)  # built as plain tuples from the start
         wire = pickle.loads(pickle.dumps(to_wire(delta)))
         assert b"Delta" not in pickle.dumps(wire), "no class of ours to look up and call when unpickled"
         assert from_wire(wire) == delta and from_wire(wire).completions[0].index == 0

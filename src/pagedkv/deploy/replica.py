@@ -34,14 +34,15 @@ caller cancels it (its client went away), the request is aborted and its blocks 
 The messages: `("output", delta)` (an `OutputDelta` in its wire form, `to_wire`) per output the
 engine thread delivers (a request's new tokens and text only, `pagedkv.distributed.output_deltas`;
 not the prompt's ids, which the sender sent; an engine process's deltas pass through as it made
-them, never rebuilt here), and `("failed", request_id, message, status)` once a request fails.
-Each `outputs` item is `(packed messages, load)` (`unpack_messages` reads them), `load` being
-`Load` below, so the ingress sees each replica's queues and stats without asking. An `outputs` stream that ends (the ingress went away) cancels
-that sender's requests here. A sender that opens a second `outputs` stream (its first one broke)
-takes its messages over from the first, which ends: two readers never split one sender's messages.
-A stream whose sender has had no request here and nothing queued for `OUTPUTS_IDLE_S` ends, and
-the sender opens another with its next request: Ray Serve counts an open stream as an ongoing
-request, and a replica being drained (scaled down, redeployed) waits for its ongoing requests.
+them, never rebuilt here), and `("failed", request_id, message, status)` once a request fails. Each
+`outputs` item is `(packed messages, load)` (`unpack_messages` reads them), `load` being `Load`
+below, so the ingress sees each replica's queues and stats without asking. An `outputs` stream that
+ends (the ingress went away) cancels that sender's requests here. A sender that opens a second
+`outputs` stream (its first one broke) takes its messages over from the first, which ends: two
+readers never split one sender's messages. A stream whose sender has had no request here and nothing
+queued for `OUTPUTS_IDLE_S` ends, and the sender opens another with its next request: Ray Serve
+counts an open stream as an ongoing request, and a replica being drained (scaled down, redeployed)
+waits for its ongoing requests.
 
 Routing stats (`record_routing_stats`, polled by the Serve controller and handed to every
 router): the engine's waiting and running requests and free blocks, how many `generate` calls
@@ -186,8 +187,8 @@ class _OutboxStream(RequestStream):
             return
         # The engine process's deltas go on as they came (without the prompt's ids); an engine thread's
         # outputs, and a rejection, are whole outputs to encode here.
-        delta = item if isinstance(item, OutputDelta) else self._encoder.encode(item)
-        self._outbox.put(("output", to_wire(delta)))
+        wire = to_wire(item) if isinstance(item, OutputDelta) else self._encoder.encode_wire(item)
+        self._outbox.put(("output", wire))
         if item.finished:
             self.ended.set_result(None)
 

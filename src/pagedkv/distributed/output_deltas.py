@@ -99,7 +99,8 @@ class _Sent:
 
 
 class DeltaEncoder:
-    """The sending side: `encode(output)` -> the `OutputDelta` that brings the receiver up to date.
+    """The sending side: `encode(output)` -> the `OutputDelta` that brings the receiver up to date
+    (`encode_wire`: the same in its wire form, for a process boundary).
 
     `send_prompt_token_ids=False` leaves the prompt's ids out of the first delta too, for a receiver that
     sent them itself (it passes them to `DeltaDecoder.decode`)."""
@@ -109,6 +110,12 @@ class DeltaEncoder:
         self._send_prompt_token_ids = send_prompt_token_ids
 
     def encode(self, output: RequestOutput) -> OutputDelta:
+        """The delta that brings the receiver up to date with `output`."""
+        return from_wire(self.encode_wire(output))
+
+    def encode_wire(self, output: RequestOutput) -> tuple:
+        """`encode(output)` in its wire form (`to_wire`), built as plain tuples from the start: this runs in the
+        engine process's step loop once per running request per step."""
         sent = self._sent.get(output.request_id)
         first = sent is None
         if first:
@@ -122,7 +129,7 @@ class DeltaEncoder:
             token_offset = before.num_tokens if len(tokens) >= before.num_tokens else 0
             text_offset = _common_prefix(before.text, text)
             logprobs_offset = min(before.num_logprobs, len(logprobs)) if logprobs is not None else 0
-            completions.append(CompletionDelta(
+            completions.append((  # CompletionDelta's fields, in order
                 completion.index, token_offset, tokens[token_offset:], text_offset, text[text_offset:],
                 completion.finish_reason, logprobs_offset,
                 logprobs[logprobs_offset:] if logprobs is not None else None))
@@ -130,9 +137,9 @@ class DeltaEncoder:
             before.num_logprobs = len(logprobs) if logprobs is not None else 0
         if output.finished:
             del self._sent[output.request_id]
-        return OutputDelta(output.request_id, completions, output.finished, output.num_cached_tokens, output.error,
-                           output.metrics, output.prompt if first else None,
-                           output.prompt_token_ids if first and self._send_prompt_token_ids else None)
+        return (output.request_id, completions, output.finished, output.num_cached_tokens, output.error,
+                output.metrics, output.prompt if first else None,  # OutputDelta's fields, in order
+                output.prompt_token_ids if first and self._send_prompt_token_ids else None)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's state (aborted: no final output will come)."""

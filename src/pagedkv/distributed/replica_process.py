@@ -24,7 +24,7 @@ import threading
 import time
 from multiprocessing.reduction import ForkingPickler
 
-from pagedkv.distributed.output_deltas import DeltaEncoder, to_wire
+from pagedkv.distributed.output_deltas import DeltaEncoder
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import PagedKVError, StepFailedError
 
@@ -131,7 +131,7 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
                     encoder.forget(request_id)
                 outputs = []
             if outputs:
-                send(("outputs", [to_wire(encoder.encode(output)) for output in outputs]))
+                send(("outputs", [encoder.encode_wire(output) for output in outputs]))
             if time.perf_counter() - last_push >= STATS_PUSH_S or not engine.has_unfinished_requests():
                 push_stats()
         publish()
