@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pagedkv.core.allocator import BlockAllocator
-from pagedkv.core.prefix_cache import BlockHash
+from pagedkv.core.prefix_cache import BlockHash, cached_prefix
 
 
 class HostTier:
@@ -72,13 +72,7 @@ class HostTier:
 
     def match(self, keys: Sequence[BlockHash]) -> list[int]:
         """Host blocks of the longest cached prefix of `keys`."""
-        blocks = []
-        for key in keys:
-            block = self._block_of.get(key)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return cached_prefix(self._block_of, keys)
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Mark a prefix's blocks used: queued tail first, so the head is evicted last."""

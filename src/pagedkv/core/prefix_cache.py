@@ -44,6 +44,17 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
     return keys
 
 
+def cached_prefix(block_of: dict[BlockHash, int], keys: Sequence[BlockHash]) -> list[int]:
+    """The blocks `block_of` holds for the longest prefix of `keys` (a chain: the first miss ends it)."""
+    blocks = []
+    for key in keys:
+        block = block_of.get(key)
+        if block is None:
+            break
+        blocks.append(block)
+    return blocks
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = (), start: int = 0,
                parent: BlockHash | None = None) -> list[BlockHash]:
     """Keys of full blocks `start`.. of `token_ids`, chained from `parent` (the key of block start - 1).
@@ -88,13 +99,7 @@ class PrefixCache:
 
     def match(self, keys: Sequence[BlockHash]) -> list[int]:
         """The blocks of the longest cached prefix of `keys` (no references taken)."""
-        hits = []
-        for key in keys:
-            block_id = self._block_of.get(key)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return cached_prefix(self._block_of, keys)
 
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         """Count a lookup for the hit-rate statistics."""
