@@ -18,7 +18,7 @@ def top(path: str, num: int) -> str:
     """The report for one collapsed-stack file."""
     own, inclusive, threads = Counter(), Counter(), Counter()
     total = 0
-    with open(path) as file:
+    with open(path, errors="replace") as file:  # a process title may hold bytes that are not UTF-8
         for line in file:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not stack or not count.isdigit():

@@ -7,9 +7,10 @@
 # builds it); it is unpacked into $SITE with the server wheels from $WHEELS. Then for each of MODES in turn:
 #   serve        direct `pagedkv serve` (first, so a Ray that does not stop cleanly cannot hold the GPU it needs)
 #   ray          `pagedkv serve --ray`: Serve's HTTP proxy, the ingress replica, one engine replica
-#   ray-direct   the same with Ray Serve's direct ingress (no proxy hop; the ingress listens on PORT + 1)
-#   ray-loop     ray-direct with Serve's user code and handle routers on each replica's own event loop
-#                (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0)
+#   ray-direct   the same with Ray Serve's direct ingress (`--direct-ingress`: no proxy hop; the ingress listens
+#                on PORT + 1)
+#   ray-separate ray-direct with Serve's user code and handle routers on a thread and loop of their own
+#                (`--ray-separate-loops`; the app's default runs them on each replica's own event loop)
 #   ray-opt      the same with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Ray's preset of direct ingress, user code and
 #                routers on the replica's main event loop, gRPC between handles and replicas, a frozen heap
 # each with its default engine placement (a process of its own on CUDA, a thread on CPU; a -engine-process or
@@ -142,9 +143,9 @@ start_mode() {  # start_mode MODE PORT: MODE's server on PORT (a direct ingress 
   case $mode in *-engine-process) extra+=(--engine-process) ;; *-in-process) extra+=(--in-process) ;; esac
   direct=(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=$((port + 1))
           RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1)  # no load balancer to leave
-  case $mode in ray-direct*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
-                ray-loop*) envs=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0
-                                 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
+  case $mode in ray-direct*) envs=("${direct[@]}"); extra+=(--direct-ingress); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
+                ray-separate*) envs=("${direct[@]}"); extra+=(--direct-ingress --ray-separate-loops)
+                               URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
                 ray-opt*) envs=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;; esac
   started=$(date +%s)
   env "${envs[@]}" $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$port" --log-level warning "${FLAGS[@]}" \

@@ -3,8 +3,8 @@
 import pytest
 
 from pagedkv.cli import _resolve
-from pagedkv.deploy.cli import flags_to_argv, ray_config
-from pagedkv.deploy.ray_serve import RayServeConfig, replica_resources
+from pagedkv.deploy.cli import direct_ingress_env, flags_to_argv, ray_config
+from pagedkv.deploy.ray_serve import SHARED_LOOP_ENV, RayServeConfig, replica_resources
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError
 from pagedkv.server.cli import build_parser
@@ -34,6 +34,7 @@ def test_the_handle_transport_is_grpc_unless_told_and_checked():
 @pytest.mark.parametrize("flags, match", [
     (["--data-parallel-size", "2"], "--min-replicas"),
     (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas"),
+    (["--address", "10.0.0.1:6379", "--direct-ingress"], "--address 10.0.0.1:6379.*RAY_SERVE_ENABLE_DIRECT_INGRESS"),
 ])
 def test_flags_that_do_not_fit_ray_are_refused(flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -43,10 +44,10 @@ def test_flags_that_do_not_fit_ray_are_refused(flags, match):
 def test_a_tensor_parallel_replica_reserves_its_gpus_as_one_strict_pack_bundle():
     layout = RayServeConfig(cpus_per_replica=2)
     tp4 = replica_resources(EngineConfig(device="cuda", tensor_parallel_size=4), layout)
-    assert tp4["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 4}
+    assert tp4["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 4, "runtime_env": {"env_vars": SHARED_LOOP_ENV}}
     assert tp4["placement_group_bundles"] == [{"CPU": 2, "GPU": 4}]
     assert tp4["placement_group_strategy"] == "STRICT_PACK"
-    one = replica_resources(EngineConfig(device="cuda"), layout)
+    one = replica_resources(EngineConfig(device="cuda"), RayServeConfig(cpus_per_replica=2, shared_loop=False))
     assert one == {"ray_actor_options": {"num_cpus": 2, "num_gpus": 1}}
     assert replica_resources(EngineConfig(device="cpu"), layout)["ray_actor_options"]["num_gpus"] == 0
 
@@ -55,3 +56,25 @@ def test_deployment_args_become_serve_flags():
     argv = flags_to_argv({"model": "m", "max-replicas": 4, "protect_metrics": True, "api-key": None,
                           "ignore-unknown-fields": False})
     assert argv == ["m", "--max-replicas", "4", "--protect-metrics"]
+
+
+def test_replicas_run_serves_code_on_their_own_loop_unless_told():
+    assert RayServeConfig().shared_loop and ray_config(build_parser().parse_args(["--ray"])).shared_loop
+    assert not ray_config(build_parser().parse_args(["--ray", "--ray-separate-loops"])).shared_loop
+    assert SHARED_LOOP_ENV == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+    with pytest.raises(ConfigError, match="shared_loop.*'yes'"):
+        RayServeConfig(shared_loop="yes")
+
+
+def test_direct_ingress_puts_the_ingress_replica_beside_the_proxys_port():
+    assert direct_ingress_env(8000) == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+                                        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8001"}
+
+
+@pytest.mark.parametrize("flag", ["--direct-ingress", "--ray-separate-loops"])
+def test_ray_settings_without_ray_are_refused(flag):
+    from pagedkv.server.cli import main
+
+    with pytest.raises(ConfigError, match=f"{flag}.*--ray"):
+        main(["random:tiny-llama", "--device", "cpu", flag])

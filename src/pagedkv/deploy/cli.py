@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -31,9 +32,19 @@ def ray_config(args: argparse.Namespace) -> RayServeConfig:
     if args.data_parallel_size > 1:
         raise ConfigError("--data-parallel-size is the in-process replica count; with --ray use --min-replicas "
                           "and --max-replicas")
+    if args.direct_ingress and args.address is not None:
+        raise ConfigError(f"--direct-ingress applies when `pagedkv serve --ray` starts Ray itself; on a running "
+                          f"cluster (--address {args.address}) set RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in every "
+                          f"node's environment before `ray start` (docs/multi-node.md)")
     max_replicas = args.max_replicas if args.max_replicas is not None else max(1, args.min_replicas)
     return RayServeConfig(routing=args.routing, min_replicas=args.min_replicas, max_replicas=max_replicas,
-                          target_ongoing_requests=args.target_ongoing_requests, engine_process=args.engine_process)
+                          target_ongoing_requests=args.target_ongoing_requests, engine_process=args.engine_process,
+                          shared_loop=not args.ray_separate_loops)
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """The environment that turns on Ray Serve's direct ingress with the ingress replica on `port + 1`."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port + 1)}
 
 
 def flags_to_argv(args: dict) -> list[str]:
@@ -70,6 +81,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
 def serve_on_ray(args: argparse.Namespace, engine: EngineConfig, server: ServerConfig) -> int:
     """Deploy the app on the cluster and serve until a signal (see the module docstring)."""
     layout = ray_config(args)  # checked before Ray starts
+    if args.direct_ingress:  # read by the Ray processes this starts (its controller, the ingress replica)
+        os.environ.update(direct_ingress_env(args.port))
     import ray
     from ray import serve
 
@@ -81,6 +94,9 @@ def serve_on_ray(args: argparse.Namespace, engine: EngineConfig, server: ServerC
     except Exception as error:  # noqa: BLE001 - Ray's deploy failure says why; exit 1 so a supervisor sees it
         logger.critical("the application failed to deploy: %s: %s", type(error).__name__, error)
         return 1
+    if args.direct_ingress:
+        logger.info("direct ingress: http://%s:%d/v1 (the ingress replica; Serve's proxy below)", args.host,
+                    args.port + 1)
     logger.info("serving on http://%s:%d/v1 through Ray Serve (%s replicas, routing %s)", args.host, args.port,
                 layout.min_replicas if not layout.autoscales else f"{layout.min_replicas}..{layout.max_replicas}",
                 layout.routing.value)

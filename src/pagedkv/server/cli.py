@@ -118,6 +118,12 @@ def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
                           "(default: --min-replicas)")
     ray.add_argument("--target-ongoing-requests", type=float, default=64.0,
                      help="requests in flight per replica that autoscaling aims at (default %(default)s)")
+    ray.add_argument("--ray-separate-loops", action="store_true",
+                     help="run each replica's code and handle routers on Ray Serve's own thread and loop rather "
+                          "than the replica's event loop (slower: docs/multi-node.md)")
+    ray.add_argument("--direct-ingress", action="store_true",
+                     help="when this command starts Ray: serve HTTP from the ingress replica itself on --port + 1 "
+                          "(Ray Serve's direct ingress), without the proxy's hop; the proxy stays on --port")
     return parser
 
 
@@ -233,6 +239,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
     options = server_config(args)
     if args.ray:  # `pagedkv serve --ray` is dispatched to pagedkv.deploy.cli before it gets here
         raise ConfigError("spell out --ray in full (pagedkv serve ... --ray)")
+    if args.direct_ingress or args.ray_separate_loops:
+        raise ConfigError(f"{'--direct-ingress' if args.direct_ingress else '--ray-separate-loops'} is a Ray "
+                          f"Serve setting: add --ray")
     sock = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
     try:
         from pagedkv.engine.engine import LLMEngine
