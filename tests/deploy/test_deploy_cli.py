@@ -78,3 +78,17 @@ def test_ray_settings_without_ray_are_refused(flag):
 
     with pytest.raises(ConfigError, match=f"{flag}.*--ray"):
         main(["random:tiny-llama", "--device", "cpu", flag])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_app_binds_both_deployments_with_its_loop_setting_and_a_frozen_engine_heap(shared):
+    pytest.importorskip("ray")
+    from pagedkv.deploy.ray_serve import build_app
+
+    ingress = build_app(EngineConfig(model="random:tiny-llama", device="cpu"), RayServeConfig(shared_loop=shared))
+    ingress = ingress._bound_deployment  # NOTE: Serve's Application keeps the bound deployment privately
+    engine = ingress.init_args[0]._bound_deployment
+    assert engine.init_kwargs == {"freeze_heap": True}
+    for deployment in (ingress, engine):
+        assert deployment.ray_actor_options.get("runtime_env") == (
+            {"env_vars": SHARED_LOOP_ENV} if shared else None)

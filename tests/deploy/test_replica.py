@@ -204,3 +204,14 @@ def test_a_stream_read_without_pause_idles_out_once_its_last_request_ended(repli
             break
         time.sleep(0.05)
     assert asyncio.run(replica.check_integrity()) == 0
+
+
+def test_a_replica_freezes_its_built_heap_only_when_told(monkeypatch):
+    import pagedkv.deploy.replica as replica_module
+
+    calls = []
+    monkeypatch.setattr(replica_module, "gc_freeze_heap", lambda: calls.append("frozen"))
+    for freeze in (False, True):
+        replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=False, freeze_heap=freeze)
+        replica.__del__()
+    assert calls == ["frozen"]

@@ -192,6 +192,7 @@ class Ingress:
         from pagedkv.deploy.ray_client import RayEngineClient
         from pagedkv.models.loader import load_tokenizer
         from pagedkv.server.app import create_app
+        from pagedkv.server.cli import freeze_heap
 
         info = await engine_handle.describe.remote()
         tokenizer = await asyncio.to_thread(load_tokenizer, model)
@@ -203,6 +204,7 @@ class Ingress:
         self._client = RayEngineClient(engine_handle, info, tokenizer, routing, max_attempts, loop=loop,
                                        grpc=handle_transport == "grpc")
         self._app = create_app(self._client, served_model_name, config=server_config)
+        freeze_heap()  # as `pagedkv serve` does once its app is built
 
     def __serve_build_asgi_app__(self):
         return self._app
@@ -233,7 +235,7 @@ def build_app(engine: EngineConfig = EngineConfig(), ray_config: RayServeConfig 
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name=INGRESS_DEPLOYMENT, ray_actor_options=actor_options(ray_config, num_cpus=ray_config.ingress_cpus),
         max_ongoing_requests=ray_config.max_ongoing_requests)
-    engines = engine_deployment(engine, ray_config).bind(engine, ray_config.engine_process)
+    engines = engine_deployment(engine, ray_config).bind(engine, ray_config.engine_process, freeze_heap=True)
     return ingress.bind(engines, engine.model, name, server_config, ray_config.routing.value,
                         ray_config.max_attempts, ray_config.handle_transport)
 

@@ -71,6 +71,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import EngineDeadError
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.cli import freeze_heap as gc_freeze_heap
 from pagedkv.server.cli import uses_engine_process
 from pagedkv.server.request_stream import RequestFailedError, RequestStream
 
@@ -230,10 +231,12 @@ class EngineReplica:
     """The body of the engine deployment (see the module docstring); `build_app` wraps it with `serve.deployment`.
 
     `engine_process`: True runs the engine in a child process, False on a thread of this one,
-    None decides as `pagedkv serve` does (a child process on CUDA).
+    None decides as `pagedkv serve` does (a child process on CUDA). `freeze_heap` (the deployment
+    sets it) moves what startup allocated out of the garbage collector's reach once the replica is
+    built, as `pagedkv serve` does, so no full collection walks the model's objects mid-serving.
     """
 
-    def __init__(self, config: EngineConfig, engine_process: bool | None = None):
+    def __init__(self, config: EngineConfig, engine_process: bool | None = None, freeze_heap: bool = False):
         from pagedkv.engine.engine import LLMEngine
 
         # The model, KV pool and (on CUDA) decode graphs are built here: the replica is warm before any traffic.
@@ -254,6 +257,8 @@ class EngineReplica:
         self._replica, self._node = replica_identity()
         self._last_stats_s = 0.0
         self.outputs_idle_s = OUTPUTS_IDLE_S
+        if freeze_heap:
+            gc_freeze_heap()
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
