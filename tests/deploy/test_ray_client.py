@@ -19,6 +19,70 @@ from pagedkv.engine.scheduler_types import SchedulerConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
+
+class _OnLoop:
+    """A `RayEngineClient` as the ingress runs it under `LoopAsyncEngine`: built on a loop it does not own, its
+    outputs handed to a sink as they arrive, `add_request` and `abort` called on that loop. It answers the calls
+    the tests make of a threaded client, so every scripted case below runs both ways."""
+
+    def __init__(self, *args, **kwargs):
+        import queue
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.outputs = queue.SimpleQueue()
+        self.client = RealClient(*args, loop=self.loop, **kwargs)
+        assert self.client.event_loop is self.loop
+        self.client.attach(self.outputs.put)
+
+    def _on_loop(self, fn, *args):
+        async def call():
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout=10)
+
+    def add_request(self, *args, **kwargs):
+        return self._on_loop(lambda: self.client.add_request(*args, **kwargs))
+
+    def abort(self, request_id):
+        return self._on_loop(self.client.abort, request_id)
+
+    def step(self, timeout_s: float = 0.05):
+        import queue
+
+        outputs = []
+        try:
+            outputs.append(self.outputs.get(timeout=timeout_s))
+            while True:
+                outputs.append(self.outputs.get_nowait())
+        except queue.Empty:
+            return outputs
+
+    def has_unfinished_requests(self):  # outputs not yet taken count, as a threaded client's queue does
+        return self.client.has_unfinished_requests() or not self.outputs.empty()
+
+    def shutdown(self):
+        self.client.shutdown()
+        time.sleep(0.05)  # the cancelled streams end on the loop
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+RealClient = RayEngineClient
+
+
+@pytest.fixture(autouse=True, params=["own-thread", "owners-loop"])
+def client_placement(request, monkeypatch):
+    """Each test with the client on a loop of its own (queued for step()) and on its owner's loop (a sink)."""
+    if request.param == "owners-loop":
+        monkeypatch.setitem(globals(), "RayEngineClient", _OnLoop)
+    return request.param
+
 INFO = {"max_model_len": 64, "vocab_size": 512, "block_size": 4, "replica": "r0",
         "scheduler_config": SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64),
         "stats": {"num_blocks": 64, "num_used_blocks": 0, "block_size": 4, "tokens_per_second": 0.0}}

@@ -9,7 +9,10 @@ those become streaming calls on the engine deployment's handle:
     step(): outputs from the queue ◄─ decode deltas ◄─ outputs(sender) stream, one per replica ◄─┘ (lists of messages)
     abort: cancel the call        ───► the generate call's cancellation ─────────────────► abort, blocks freed
 
-* or the ingress replica's event loop, when Ray Serve's router runs on it (`ray_serve.Ingress`).
+* or the ingress replica's event loop, when Ray Serve's router runs on it (`ray_serve.Ingress`, the
+  default). Then the app drives this client from that loop with no engine thread at all
+  (`pagedkv.server.loop_engine.LoopAsyncEngine`: `add_request` and `abort` come on the loop, and
+  each output goes to the attached sink as it arrives rather than to a queue for `step()`).
 
 A request's outputs come on the stream this client holds with its replica (opened when a
 replica first names itself), many requests' messages per item: see `pagedkv.deploy.replica`
@@ -33,7 +36,7 @@ replica ends a stream that has been idle a while (`replica.OUTPUTS_IDLE_S`): the
 opens another.
 
 `health()` lists the engine deployment's replicas as the Serve controller reports them
-(refreshed every `REPLICA_POLL_S` in the background, so a /health request never waits on Ray),
+(`ReplicaView`: refreshed every `REPLICA_POLL_S` in the background, so a /health request never waits on Ray),
 with each one's queues as its latest output reported them.
 """
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import queue
 import threading
@@ -48,10 +52,9 @@ import uuid
 from dataclasses import dataclass
 
 from pagedkv.deploy.replica import Load, unpack_messages
+from pagedkv.deploy.replica_view import ReplicaView
 from pagedkv.distributed.output_deltas import DeltaDecoder, OutputGapError
-from pagedkv.distributed.replica_process import ReplicaStatsSum
 from pagedkv.distributed.router import RoutingPolicy, prompt_block_hashes
-from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
@@ -59,7 +62,6 @@ from pagedkv.errors import InvalidArgumentError, PagedKVError
 
 logger = logging.getLogger("pagedkv.deploy")
 
-REPLICA_POLL_S = 1.0
 DEFAULT_MAX_ATTEMPTS = 3
 _RETRY_BACKOFF_S = 0.2
 _WAKE = None  # put in the output queue to end a waiting step() early (a new command arrived)
@@ -88,7 +90,7 @@ class ReplicaStreamEndedError(PagedKVError):
     """A replica's output stream ended before a request's last message came on it."""
 
 
-class RayEngineClient:
+class RayEngineClient(ReplicaView):
     """The engine deployment behind one handle, as an `EngineClient` (see the module docstring)."""
 
     def __init__(self, handle, info: dict, tokenizer, policy: RoutingPolicy | str = RoutingPolicy.PREFIX,
@@ -111,7 +113,8 @@ class RayEngineClient:
         self._app_name, self._deployment_name = handle.app_name, handle.deployment_name
         self._max_attempts = max_attempts
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
-        self._requests: dict[str, concurrent.futures.Future] = {}  # engine thread only
+        self._requests: dict[str, concurrent.futures.Future | asyncio.Task] = {}  # engine thread (or loop) only
+        self._sink = None  # see attach()
         self._decoder = DeltaDecoder()  # client loop only
         self._live: dict[str, _Live] = {}  # request id -> its state here (client loop only)
         self._channels: dict[str, asyncio.Task] = {}  # replica -> the task reading its output stream (client loop)
@@ -151,15 +154,40 @@ class RayEngineClient:
         params.check_token_ids(self._vocab_size)
         self.check_fits(len(token_ids), params.max_tokens, params.n)
         block_hashes = prompt_block_hashes(token_ids, self._block_size) if self._hashes_prompts else None
-        self._requests[request_id] = asyncio.run_coroutine_threadsafe(
-            self._serve(request_id, token_ids, params, block_hashes), self._loop)
+        call = self._serve(request_id, token_ids, params, block_hashes)
+        # NOTE: on the loop, the call starts in a context of its own, as one from another thread does: in the
+        # HTTP handler's context Serve takes every engine call of one HTTP request (two prompts) for one request,
+        # and the second never reaches a replica.
+        self._requests[request_id] = (self._loop.create_task(call, context=contextvars.Context())
+                                      if self._sink is not None else asyncio.run_coroutine_threadsafe(call, self._loop))
 
     def abort(self, request_id: str) -> bool:
         future = self._requests.pop(request_id, None)
         if future is None:
             return False
-        self._loop.call_soon_threadsafe(future.cancel)  # the call's cancellation reaches the replica
+        if self._sink is not None:  # on the loop already
+            future.cancel()  # the call's cancellation reaches the replica
+        else:
+            self._loop.call_soon_threadsafe(future.cancel)
         return True
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop this client's calls run on when it is its owner's (an ingress replica's), else None."""
+        return self._loop if self._thread is None else None
+
+    def attach(self, sink) -> None:
+        """From now on pass each output to `sink(output)` on `event_loop` as it arrives, instead of queueing
+        it for `step()`; `add_request` and `abort` are then called on that loop (`LoopAsyncEngine`)."""
+        self._sink = sink
+
+    def _emit(self, output: RequestOutput) -> None:
+        if self._sink is None:
+            self._outputs.put(output)
+        elif output.request_id in self._requests:  # (else aborted since, as step() skips it)
+            if output.finished:
+                del self._requests[output.request_id]
+            self._sink(output)
 
     def wake(self) -> None:
         """End a `step()` that is waiting for outputs (called by the engine thread's owner on a new command)."""
@@ -252,7 +280,7 @@ class RayEngineClient:
         a request that has shown nothing, after a fault that may not be its own)."""
         if live.started or attempt == self._max_attempts or not retry:
             logger.warning("request %s failed on its replica: %s: %s", request_id, type(error).__name__, error)
-            self._outputs.put(failed_output(request_id, f"the replica serving this request failed: "
+            self._emit(failed_output(request_id, f"the replica serving this request failed: "
                                                         f"{type(error).__name__}: {error}"))
             return True
         logger.warning("request %s: its attempt failed before the first output (%s: %s); retrying",
@@ -333,62 +361,14 @@ class RayEngineClient:
                 return
             live.started = True
             output.request_id = live.request_id
-            self._outputs.put(output)
+            self._emit(output)
             if output.finished:
                 live.done.set_result(None)
         else:
             _, wire_id, text, status = message
             self._decoder.forget(wire_id)
-            self._outputs.put(failed_output(live.request_id, text, "rejected" if status < 500 else "error"))
+            self._emit(failed_output(live.request_id, text, "rejected" if status < 500 else "error"))
             live.done.set_result(None)
-
-    async def _watch_replicas(self) -> None:
-        import ray
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-        controller = None
-        while ray.is_initialized():  # in an ingress replica; a client outside Ray (a unit test) has no controller
-            try:
-                if controller is None:
-                    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-                details = await controller.get_serve_instance_details.remote()
-                app = details["applications"][self._app_name]
-                self._replicas = app["deployments"][self._deployment_name]["replicas"]
-            except Exception as error:  # noqa: BLE001 - /health shows the last snapshot; try again later
-                logger.debug("reading the replica list failed: %s", error)
-                controller = None
-            await asyncio.sleep(REPLICA_POLL_S)
-
-    # ------------------------------------------------------------------ reporting
-    def health(self) -> list[dict]:
-        """Per replica (as the Serve controller last reported them): id, node, state, alive, queues."""
-        report = []
-        for replica in list(self._replicas):
-            key = replica["replica_id"]
-            load = self._loads.get(key)
-            state = getattr(replica.get("state"), "value", replica.get("state"))
-            report.append({"replica": key, "node": replica.get("node_id"), "state": state, "alive": state == "RUNNING",
-                           "waiting": load.num_waiting if load else 0, "running": load.num_running if load else 0,
-                           "free_blocks": load.num_free_blocks if load else 0})
-        return report
-
-    def _live_keys(self) -> set[str]:
-        return {r["replica_id"] for r in self._replicas} or set(self._stats) | set(self._loads)
-
-    def queue_sizes(self) -> QueueSizes:
-        """Requests waiting and running, summed over live replicas as their latest outputs reported them."""
-        live = self._live_keys()
-        loads = [load for key, load in list(self._loads.items()) if key in live]
-        return QueueSizes(sum(x.num_waiting for x in loads), sum(x.num_running for x in loads), 0)
-
-    def latest_stats(self):
-        """The live replicas' stats as their outputs last carried them, summed (`ReplicaStatsSum`)."""
-        live = self._live_keys()
-        per_replica = [stats for key, stats in list(self._stats.items()) if key in live]
-        return ReplicaStatsSum(per_replica or list(self._stats.values())[-1:])
-
-    def check_integrity(self) -> None:
-        """Each replica's engine checks its own blocks; nothing is shared to check here."""
 
     def shutdown(self) -> None:
         """Cancel what is in flight and stop the client loop if it owns one (idempotent)."""

@@ -38,6 +38,7 @@ from pagedkv.engine.client import EngineClient
 from pagedkv.models.loader import EMBEDDED_NAME
 from pagedkv.server import protocol, validate
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.loop_engine import LoopAsyncEngine, runs_on_this_loop
 from pagedkv.server.config import ServerConfig
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -265,7 +266,9 @@ def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MOD
     limits = validate.Limits(served_model_name, config.max_prompt_chars or validate.prompt_chars_bound(engine),
                              config.ignore_unknown_fields)
     # NOTE: one thread, as vLLM does: HF fast tokenizers are not safe to call from several at once.
-    served = _Served(engine, AsyncEngine(engine, metrics, on_dead=on_engine_dead), metrics, config, limits,
+    # An engine whose calls already run on this loop (the Ray ingress's client) needs no engine thread.
+    front = LoopAsyncEngine if runs_on_this_loop(engine) else AsyncEngine
+    served = _Served(engine, front(engine, metrics, on_dead=on_engine_dead), metrics, config, limits,
                      served_model_name, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer"),
                      token_text_fn(engine.tokenizer), protocol.now())
 
