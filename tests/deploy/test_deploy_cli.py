@@ -65,6 +65,9 @@ def test_replicas_run_serves_code_on_their_own_loop_unless_told():
                                "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
     with pytest.raises(ConfigError, match="shared_loop.*'yes'"):
         RayServeConfig(shared_loop="yes")
+    assert RayServeConfig().ingress_engine_thread  # LoopAsyncEngine is opt-in
+    with pytest.raises(ConfigError, match="ingress_engine_thread.*'no'"):
+        RayServeConfig(ingress_engine_thread="no")
 
 
 def test_direct_ingress_puts_the_ingress_replica_beside_the_proxys_port():

@@ -41,7 +41,7 @@ FIXED = RayServeConfig(min_replicas=2, max_replicas=2, cpus_per_replica=1, ingre
 # No CPU reservation: its replicas fit anywhere, and leave the fixed app's layout alone.
 SCALING = RayServeConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
                          downscale_delay_s=2.0, cpus_per_replica=0, ingress_cpus=0, routing_stats_period_s=0.2,
-                         health_check_period_s=1.0)
+                         health_check_period_s=1.0, ingress_engine_thread=False)  # its ingress: LoopAsyncEngine
 BOUND_S = 120  # no client may wait longer than this, whatever fails
 WAIT_S = 240  # for Ray to restart, add or remove a replica (a replica's start loads torch and the model)
 
@@ -212,16 +212,17 @@ REQUESTS = [
 ]
 
 
-def test_completions_and_streams_equal_pagedkv_serve(app, local):
+@pytest.mark.parametrize("prefix", ["", f"/{SCALING_APP}"], ids=["engine-thread-ingress", "loop-ingress"])
+def test_completions_and_streams_equal_pagedkv_serve(app, local, prefix):
     for path, body in REQUESTS:
-        plain = httpx.post(app.url + path, json={**body, "model": MODEL}, timeout=BOUND_S)
+        plain = httpx.post(app.url + prefix + path, json={**body, "model": MODEL}, timeout=BOUND_S)
         want = local.post(path, json={**body, "model": MODEL})
         assert plain.status_code == want.status_code == 200
         assert _same(_comparable(plain.json()), _comparable(want.json()))
         # The stream gets prompts of its own: a prefix-cache hit takes another path through the kernels (one
         # side could hit where the other misses), and this compares answers, not cache placement.
         body = {**body, "prompt": _shifted(body["prompt"])}
-        streamed = _stream(app.url + path, body)
+        streamed = _stream(app.url + prefix + path, body)
         with local.stream("POST", path, json={**body, "stream": True}) as response:
             wanted = _events(response)
         assert streamed[-1] == wanted[-1] == "[DONE]"

@@ -10,9 +10,10 @@ those become streaming calls on the engine deployment's handle:
     abort: cancel the call        ───► the generate call's cancellation ─────────────────► abort, blocks freed
 
 * or the ingress replica's event loop, when Ray Serve's router runs on it (`ray_serve.Ingress`, the
-  default). Then the app drives this client from that loop with no engine thread at all
-  (`pagedkv.server.loop_engine.LoopAsyncEngine`: `add_request` and `abort` come on the loop, and
-  each output goes to the attached sink as it arrives rather than to a queue for `step()`).
+  default). With `drive_on_loop` (`RayServeConfig.ingress_engine_thread=False`) the app then drives
+  this client from that loop with no engine thread at all (`pagedkv.server.loop_engine.LoopAsyncEngine`:
+  `add_request` and `abort` come on the loop, and each output goes to the attached sink as it arrives
+  rather than to a queue for `step()`).
 
 A request's outputs come on the stream this client holds with its replica (opened when a
 replica first names itself), many requests' messages per item: see `pagedkv.deploy.replica`
@@ -95,7 +96,7 @@ class RayEngineClient(ReplicaView):
 
     def __init__(self, handle, info: dict, tokenizer, policy: RoutingPolicy | str = RoutingPolicy.PREFIX,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, loop: asyncio.AbstractEventLoop | None = None,
-                 grpc: bool = True):
+                 grpc: bool = True, drive_on_loop: bool = True):
         from pagedkv.engine.scheduler import Scheduler
 
         self.tokenizer = tokenizer
@@ -115,6 +116,7 @@ class RayEngineClient(ReplicaView):
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, concurrent.futures.Future | asyncio.Task] = {}  # engine thread (or loop) only
         self._sink = None  # see attach()
+        self._drive_on_loop = drive_on_loop
         self._decoder = DeltaDecoder()  # client loop only
         self._live: dict[str, _Live] = {}  # request id -> its state here (client loop only)
         self._channels: dict[str, asyncio.Task] = {}  # replica -> the task reading its output stream (client loop)
@@ -173,8 +175,9 @@ class RayEngineClient(ReplicaView):
 
     @property
     def event_loop(self) -> asyncio.AbstractEventLoop | None:
-        """The loop this client's calls run on when it is its owner's (an ingress replica's), else None."""
-        return self._loop if self._thread is None else None
+        """The loop this client's calls run on when it is its owner's (an ingress replica's) and `drive_on_loop`
+        lets the owner drive it there (`LoopAsyncEngine`), else None (an engine thread drives it)."""
+        return self._loop if self._thread is None and self._drive_on_loop else None
 
     def attach(self, sink) -> None:
         """From now on pass each output to `sink(output)` on `event_loop` as it arrives, instead of queueing
