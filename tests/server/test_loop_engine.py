@@ -7,6 +7,7 @@ threads are handed to the loop, and a stop ends every open stream.
 """
 
 import asyncio
+import concurrent.futures
 import threading
 
 import pytest
@@ -14,8 +15,8 @@ import pytest
 from pagedkv.engine.client import QueueSizes
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.errors import InvalidArgumentError
-from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.errors import EngineDeadError, InvalidArgumentError
+from pagedkv.server.async_engine import AsyncEngine, _Call
 from pagedkv.server.loop_engine import LoopAsyncEngine, runs_on_this_loop
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.request_stream import RequestFailedError, RequestStream, ShuttingDownError
@@ -145,6 +146,10 @@ def test_commands_from_other_threads_are_handed_to_the_loop_and_stop_ends_open_s
         assert not front.is_alive
         with pytest.raises(ShuttingDownError):
             front.add_request("b", [5], SamplingParams(max_tokens=1), RequestStream(loop))
+        late = _Call(lambda engine: 1, concurrent.futures.Future())  # handed over from a thread, run after stop
+        front._run_command(late)
+        with pytest.raises(EngineDeadError):
+            late.future.result(timeout=1)
 
     asyncio.run(run())
 

@@ -30,7 +30,7 @@ import time
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.errors import EngineDeadError
-from pagedkv.server.async_engine import AsyncEngine, _Add
+from pagedkv.server.async_engine import AsyncEngine, _Add, _Call
 from pagedkv.server.request_stream import RequestFailedError, RequestStream, ShuttingDownError
 
 logger = logging.getLogger("pagedkv.server")
@@ -122,6 +122,8 @@ class LoopAsyncEngine(AsyncEngine):
         if self._dead is None:
             self._apply(command)
             self._update_metrics_soon()
+        elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            command.future.set_exception(EngineDeadError(f"the engine front has stopped: {self._dead}"))
 
     def _send(self, stream: RequestStream, item) -> None:
         if self._on_loop():
