@@ -368,7 +368,9 @@ class AsyncEngine:
             # The engine failed this request alone (its step-mates go on): a 500 for it, not an output.
             self._fail(output.request_id, RequestFailedError(output.error))
             return
-        num_tokens = max((c.num_tokens for c in output.outputs), default=0)
+        completions = output.outputs  # (one completion, the common case, without a generator per output)
+        num_tokens = (completions[0].num_tokens if len(completions) == 1
+                      else max((c.num_tokens for c in completions), default=0))
         if tracked.first_token_s is None and num_tokens:
             tracked.first_token_s = now
         if num_tokens or output.finished:
