@@ -34,7 +34,7 @@ def test_the_handle_transport_is_grpc_unless_told_and_checked():
 @pytest.mark.parametrize("flags, match", [
     (["--data-parallel-size", "2"], "--min-replicas"),
     (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas"),
-    (["--address", "10.0.0.1:6379", "--direct-ingress"], "--address 10.0.0.1:6379.*RAY_SERVE_ENABLE_DIRECT_INGRESS"),
+    (["--address", "10.0.0.1:6379", "--direct-ingress"], "RAY_ADDRESS 10.0.0.1:6379.*RAY_SERVE_ENABLE_DIRECT_INGRESS"),
 ])
 def test_flags_that_do_not_fit_ray_are_refused(flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -95,3 +95,21 @@ def test_the_app_binds_both_deployments_with_its_loop_setting_and_a_frozen_engin
     for deployment in (ingress, engine):
         assert deployment.ray_actor_options.get("runtime_env") == (
             {"env_vars": SHARED_LOOP_ENV} if shared else None)
+
+
+def test_direct_ingress_refuses_a_cluster_named_by_ray_address(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    with pytest.raises(ConfigError, match="RAY_ADDRESS 10.0.0.2:6379"):
+        ray_config(build_parser().parse_args(["--ray", "--direct-ingress"]))
+
+
+def test_an_ingress_without_its_engine_thread_needs_the_shared_loop_and_is_bound_so():
+    pytest.importorskip("ray")
+    from pagedkv.deploy.ray_serve import build_app
+
+    with pytest.raises(ConfigError, match="shared_loop=True"):
+        RayServeConfig(shared_loop=False, ingress_engine_thread=False)
+    for engine_thread in (True, False):
+        app = build_app(EngineConfig(model="random:tiny-llama", device="cpu"),
+                        RayServeConfig(ingress_engine_thread=engine_thread))
+        assert app._bound_deployment.init_args[-1] is engine_thread  # Ingress(..., engine_thread)

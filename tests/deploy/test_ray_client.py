@@ -33,7 +33,7 @@ class _OnLoop:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.outputs = queue.SimpleQueue()
-        self.client = RealClient(*args, loop=self.loop, **kwargs)
+        self.client = RealClient(*args, loop=self.loop, drive_on_loop=True, **kwargs)
         assert self.client.event_loop is self.loop
         self.client.attach(self.outputs.put)
 

@@ -120,7 +120,6 @@ def test_outputs_reach_their_streams_on_the_loop_and_a_refused_request_fails_alo
         refused = results["bad"][-1]
         assert isinstance(refused, RequestFailedError) and refused.status_code == 400 and "token id 0" in str(refused)
         assert front.num_waiting == 0 and not front._tracked
-        await asyncio.sleep(0)  # the metrics update queued for this turn of the loop
         rendered = metrics.render().decode()
         assert any('finished_reason="length"' in line and line.endswith(" 2.0") for line in rendered.splitlines())
         front.stop()
@@ -182,3 +181,8 @@ def test_an_output_that_cannot_be_delivered_fails_its_request_alone():
 def test_the_threaded_front_stays_the_default_for_an_engine_of_its_own():
     assert issubclass(LoopAsyncEngine, AsyncEngine)
     assert not runs_on_this_loop(type("Engine", (), {"event_loop": None, "attach": None})())
+
+
+def test_it_refuses_to_start_off_its_engines_loop():
+    with pytest.raises(EngineDeadError, match="event loop"):
+        LoopAsyncEngine(_Client(asyncio.new_event_loop())).start()

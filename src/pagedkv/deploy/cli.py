@@ -32,10 +32,11 @@ def ray_config(args: argparse.Namespace) -> RayServeConfig:
     if args.data_parallel_size > 1:
         raise ConfigError("--data-parallel-size is the in-process replica count; with --ray use --min-replicas "
                           "and --max-replicas")
-    if args.direct_ingress and args.address is not None:
+    if args.direct_ingress and (args.address is not None or os.environ.get("RAY_ADDRESS")):
+        address = args.address if args.address is not None else os.environ.get("RAY_ADDRESS")
         raise ConfigError(f"--direct-ingress applies when `pagedkv serve --ray` starts Ray itself; on a running "
-                          f"cluster (--address {args.address}) set RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in every "
-                          f"node's environment before `ray start` (docs/multi-node.md)")
+                          f"cluster (--address or RAY_ADDRESS {address}) set RAY_SERVE_ENABLE_DIRECT_INGRESS=1 "
+                          f"in every node's environment before `ray start` (docs/multi-node.md)")
     max_replicas = args.max_replicas if args.max_replicas is not None else max(1, args.min_replicas)
     return RayServeConfig(routing=args.routing, min_replicas=args.min_replicas, max_replicas=max_replicas,
                           target_ongoing_requests=args.target_ongoing_requests, engine_process=args.engine_process,
@@ -86,7 +87,8 @@ def serve_on_ray(args: argparse.Namespace, engine: EngineConfig, server: ServerC
     import ray
     from ray import serve
 
-    ray.init(address=args.address, logging_level=args.log_level.upper())
+    # With --direct-ingress a Ray of its own ("local"): one already running here would not see the variables above.
+    ray.init(address="local" if args.direct_ingress else args.address, logging_level=args.log_level.upper())
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
         serve.run(build_app(engine, layout, server, args.served_model_name), name=DEFAULT_APP_NAME,

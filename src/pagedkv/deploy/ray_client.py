@@ -96,7 +96,7 @@ class RayEngineClient(ReplicaView):
 
     def __init__(self, handle, info: dict, tokenizer, policy: RoutingPolicy | str = RoutingPolicy.PREFIX,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, loop: asyncio.AbstractEventLoop | None = None,
-                 grpc: bool = True, drive_on_loop: bool = True):
+                 grpc: bool = True, drive_on_loop: bool = False):
         from pagedkv.engine.scheduler import Scheduler
 
         self.tokenizer = tokenizer
@@ -125,7 +125,7 @@ class RayEngineClient(ReplicaView):
         self._replicas: list[dict] = []
         # NOTE: in an ingress replica, the replica's own event loop (`loop`): Ray Serve binds a handle's calls to
         # the loop that makes them when its router shares the replica's loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0),
-        # and it saves a thread hop each way. Outside a replica (tests), a loop on a thread of this client's own.
+        # and it saves a thread hop each way. Otherwise (Serve's separate loops, tests) a loop on a thread of its own.
         self._closed = False
         self._thread = None
         if loop is None:
@@ -167,7 +167,11 @@ class RayEngineClient(ReplicaView):
         future = self._requests.pop(request_id, None)
         if future is None:
             return False
-        if self._sink is not None:  # on the loop already
+        try:  # driven on the loop (LoopAsyncEngine), or from shutdown() on any thread
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
             future.cancel()  # the call's cancellation reaches the replica
         else:
             self._loop.call_soon_threadsafe(future.cancel)

@@ -103,6 +103,9 @@ class RayServeConfig:
         for name in ("shared_loop", "ingress_engine_thread"):
             if getattr(self, name) not in (True, False):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not self.ingress_engine_thread and not self.shared_loop:
+            raise ConfigError("ingress_engine_thread=False drives the ingress's engine client on the replica's own "
+                              "loop, which needs shared_loop=True")
         if self.engine_process not in (None, True, False):
             raise ConfigError(f"engine_process must be True, False or None, got {self.engine_process!r}")
         if self.min_replicas > self.max_replicas:
@@ -200,6 +203,7 @@ class Ingress:
         from pagedkv.models.loader import load_tokenizer
         from pagedkv.server.app import create_app
         from pagedkv.server.cli import freeze_heap
+        from pagedkv.server.loop_engine import LoopAsyncEngine
 
         info = await engine_handle.describe.remote()
         tokenizer = await asyncio.to_thread(load_tokenizer, model)
@@ -211,6 +215,10 @@ class Ingress:
         self._client = RayEngineClient(engine_handle, info, tokenizer, routing, max_attempts, loop=loop,
                                        grpc=handle_transport == "grpc", drive_on_loop=not engine_thread)
         self._app = create_app(self._client, served_model_name, config=server_config)
+        if isinstance(self._app.state.async_engine, LoopAsyncEngine) == engine_thread:  # never a silent fallback
+            raise ConfigError(f"the ingress asked for {'an engine thread' if engine_thread else 'no engine thread'} "
+                              f"but its app built {type(self._app.state.async_engine).__name__} (is Serve's router "
+                              f"on a loop of its own?)")
         freeze_heap()  # as `pagedkv serve` does once its app is built
 
     def __serve_build_asgi_app__(self):

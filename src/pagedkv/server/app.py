@@ -251,12 +251,13 @@ class _Served:
 def create_app(engine: EngineClient, served_model_name: str = DEFAULT_SERVED_MODEL_NAME, api_key: str | None = None,
                *, config: ServerConfig | None = None,
                on_engine_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """An OpenAI-compatible app over `engine`. The engine thread runs for the app's lifespan.
+    """An OpenAI-compatible app over `engine`. The engine thread runs for the app's lifespan (none for an
+    engine whose calls run on this loop: `LoopAsyncEngine`, see `pagedkv.server.loop_engine`).
 
     `api_key`, when given, overrides `config.api_key`. `on_engine_dead(error)` is called (on
     the engine thread) if the engine loop dies; `pagedkv serve` exits non-zero then.
 
-    Every engine call happens on that thread from then on; do not drive `engine` elsewhere
+    Every engine call happens on that thread (or that loop) from then on; do not drive `engine` elsewhere
     while the app runs (use `app.state.async_engine.call(fn)` to run `fn(engine)` there).
     """
     config = config or ServerConfig()

@@ -64,6 +64,12 @@ class LoopAsyncEngine(AsyncEngine):
     def start(self) -> None:
         if self._started:
             raise EngineDeadError("the engine front was already started")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:  # every later call is judged "on the loop" by this thread
+            raise EngineDeadError("LoopAsyncEngine must start on its engine's event loop (the app's lifespan there)")
         if self.metrics is not None:
             self.metrics.update_from_engine(self.engine)
         self._loop_thread = threading.get_ident()  # start() runs on the loop (the app's lifespan)
@@ -136,13 +142,16 @@ class LoopAsyncEngine(AsyncEngine):
         if self._dead is not None:
             return
         try:
-            self._deliver(output, time.perf_counter())
-        except Exception as error:  # noqa: BLE001 - this request fails, the others are delivered
-            logger.error("delivering request %s failed: %s: %s", output.request_id, type(error).__name__, error,
-                         exc_info=error)
-            self._fail(output.request_id, RequestFailedError(f"delivering this request's output failed: "
-                                                             f"{type(error).__name__}: {error}"))
-        self._update_metrics_soon()
+            try:
+                self._deliver(output, time.perf_counter())
+            except Exception as error:  # noqa: BLE001 - this request fails, the others are delivered
+                logger.error("delivering request %s failed: %s: %s", output.request_id, type(error).__name__,
+                             error, exc_info=error)
+                self._fail(output.request_id, RequestFailedError(f"delivering this request's output failed: "
+                                                                 f"{type(error).__name__}: {error}"))
+            self._update_metrics_soon()
+        except Exception:  # noqa: BLE001 - never into the client, which would take it for a broken replica stream
+            logger.exception("failing request %s after a delivery error failed too", output.request_id)
 
     def _update_metrics_soon(self) -> None:
         """Metrics once per turn of the loop, however many outputs it delivered (the thread: once per step)."""

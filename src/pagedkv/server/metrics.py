@@ -73,7 +73,8 @@ _MIRRORED = {
 
 
 class ServerMetrics:
-    """The server's metrics. `update_from_engine` and `observe_request` run on the engine thread."""
+    """The server's metrics. `update_from_engine` and `observe_request` run where the engine is driven: its
+    thread, or the event loop for an engine on it (`LoopAsyncEngine`)."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
