@@ -190,10 +190,8 @@ class RayEngineClient(ReplicaView):
 
     def _emit(self, output: RequestOutput) -> None:
         if self._sink is None:
-            self._outputs.put(output)
-        elif output.request_id in self._requests:  # (else aborted since, as step() skips it)
-            if output.finished:
-                del self._requests[output.request_id]
+            self._outputs.put(output)  # step() takes it
+        elif self._accept(output):
             self._sink(output)
 
     def wake(self) -> None:
@@ -209,14 +207,16 @@ class RayEngineClient(ReplicaView):
                 items.append(self._outputs.get_nowait())
         except queue.Empty:
             pass
-        outputs = []
-        for output in items:
-            if output is _WAKE or output.request_id not in self._requests:
-                continue  # a wake-up, or the output of a request aborted since
-            if output.finished:
-                del self._requests[output.request_id]
-            outputs.append(output)
-        return outputs
+        return [output for output in items if output is not _WAKE and self._accept(output)]
+
+    def _accept(self, output: RequestOutput) -> bool:
+        """Whether `output` goes on to the engine's owner (not if its request was aborted since); a finished
+        request is forgotten here."""
+        if output.request_id not in self._requests:
+            return False
+        if output.finished:
+            del self._requests[output.request_id]
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

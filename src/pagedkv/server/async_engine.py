@@ -182,20 +182,27 @@ class AsyncEngine:
         return future
 
     def _put(self, command, raise_if_dead: bool = True) -> None:
-        with self._lock:
-            if self._dead is not None:
-                if raise_if_dead:
-                    if isinstance(self._dead, ShuttingDownError):
-                        raise ShuttingDownError(str(self._dead))
-                    raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+        with self._lock:  # queued under the lock, so that _die drains every command it let in
+            if not self._admit(command, raise_if_dead):
                 return
-            if isinstance(command, _Add):
-                if self._draining:
-                    raise ShuttingDownError("the server is shutting down")
-                self._num_waiting += 1
             self._commands.put(command)
         if self._wake is not None:
             self._wake()
+
+    def _admit(self, command, raise_if_dead: bool) -> bool:
+        """With `_lock` held: whether `command` may go to the engine (False: drop it, the loop is dead); raises
+        for a dead loop when `raise_if_dead`, and for a request while draining. Counts an admitted request."""
+        if self._dead is not None:
+            if raise_if_dead:
+                if isinstance(self._dead, ShuttingDownError):
+                    raise ShuttingDownError(str(self._dead))
+                raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+            return False
+        if isinstance(command, _Add):
+            if self._draining:
+                raise ShuttingDownError("the server is shutting down")
+            self._num_waiting += 1
+        return True
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

@@ -103,17 +103,9 @@ class LoopAsyncEngine(AsyncEngine):
         return threading.get_ident() == self._loop_thread
 
     def _put(self, command, raise_if_dead: bool = True) -> None:
-        with self._lock:  # the same checks as the thread's queue, then the command runs now
-            if self._dead is not None:
-                if raise_if_dead:
-                    if isinstance(self._dead, ShuttingDownError):
-                        raise ShuttingDownError(str(self._dead))
-                    raise EngineDeadError(f"the engine front has stopped: {self._dead}")
+        with self._lock:  # the thread's checks; then the command runs now, or on the loop for another thread
+            if not self._admit(command, raise_if_dead):
                 return
-            if isinstance(command, _Add):
-                if self._draining:
-                    raise ShuttingDownError("the server is shutting down")
-                self._num_waiting += 1
         if self._on_loop():
             self._run_command(command)
         else:
