@@ -177,7 +177,7 @@ def test_a_request_that_cannot_be_pickled_is_refused_and_the_replica_keeps_servi
         assert not engine.has_unfinished_requests() and engine.router.stats.num_routed == 0
         outputs = llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
-        assert all(r.sender.is_alive() for r in engine.replicas)
+        assert all(r.writer.is_alive() for r in engine.replicas)
         assert all(s is not None for s in engine.stats().per_replica)
     finally:
         engine.shutdown()

@@ -11,20 +11,19 @@
 
 Its queues go into a shared array after every step and every command (`LOAD_FIELDS` per replica),
 which `ProcessReplica` reads as the router's view of the replica; `ReplicaStatsSum` sums the stats
-the replicas push. Messages are pickled by the sender's caller and written by a sender thread on
-either side (`send_all`), so neither side ever blocks on a full pipe while the other is not reading.
+the replicas push. Messages are pickled by the sender's caller and written through a `PipeWriter`
+on either side, so neither side ever blocks on a full pipe while the other is not reading.
 """
 
 from __future__ import annotations
 
 import gc
-import queue
 import signal
-import threading
 import time
 from multiprocessing.reduction import ForkingPickler
 
 from pagedkv.distributed.output_deltas import DeltaEncoder
+from pagedkv.distributed.pipe_writer import PipeWriter
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import PagedKVError, StepFailedError
 
@@ -62,15 +61,13 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
     consumed = 0
     # Streamed outputs cross the pipe as what each request gained since its last.
     encoder = DeltaEncoder(send_prompt_token_ids)
-    # Replies go out through a sender thread, never from this loop: the parent may be blocked
-    # sending this replica a burst of requests while not reading, and a loop blocked on its own
-    # send (its outputs filling the pipe) would then never read them - both sides stuck for good.
-    outbox: queue.SimpleQueue = queue.SimpleQueue()
-    sender = threading.Thread(target=send_all, args=(conn, outbox), name="pagedkv-replica-send", daemon=True)
-    sender.start()
+    # Replies never block this loop (`PipeWriter`): the parent may be busy sending this replica a
+    # burst of requests while not reading, and a loop blocked on its own send (its outputs filling
+    # the pipe) would then never read them - both sides stuck for good.
+    writer = PipeWriter(conn, "pagedkv-replica-send")
 
     def send(message) -> None:
-        outbox.put(pickled(message))
+        writer.send(pickled(message))
 
     def publish() -> None:
         sched = engine.scheduler
@@ -135,8 +132,8 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
             if time.perf_counter() - last_push >= STATS_PUSH_S or not engine.has_unfinished_requests():
                 push_stats()
         publish()
-    outbox.put(None)
-    sender.join(timeout=10)
+    writer.close()
+    writer.join(timeout_s=10)
     engine.shutdown()
 
 
@@ -154,18 +151,6 @@ def integrity_error(engine) -> str | None:
 def pickled(message) -> bytes:
     """`message` as `Connection.send` would write it, pickled in the caller's thread (so errors reach the caller)."""
     return bytes(ForkingPickler.dumps(message))
-
-
-def send_all(conn, outbox: queue.SimpleQueue) -> None:
-    """A sender thread (replica or parent side): each pickled message put in `outbox`, in order, until None.
-
-    The other end reads them with `conn.recv()`. It stops when the peer is gone.
-    """
-    while (message := outbox.get()) is not None:
-        try:
-            conn.send_bytes(message)
-        except (OSError, EOFError, ValueError):
-            return
 
 
 class ReplicaStatsSum:
