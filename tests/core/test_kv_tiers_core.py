@@ -295,3 +295,24 @@ def test_a_restore_keeps_its_host_blocks_from_the_spills_its_allocation_causes()
     bm.free(3)
     bm.begin_step()
     bm.check_integrity()
+
+
+def test_pre_spill_skips_a_settled_cache_and_takes_each_new_evictable_block():
+    """Evictable GPU blocks go to the host ahead of eviction; a step that changed nothing copies nothing again, and a
+    block that becomes evictable later is still copied (the skip follows the cache's and the host's changes)."""
+    bm = KVBlockManager(16, 4, num_offload_blocks=16)
+    _cache(bm, [list(range(9))])  # 2 full blocks cached, evictable
+    bm.begin_step()
+    bm.pre_spill()
+    assert len(bm.take_tier_copies().pre_offload) == 2
+    bm.begin_step()
+    bm.pre_spill()
+    assert not bm.take_tier_copies().pre_offload  # both on the host already
+    _cache(bm, [list(range(100, 113))])  # 3 more blocks become evictable
+    bm.begin_step()
+    bm.pre_spill()
+    assert len(bm.take_tier_copies().pre_offload) == 3
+    bm.begin_step()
+    bm.pre_spill(max_blocks=1)
+    assert not bm.take_tier_copies().pre_offload
+    bm.check_integrity()

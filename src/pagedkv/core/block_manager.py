@@ -51,6 +51,7 @@ class KVBlockManager(PoolQueries):
                              disk_capacity_blocks=disk_capacity_blocks) if num_host_blocks else None
         on_evict = self.tiers.on_gpu_evict if self.tiers is not None and cache_on_host else None
         self.prefix_cache = PrefixCache(self.allocator, on_evict) if enable_prefix_caching else None
+        self._pre_spilled: tuple | None = None  # (cache, host, loading) state a `pre_spill` found settled
         self._tables: dict[int, BlockTable] = {}
         self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (host blocks, num tokens)
         self._block_keys: dict[int, list[BlockHash]] = {}  # seq id -> keys of its full blocks so far
@@ -169,8 +170,15 @@ class KVBlockManager(PoolQueries):
 
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
         """Copy the GPU cache's next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""
-        if self.tiers is not None and self.prefix_cache is not None and self.prefix_cache.num_evictable:
-            self.tiers.pre_spill(self.prefix_cache.next_evicted(2 * max_blocks), max_blocks)
+        if self.tiers is None or self.prefix_cache is None or not self.prefix_cache.num_evictable:
+            return
+        # A decode step changes neither the cache's eviction order nor the host: skip the scan that found
+        # every candidate on the host already.
+        if self._pre_spilled == (self.prefix_cache.version, self.tiers.host.version, self.tiers.num_loading):
+            return
+        settled = self.tiers.pre_spill(self.prefix_cache.next_evicted(2 * max_blocks), max_blocks)
+        self._pre_spilled = (self.prefix_cache.version, self.tiers.host.version, self.tiers.num_loading) \
+            if settled else None
 
     def persist(self) -> tuple[list[tuple[BlockHash, int]], list[tuple[BlockHash, int]]]:
         """Cached blocks to write to disk at shutdown, ((key, GPU block), (key, host block)) (see `KVTiers.persist`)."""

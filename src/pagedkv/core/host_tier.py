@@ -32,6 +32,7 @@ class HostTier:
         self._block_of: dict[BlockHash, int] = {}
         self._key_of: dict[int, BlockHash] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
+        self.version = 0  # bumped whenever a key is cached or evicted
         self._busy: set[int] = set()  # read by this step's copies
         self._release_later: list[int] = []  # freed this step, free from the next
         self._writing: dict[int, int] = {}  # host block -> its disk writes still queued
@@ -148,6 +149,7 @@ class HostTier:
                     self._num_cached_written -= 1
             self.allocator.free(victims)
             self.last_evicted = victims
+            self.version += 1
         return self.allocator.allocate(num_blocks) if num_blocks else []
 
     def insert(self, key: BlockHash, block: int) -> bool:
@@ -156,6 +158,7 @@ class HostTier:
             return False
         self._block_of[key] = block
         self._key_of[block] = key
+        self.version += 1
         self._lru[block] = None
         self._num_cached_written += block not in self._writing
         return True

@@ -163,23 +163,25 @@ class KVTiers:
         self.stats.offloaded_blocks += 1
         self._queue_write(key, blocks[0])
 
-    def pre_spill(self, candidates: Sequence[tuple[BlockHash, int]], max_blocks: int) -> None:
+    def pre_spill(self, candidates: Sequence[tuple[BlockHash, int]], max_blocks: int) -> bool:
         """Copy up to `max_blocks` of `candidates` (evictable GPU blocks, next to be evicted first) to the host now,
         beside the step, so that evicting them later needs no copy. Only free host blocks are used: a guess
-        about the future never evicts a cached host block."""
+        about the future never evicts a cached host block. True when every candidate is on the host (or loading)
+        after the call: a call on the same candidates and host would do nothing."""
         if not self.cache_on_host:
-            return
+            return True
         for key, gpu_block in candidates:
-            if max_blocks <= 0 or self.host.allocator.num_free == 0:
-                return
             if key in self.host or key in self._loading:
                 continue
+            if max_blocks <= 0 or self.host.allocator.num_free == 0:
+                return False
             block = self.host.allocate(1)[0]  # a free one: nothing else reads or writes it in this step
             self.host.insert(key, block)
             self.copies.pre_offload.append(BlockCopy(gpu_block, block))
             self.stats.offloaded_blocks += 1
             self._queue_write(key, block)
             max_blocks -= 1
+        return True
 
     def _queue_write(self, key: BlockHash, host_block: int) -> None:
         if self.disk is None or key in self.disk:

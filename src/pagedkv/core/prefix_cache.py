@@ -80,6 +80,7 @@ class PrefixCache:
         self._key_of: dict[int, BlockHash] = {}
         # Cached blocks that only the cache references, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.version = 0  # bumped whenever the evictable blocks or their order may have changed
         self.num_queries = 0  # blocks looked up
         self.num_hits = 0  # blocks found
 
@@ -108,6 +109,7 @@ class PrefixCache:
 
     def acquire(self, block_ids: Sequence[int]) -> None:
         """A sequence is about to share these cached blocks: they stop being evictable."""
+        self.version += 1
         for block_id in block_ids:
             self._evictable.pop(block_id, None)
 
@@ -140,6 +142,7 @@ class PrefixCache:
         A table's blocks are queued tail first, so its head is evicted last: the hash chain
         only ever reaches a tail through its head.
         """
+        self.version += 1
         for block_id in reversed(block_ids):
             if block_id in self._key_of and self.allocator.ref_count(block_id) == 1:
                 self._evictable[block_id] = None
@@ -148,6 +151,7 @@ class PrefixCache:
     def evict(self, num_blocks: int) -> int:
         """Drop up to `num_blocks` least recently used evictable blocks; returns how many were freed."""
         freed = 0
+        self.version += 1
         while freed < num_blocks and self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             key = self._key_of.pop(block_id)

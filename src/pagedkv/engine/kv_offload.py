@@ -131,26 +131,34 @@ class KVOffload:
         if not (d2h or h2d or beside or step.disk_writes or step.disk_deletes):
             return
         self.io.wait_writes(dst for _, dst in d2h + list(step.pre_offload))
+        # Both directions go in host-block order: the gather and the scatter on the device take any order
+        # for free, and a prefix spilled tail first (the GPU cache's eviction order) sits on descending host
+        # blocks, which in prefix order would be one small copy per block instead of one copy per run.
+        d2h, pre_offload = (sorted(c, key=lambda c: c[1]) for c in (d2h, step.pre_offload))
+        h2d, restore = (sorted(c, key=lambda c: c[0]) for c in (h2d, step.restore))
         ready = None
         if not self.is_cuda:
-            self._d2h(d2h)
-            self._h2d(h2d)
-            self._h2d(step.restore)
-            self._d2h(step.pre_offload)
+            ids = self._device_ids(d2h, h2d, restore, pre_offload)
+            self._d2h(d2h, ids[0])
+            self._h2d(h2d, ids[1])
+            self._h2d(restore, ids[2])
+            self._d2h(pre_offload, ids[3])
         else:
             main = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.stream):
+                ids = self._device_ids(d2h, h2d, restore, pre_offload)
 
             def after_the_step_before() -> None:
                 self.stream.wait_stream(main)
-                self._d2h(d2h)
+                self._d2h(d2h, ids[0])
 
             with torch.cuda.stream(self.stream):
-                self._h2d(h2d, after_the_step_before)  # staged beside the step before (the module docstring)
+                self._h2d(h2d, ids[1], after_the_step_before)  # staged beside the step before (the module docstring)
                 spilled = ready = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
-                    self._h2d(step.restore)
-                    self._d2h(step.pre_offload)
+                    self._h2d(restore, ids[2])
+                    self._d2h(pre_offload, ids[3])
                     ready = self._restores_done = torch.cuda.Event()
                     ready.record(self.stream)
             if d2h or h2d:
@@ -198,38 +206,36 @@ class KVOffload:
                 pending.append(timing)
         self._timings = pending
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(ids, dtype=torch.int64)
-        if not self.is_cuda:
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    def _device_ids(self, d2h, h2d, restore, pre_offload) -> list[torch.Tensor]:
+        """The device block ids of each move (the first item of a device-to-host pair, the second of a
+        host-to-device one) as int64 tensors on the pool's device: one pinned tensor and one copy for all."""
+        lists = [[c[0] for c in d2h], [c[1] for c in h2d], [c[1] for c in restore], [c[0] for c in pre_offload]]
+        flat = torch.tensor([i for ids in lists for i in ids], dtype=torch.int64)
+        if self.is_cuda:
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        return list(flat.split([len(ids) for ids in lists]))
 
-    # Both directions go in host-block order: the gather and the scatter on the device take any order
-    # for free, and a prefix spilled tail first (the GPU cache's eviction order) sits on descending host
-    # blocks, which in prefix order would be one small copy per block instead of one copy per run.
-    def _d2h(self, copies) -> None:
-        """(device block, host block) pairs: gather on the device, then one copy per run of host blocks."""
+    def _d2h(self, copies, src) -> None:
+        """(device block, host block) pairs in host-block order, `src` their device ids: gather on the device,
+        then one copy per run of host blocks."""
         if not copies:
             return
-        copies = sorted(copies, key=lambda c: c[1])
         start = self._mark()
-        src = self._ids([c[0] for c in copies])
         dst = [c[1] for c in copies]
         blocks = self._storage.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, 2, L, B, Hkv, D]
         for index, first, length in _runs(dst):
             self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
         self._done("d2h", len(copies) * self.block_nbytes, start)
 
-    def _h2d(self, copies, before_scatter=None) -> None:
-        """(host block, device block) pairs: one copy per run of host blocks into a staging tensor, then
-        `before_scatter()` if given (what must precede the scatter on the copy stream), then one scatter."""
+    def _h2d(self, copies, dst, before_scatter=None) -> None:
+        """(host block, device block) pairs in host-block order, `dst` their device ids: one copy per run of
+        host blocks into a staging tensor, then `before_scatter()` if given (what must precede the scatter
+        on the copy stream), then one scatter."""
         if not copies:
             if before_scatter is not None:
                 before_scatter()
             return
-        copies = sorted(copies, key=lambda c: c[0])
         src = [c[0] for c in copies]
-        dst = self._ids([c[1] for c in copies])
         start = self._mark()
         staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
         runs = _runs(src)
