@@ -102,6 +102,7 @@ def main() -> None:
     result = {"model": model, "device": device, "prompt_len": prompt_len, "calls": args.calls,
               "commit": os.environ.get("PAGEDKV_COMMIT")}
     engine = LLMEngine(config)
+    engine.stream_outputs = True  # every step's outputs, as the server (and the replica process) runs it
     in_process, _ = first_token_ms(engine, prompts, params, args.warmup, {})
     engine.shutdown()
     del engine
