@@ -20,6 +20,13 @@ from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
+#: One event loop for every call, as a Serve replica has: an engine process's front lives on the loop of its first call.
+LOOP = asyncio.new_event_loop()
+
+
+def on_loop(coro):
+    return LOOP.run_until_complete(coro)
+
 OPTIONS = dict(model="random:tiny-llama", device="cpu", dtype="float32", block_size=4, num_blocks=64,
                max_model_len=64, max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -62,37 +69,37 @@ def replica(request):
     pass through it as they came."""
     replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=request.param)
     yield replica
-    replica.__del__()
+    replica.__del__()  # on the loop's thread: an engine process's front stops there at once
 
 
 def test_outputs_reach_the_sender_and_equal_the_engine(replica):
-    done, failed = asyncio.run(_serve(replica, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]))
+    done, failed = on_loop(_serve(replica, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]))
     expected = LLM(**OPTIONS).generate(PROMPTS, GREEDY)
     assert not failed
     assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [
         e.outputs[0].token_ids for e in expected]
-    assert asyncio.run(replica.check_integrity()) == 0
+    assert on_loop(replica.check_integrity()) == 0
 
 
 def test_samples_and_logprobs_reach_the_sender_as_the_engine_made_them(replica):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=2, logprobs=2)
-    done, failed = asyncio.run(_serve(replica, [("n2", PROMPTS[1], params)]))
+    done, failed = on_loop(_serve(replica, [("n2", PROMPTS[1], params)]))
     (expected,) = LLM(**OPTIONS).generate([PROMPTS[1]], params)
     assert not failed and len(done["n2"].outputs) == 2
     for got, want in zip(done["n2"].outputs, expected.outputs):
         assert (got.index, got.token_ids, got.finish_reason) == (want.index, want.token_ids, want.finish_reason)
         assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in want.logprobs]
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
-    assert asyncio.run(replica.check_integrity()) == 0
+    assert on_loop(replica.check_integrity()) == 0
 
 
 def test_a_refused_request_ends_with_its_failure_and_status(replica):
     too_long = list(range(3, 3 + OPTIONS["max_model_len"] + 1))
-    done, failed = asyncio.run(_serve(replica, [("ok", PROMPTS[0], GREEDY), ("bad", too_long, GREEDY)]))
+    done, failed = on_loop(_serve(replica, [("ok", PROMPTS[0], GREEDY), ("bad", too_long, GREEDY)]))
     assert set(done) == {"ok"} and set(failed) == {"bad"}
     message, status = failed["bad"]
     assert status == 400 and str(OPTIONS["max_model_len"]) in message
-    assert asyncio.run(replica.check_integrity()) == 0
+    assert on_loop(replica.check_integrity()) == 0
 
 
 def test_a_caller_that_goes_away_aborts_its_request_and_frees_its_blocks(replica):
@@ -109,7 +116,7 @@ def test_a_caller_that_goes_away_aborts_its_request_and_frees_its_blocks(replica
             await asyncio.sleep(0.05)
         return False
 
-    assert asyncio.run(run())
+    assert on_loop(run())
 
 
 def test_messages_travel_in_pieces_under_the_limit_in_order():
@@ -148,9 +155,9 @@ def test_a_second_output_stream_of_a_sender_takes_over_and_the_first_ends(replic
         await second.aclose()
         return tokens
 
-    tokens = asyncio.run(run())
+    tokens = on_loop(run())
     assert tokens == LLM(**OPTIONS).generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
-    assert asyncio.run(replica.check_integrity()) == 0
+    assert on_loop(replica.check_integrity()) == 0
 
 
 def test_an_idle_output_stream_ends_and_a_busy_one_does_not(replica):
@@ -164,7 +171,7 @@ def test_an_idle_output_stream_ends_and_a_busy_one_does_not(replica):
         finally:
             replica.outputs_idle_s = OUTPUTS_IDLE_S
 
-    done, failed = asyncio.run(run())
+    done, failed = on_loop(run())
     assert not failed and len(done["busy"].outputs[0].token_ids) == GREEDY.max_tokens
 
 
@@ -196,14 +203,14 @@ def test_a_stream_read_without_pause_idles_out_once_its_last_request_ended(repli
         return bool(done)
 
     try:
-        assert asyncio.run(run()), "the stream stayed open after its last request ended"
+        assert on_loop(run()), "the stream stayed open after its last request ended"
     finally:
         replica.outputs_idle_s = OUTPUTS_IDLE_S
     for _ in range(200):  # an aborted request's blocks are freed on the engine thread
-        if asyncio.run(replica.check_integrity()) == 0:
+        if on_loop(replica.check_integrity()) == 0:
             break
         time.sleep(0.05)
-    assert asyncio.run(replica.check_integrity()) == 0
+    assert on_loop(replica.check_integrity()) == 0
 
 
 def test_a_replica_freezes_its_built_heap_only_when_told(monkeypatch):
@@ -215,3 +222,32 @@ def test_a_replica_freezes_its_built_heap_only_when_told(monkeypatch):
         replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=False, freeze_heap=freeze)
         replica.__del__()
     assert calls == ["frozen"]
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_its_health_check():
+    """The loop reads the child's pipe: at its EOF the open requests end with a failure, never hang."""
+    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=True)
+    long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def run():
+        reader = asyncio.create_task(replica.outputs("doomed").__anext__())
+        call = replica.generate("doomed", PROMPTS[2], long, sender="doomed")
+        assert await call.__anext__() == "local"
+        await reader  # it streams
+        replica._process.process.kill()
+        with pytest.raises(StopAsyncIteration):  # the call ends (its failure went to the sender)
+            await asyncio.wait_for(call.__anext__(), 30)
+        messages = []
+        async for blob, _ in replica.outputs("doomed"):
+            messages.extend(unpack_messages(blob))
+            if any(m[0] == "failed" for m in messages):
+                break
+        return [m for m in messages if m[0] == "failed"]
+
+    try:
+        (failed,) = on_loop(asyncio.wait_for(run(), 60))
+        assert failed[1] == "doomed" and "died" in failed[2]
+        with pytest.raises(Exception, match="engine process"):
+            replica.check_health()
+    finally:
+        replica.__del__()

@@ -1,12 +1,14 @@
-"""One Ray Serve replica: one pagedkv engine (one GPU, or a tensor-parallel group) behind its engine thread.
+"""One Ray Serve replica: one pagedkv engine (one GPU, or a tensor-parallel group) behind the server's engine front.
 
-The replica drives its engine with the server's own `AsyncEngine` (the thread that owns the
-engine, contains failures to the requests they touch, and hands outputs to asyncio consumers),
-so a request served through Ray runs exactly the code `pagedkv serve` runs. Where the engine runs
-is `pagedkv serve`'s choice too (`uses_engine_process`): on CUDA, in a process of its own
+The replica drives its engine with the server's own `AsyncEngine` (which owns the engine,
+contains failures to the requests they touch, and hands outputs to asyncio consumers), so a
+request served through Ray runs exactly the code `pagedkv serve` runs. Where the engine runs is
+`pagedkv serve`'s choice too (`uses_engine_process`): on CUDA, in a process of its own
 (`DataParallelEngine` with one replica), so the engine's step loop never waits for the
-interpreter lock that Ray's streaming holds; on CPU, in the replica's process. That child process
-exits when the replica's actor dies. Ray Serve calls:
+interpreter lock that Ray's streaming holds, driven from the replica's event loop with no thread
+between (`LoopAsyncEngine` over `LoopProcessEngine`: the loop writes to its pipe and reads it when
+it turns readable); on CPU, in the replica's process on `AsyncEngine`'s engine thread. That child
+process exits when the replica's actor dies. Ray Serve calls:
 
     generate(request_id, token_ids, params, block_hashes, sender)   a streaming call, one item per request
     outputs(sender, replica)                                          a streaming call, one per ingress
@@ -32,7 +34,7 @@ ongoing requests (autoscaling, `max_ongoing_requests`) and its cancellation hone
 caller cancels it (its client went away), the request is aborted and its blocks freed at once.
 
 The messages: `("output", delta)` (an `OutputDelta` in its wire form, `to_wire`) per output the
-engine thread delivers (a request's new tokens and text only, `pagedkv.distributed.output_deltas`;
+engine front delivers (a request's new tokens and text only, `pagedkv.distributed.output_deltas`;
 not the prompt's ids, which the sender sent; an engine process's deltas pass through as it made
 them, never rebuilt here), and `("failed", request_id, message, status)` once a request fails. Each
 `outputs` item is `(packed messages, load)` (`unpack_messages` reads them), `load` being `Load`
@@ -64,8 +66,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from pagedkv.deploy.loop_process import LoopProcessEngine
+from pagedkv.deploy.outbox import Outbox, OutboxStream
 from pagedkv.distributed.data_parallel import DataParallelEngine
-from pagedkv.distributed.output_deltas import DeltaEncoder, OutputDelta, to_wire
 from pagedkv.distributed.router import RouterConfig, RoutingPolicy
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.sampling_params import SamplingParams
@@ -73,7 +76,8 @@ from pagedkv.errors import EngineDeadError
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.cli import freeze_heap as gc_freeze_heap
 from pagedkv.server.cli import uses_engine_process
-from pagedkv.server.request_stream import RequestFailedError, RequestStream
+from pagedkv.server.loop_engine import LoopAsyncEngine
+from pagedkv.server.request_stream import RequestFailedError
 
 logger = logging.getLogger("pagedkv.deploy")
 
@@ -119,87 +123,6 @@ class Load:
     stats: dict | None
 
 
-class _Outbox:
-    """What one sender (an ingress) has not read yet from this replica: its messages in order, and its requests."""
-
-    def __init__(self):
-        self.messages: list = []
-        self.requests: set[asyncio.Task] = set()  # the `generate` calls of this sender running here
-        self.reader: object | None = None  # the `outputs` call reading it now (a newer one takes over)
-        self._ready = asyncio.Event()
-
-    def put(self, message: tuple) -> None:
-        self.messages.append(message)
-        self._ready.set()
-
-    def leave(self, task: asyncio.Task) -> None:
-        """A `generate` call of this sender is over; the last one's leaving wakes the reader (it may idle out)."""
-        self.requests.discard(task)
-        if not self.requests:
-            self._ready.set()
-
-    def attach(self, reader: object) -> None:
-        """Make `reader` the one `take` serves; a reader it replaces gets None from its next `take`."""
-        self.reader = reader
-        self._ready.set()  # wake the old reader, so that it ends
-
-    async def take(self, reader: object, idle_s: float) -> list | None:
-        """Every message queued since the last call (waits for the first); None once another reader took over,
-        or once `idle_s` passed with no request of this sender here and nothing queued."""
-        while True:
-            if self.requests or self.messages:
-                await self._ready.wait()
-            else:
-                try:
-                    await asyncio.wait_for(self._ready.wait(), idle_s)
-                except TimeoutError:
-                    if not self.requests and not self.messages:
-                        return None
-                    continue
-            if self.reader is not reader:
-                return None
-            self._ready.clear()
-            if self.messages:
-                messages, self.messages = self.messages, []
-                return messages
-
-
-class _OutboxStream(RequestStream):
-    """One request's outputs, queued for its sender as the engine thread delivers them (on the replica's loop).
-
-    A `RequestStream` whose consumer is the sender's outbox itself: each step's outputs go in as
-    they arrive, with no task woken per request per step (256 running requests would be 256
-    wake-ups of the replica's loop each step); `generate` waits only for `ended`. An error the
-    engine thread delivers (the request failed, or the engine died) ends it with `error` set."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, outbox: _Outbox):
-        super().__init__(loop)
-        self._outbox = outbox
-        self._encoder = DeltaEncoder(send_prompt_token_ids=False)  # the sender has them: it sent them
-        self.error: Exception | None = None
-        self.ended: asyncio.Future = loop.create_future()
-
-    def put(self, item) -> None:
-        """On the replica's loop: queue an output's delta for the sender, or end on an error."""
-        if self.ended.done():
-            return
-        if isinstance(item, BaseException):
-            self.end(item)
-            return
-        # The engine process's deltas go on as they came (without the prompt's ids); an engine thread's
-        # outputs, and a rejection, are whole outputs to encode here.
-        wire = to_wire(item) if isinstance(item, OutputDelta) else self._encoder.encode_wire(item)
-        self._outbox.put(("output", wire))
-        if item.finished:
-            self.ended.set_result(None)
-
-    def end(self, error: Exception) -> None:
-        """The request failed (its failure message is `generate`'s to send)."""
-        if not self.ended.done():
-            self.error = error
-            self.ended.set_result(None)
-
-
 def replica_identity() -> tuple[str, str]:
     """(replica id, node id) of the Ray Serve replica this code runs in ("local" outside one)."""
     try:
@@ -212,7 +135,9 @@ def replica_identity() -> tuple[str, str]:
 
 
 def _published_block_hashes(engine) -> list:
-    """The keys of the blocks `engine` cached most recently (at most MAX_PUBLISHED_BLOCK_HASHES); engine thread only."""
+    """The keys of the blocks `engine` cached most recently (at most MAX_PUBLISHED_BLOCK_HASHES); where the engine's calls run."""
+    if isinstance(engine, LoopProcessEngine):
+        engine = engine.engine
     if isinstance(engine, DataParallelEngine):
         return engine.published_block_hashes()
     cache = engine.scheduler.block_manager.prefix_cache
@@ -220,9 +145,9 @@ def _published_block_hashes(engine) -> list:
 
 
 def _engine_stats(engine) -> dict:
-    """The engine's latest stats as a plain dict (one engine's, not a one-replica sum); engine thread only."""
+    """The engine's latest stats as a plain dict (one engine's, not a one-replica sum); where the engine's calls run."""
     stats = engine.latest_stats()
-    if isinstance(engine, DataParallelEngine):
+    if isinstance(engine, (DataParallelEngine, LoopProcessEngine)):
         return stats.per_replica[0] or {}
     return stats.as_dict()
 
@@ -250,15 +175,32 @@ class EngineReplica:
             engine.stream_outputs = True
             self._process = None
         self._engine = engine
-        self._async_engine = AsyncEngine(engine)
-        self._async_engine.start()
+        # An engine thread for an engine that computes here; an engine process is driven from the loop that
+        # runs this replica's calls (`LoopProcessEngine`), made there on first use unless this runs on it now.
+        self._async_engine: AsyncEngine | None = None
+        if self._process is None:
+            self._async_engine = AsyncEngine(engine)
+            self._async_engine.start()
         self._num_started: Counter[str] = Counter()  # sender -> generate calls started here
-        self._outboxes: dict[str, _Outbox] = {}  # sender -> what it has yet to read
+        self._outboxes: dict[str, Outbox] = {}  # sender -> what it has yet to read
         self._replica, self._node = replica_identity()
         self._last_stats_s = 0.0
         self.outputs_idle_s = OUTPUTS_IDLE_S
         if freeze_heap:
             gc_freeze_heap()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._front()
+
+    def _front(self) -> AsyncEngine:
+        """The engine's front; an engine process's is made on the event loop that calls it first (its calls'
+        loop: Serve runs a replica's methods on one)."""
+        if self._async_engine is None:
+            self._async_engine = LoopAsyncEngine(LoopProcessEngine(self._engine, asyncio.get_running_loop()))
+            self._async_engine.start()
+        return self._async_engine
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -269,10 +211,10 @@ class EngineReplica:
         outbox = self._outbox(sender)
         task = asyncio.current_task()
         outbox.requests.add(task)
-        stream = _OutboxStream(asyncio.get_running_loop(), outbox)
+        stream = OutboxStream(asyncio.get_running_loop(), outbox)
         try:
             try:  # added first: the engine starts on it while the replica's id travels back
-                self._async_engine.add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
+                self._front().add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
             except (RequestFailedError, EngineDeadError) as error:
                 stream.end(error)
             yield self._replica
@@ -282,7 +224,7 @@ class EngineReplica:
         finally:
             outbox.leave(task)
             if not stream.ended.done():  # the caller went away (or cancelled): free the blocks now
-                self._async_engine.abort(request_id)
+                self._front().abort(request_id)
 
     def _failure(self, request_id: str, error: Exception) -> tuple:
         """The message that ends a failed request: its text and HTTP status."""
@@ -312,10 +254,10 @@ class EngineReplica:
                 for task in list(outbox.requests):
                     task.cancel()
 
-    def _outbox(self, sender: str) -> _Outbox:
+    def _outbox(self, sender: str) -> Outbox:
         outbox = self._outboxes.get(sender)
         if outbox is None:
-            outbox = self._outboxes[sender] = _Outbox()
+            outbox = self._outboxes[sender] = Outbox()
         return outbox
 
     def _queues(self) -> tuple[int, int, int]:
@@ -342,7 +284,8 @@ class EngineReplica:
 
     # ------------------------------------------------------------------ Ray Serve hooks
     async def record_routing_stats(self) -> dict:
-        """The router's view of this replica, read on the engine thread (so it is consistent), and its engine's pid."""
+        """The router's view of this replica, read where the engine's calls run (so it is consistent), and its engine's
+        pid."""
         started = dict(self._num_started)
 
         def read(engine) -> dict:
@@ -351,13 +294,13 @@ class EngineReplica:
                     "num_started": started, "block_hashes": _published_block_hashes(engine),
                     "engine_pid": self._process.process.pid if self._process is not None else os.getpid()}
 
-        return await asyncio.wrap_future(self._async_engine.call(read))
+        return await asyncio.wrap_future(self._front().call(read))
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose health check raises: one whose engine loop (or process) has died."""
-        if not self._async_engine.is_alive:
-            raise EngineDeadError(f"the engine loop of replica {self._replica} has stopped: "
-                                  f"{self._async_engine.error}")
+        front = self._async_engine  # None: an engine process whose loop front is not made yet (no call so far)
+        if front is not None and not front.is_alive:
+            raise EngineDeadError(f"the engine loop of replica {self._replica} has stopped: {front.error}")
         if self._process is not None and not self._process.process.is_alive():
             raise EngineDeadError(f"the engine process of replica {self._replica} has exited "
                                   f"(exit code {self._process.process.exitcode})")
@@ -375,7 +318,7 @@ class EngineReplica:
             return {**facts, "max_model_len": engine.max_model_len, "stats": _engine_stats(engine),
                     "replica": self._replica, "node": self._node}
 
-        return await asyncio.wrap_future(self._async_engine.call(read))
+        return await asyncio.wrap_future(self._front().call(read))
 
     async def check_integrity(self) -> int:
         """Assert the engine's block accounting holds; returns the KV blocks in use (tests call it)."""
@@ -384,10 +327,15 @@ class EngineReplica:
             engine.check_integrity()
             return engine.stats().num_used_blocks
 
-        return await asyncio.wrap_future(self._async_engine.call(check))
+        return await asyncio.wrap_future(self._front().call(check))
 
     def __del__(self):
         async_engine = getattr(self, "_async_engine", None)
         if async_engine is not None:
             async_engine.stop()
-            self._engine.shutdown()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            if isinstance(async_engine, LoopAsyncEngine):
+                async_engine.engine.shutdown()  # its pipe off the loop first
+            else:
+                engine.shutdown()
