@@ -20,7 +20,7 @@ from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-#: One event loop for every call, as a Serve replica has: an engine process's front lives on the loop of its first call.
+#: One event loop for every call, as a Serve replica has.
 LOOP = asyncio.new_event_loop()
 
 
@@ -69,7 +69,7 @@ def replica(request):
     pass through it as they came."""
     replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=request.param)
     yield replica
-    replica.__del__()  # on the loop's thread: an engine process's front stops there at once
+    replica.__del__()
 
 
 def test_outputs_reach_the_sender_and_equal_the_engine(replica):
@@ -225,7 +225,7 @@ def test_a_replica_freezes_its_built_heap_only_when_told(monkeypatch):
 
 
 def test_an_engine_process_that_dies_fails_its_requests_and_its_health_check():
-    """The loop reads the child's pipe: at its EOF the open requests end with a failure, never hang."""
+    """At the child's exit the open requests end with a failure, never hang, and the health check says so."""
     replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=True)
     long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 
@@ -249,5 +249,25 @@ def test_an_engine_process_that_dies_fails_its_requests_and_its_health_check():
         assert failed[1] == "doomed" and "died" in failed[2]
         with pytest.raises(Exception, match="engine process"):
             replica.check_health()
+    finally:
+        replica.__del__()
+
+
+def test_a_replica_built_on_another_threads_loop_serves_on_its_calls_loop():
+    """Ray Serve may run the constructor on a thread and loop other than its calls': every request still
+    arrives whole on the calls' loop."""
+    import concurrent.futures
+
+    async def build():
+        return EngineReplica(EngineConfig(**OPTIONS), engine_process=True)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        replica = pool.submit(asyncio.run, build()).result(120)
+    try:
+        calls = [(f"x{i}", PROMPTS[i % 3] + [i + 30], GREEDY) for i in range(24)]
+        done, failed = on_loop(_serve(replica, calls, sender="other-loop"))
+        assert not failed and len(done) == len(calls)
+        assert all(len(output.outputs[0].token_ids) == GREEDY.max_tokens for output in done.values())
+        assert on_loop(replica.check_integrity()) == 0
     finally:
         replica.__del__()

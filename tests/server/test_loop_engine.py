@@ -186,3 +186,36 @@ def test_the_threaded_front_stays_the_default_for_an_engine_of_its_own():
 def test_it_refuses_to_start_off_its_engines_loop():
     with pytest.raises(EngineDeadError, match="event loop"):
         LoopAsyncEngine(_Client(asyncio.new_event_loop())).start()
+
+
+def test_a_stream_of_another_loop_gets_its_outputs_through_that_loop():
+    """A caller on a thread and loop of its own: its stream's items are handed to its loop, never put from the
+    front's (an asyncio stream touched from two threads loses wake-ups and items)."""
+    front_loop = asyncio.new_event_loop()
+    started = threading.Event()
+    threading.Thread(target=lambda: (front_loop.call_soon(started.set), front_loop.run_forever()), daemon=True).start()
+    started.wait(5)
+    client = _Client(front_loop, num_tokens=5)
+    front = LoopAsyncEngine(client)
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), front_loop).result(5)
+    front_loop.call_soon_threadsafe(front.start)
+    try:
+        async def run():
+            stream = RequestStream(asyncio.get_running_loop())
+            put_from = set()
+            put = stream.put
+            stream.put = lambda item: (put_from.add(threading.get_ident()), put(item))
+            for _ in range(100):  # the start is handed to the front's loop
+                if front.is_alive:
+                    break
+                await asyncio.sleep(0.01)
+            front.add_request("far", [5, 6], SamplingParams(max_tokens=5), stream)
+            items = await _collect(stream)
+            return items, put_from
+
+        items, put_from = asyncio.run(run())
+        assert items[-1].finished and items[-1].outputs[0].token_ids == [0, 1, 2, 3, 4]
+        assert put_from == {threading.get_ident()}  # every item put on the stream's own loop's thread
+    finally:
+        front_loop.call_soon_threadsafe(front.stop)
+        front_loop.call_soon_threadsafe(front_loop.stop)

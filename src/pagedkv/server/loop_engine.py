@@ -124,7 +124,9 @@ class LoopAsyncEngine(AsyncEngine):
             command.future.set_exception(EngineDeadError(f"the engine front has stopped: {self._dead}"))
 
     def _send(self, stream: RequestStream, item) -> None:
-        if self._on_loop():
+        # A stream of another loop (a caller on a thread and loop of its own) takes its items through that loop:
+        # a stream, and anything its consumer shares with it, is not safe to touch from this one.
+        if self._on_loop() and stream.loop is self._loop:
             stream.put(item)
         else:
             stream.put_threadsafe(item)
