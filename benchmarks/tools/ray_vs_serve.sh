@@ -11,6 +11,8 @@
 #                on PORT + 1)
 #   ray-separate ray-direct with Serve's user code and handle routers on a thread and loop of their own
 #                (`--ray-separate-loops`; the app's default runs them on each replica's own event loop)
+#   ray-loop     ray-direct with each engine replica's engine process driven from the replica's event loop, without
+#                its engine thread (`--ray-replica-on-loop`)
 #   ray-opt      the same with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Ray's preset of direct ingress, user code and
 #                routers on the replica's main event loop, gRPC between handles and replicas, a frozen heap
 # each with its default engine placement (a process of its own on CUDA, a thread on CPU; a -engine-process or
@@ -146,6 +148,8 @@ start_mode() {  # start_mode MODE PORT: MODE's server on PORT (a direct ingress 
   case $mode in ray-direct*) envs=("${direct[@]}"); extra+=(--direct-ingress); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
                 ray-separate*) envs=("${direct[@]}"); extra+=(--direct-ingress --ray-separate-loops)
                                URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
+                ray-loop*) envs=("${direct[@]}"); extra+=(--direct-ingress --ray-replica-on-loop)
+                           URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
                 ray-opt*) envs=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;; esac
   started=$(date +%s)
   env "${envs[@]}" $PY -m pagedkv serve "$MODEL" --host 127.0.0.1 --port "$port" --log-level warning "${FLAGS[@]}" \

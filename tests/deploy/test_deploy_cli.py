@@ -68,6 +68,10 @@ def test_replicas_run_serves_code_on_their_own_loop_unless_told():
     assert RayServeConfig().ingress_engine_thread  # LoopAsyncEngine is opt-in
     with pytest.raises(ConfigError, match="ingress_engine_thread.*'no'"):
         RayServeConfig(ingress_engine_thread="no")
+    assert ray_config(build_parser().parse_args(["--ray"])).replica_engine_thread  # the replica's loop is opt-in
+    assert not ray_config(build_parser().parse_args(["--ray", "--ray-replica-on-loop"])).replica_engine_thread
+    with pytest.raises(ConfigError, match="replica_engine_thread.*'off'"):
+        RayServeConfig(replica_engine_thread="off")
 
 
 def test_direct_ingress_puts_the_ingress_replica_beside_the_proxys_port():
@@ -75,7 +79,7 @@ def test_direct_ingress_puts_the_ingress_replica_beside_the_proxys_port():
                                         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8001"}
 
 
-@pytest.mark.parametrize("flag", ["--direct-ingress", "--ray-separate-loops"])
+@pytest.mark.parametrize("flag", ["--direct-ingress", "--ray-separate-loops", "--ray-replica-on-loop"])
 def test_ray_settings_without_ray_are_refused(flag):
     from pagedkv.server.cli import main
 
@@ -91,7 +95,7 @@ def test_the_app_binds_both_deployments_with_its_loop_setting_and_a_frozen_engin
     ingress = build_app(EngineConfig(model="random:tiny-llama", device="cpu"), RayServeConfig(shared_loop=shared))
     ingress = ingress._bound_deployment  # NOTE: Serve's Application keeps the bound deployment privately
     engine = ingress.init_args[0]._bound_deployment
-    assert engine.init_kwargs == {"freeze_heap": True}
+    assert engine.init_kwargs == {"freeze_heap": True, "engine_thread": True}
     for deployment in (ingress, engine):
         assert deployment.ray_actor_options.get("runtime_env") == (
             {"env_vars": SHARED_LOOP_ENV} if shared else None)

@@ -35,13 +35,15 @@ APP = "pagedkv"
 SCALING_APP = "scaling"
 MODEL = "random:tiny-llama"
 OPTIONS = dict(model=MODEL, device="cpu", block_size=4, num_blocks=256)
-# Its replicas run their engines in child processes (the default on CUDA); the scaling app's, on threads.
+# Its replicas run their engines in child processes (the default on CUDA), each driven by an engine thread; the
+# scaling app's too, each driven from its replica's event loop (`replica_engine_thread=False`).
 FIXED = RayServeConfig(min_replicas=2, max_replicas=2, cpus_per_replica=1, ingress_cpus=0.5,
                        routing_stats_period_s=0.2, health_check_period_s=1.0, engine_process=True)
 # No CPU reservation: its replicas fit anywhere, and leave the fixed app's layout alone.
 SCALING = RayServeConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
                          downscale_delay_s=2.0, cpus_per_replica=0, ingress_cpus=0, routing_stats_period_s=0.2,
-                         health_check_period_s=1.0, ingress_engine_thread=False)  # its ingress: LoopAsyncEngine
+                         health_check_period_s=1.0, engine_process=True, replica_engine_thread=False,
+                         ingress_engine_thread=False)  # its ingress: LoopAsyncEngine
 BOUND_S = 120  # no client may wait longer than this, whatever fails
 WAIT_S = 240  # for Ray to restart, add or remove a replica (a replica's start loads torch and the model)
 
@@ -212,7 +214,7 @@ REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("prefix", ["", f"/{SCALING_APP}"], ids=["engine-thread-ingress", "loop-ingress"])
+@pytest.mark.parametrize("prefix", ["", f"/{SCALING_APP}"], ids=["engine-threads", "loop-ingress-and-replica"])
 def test_completions_and_streams_equal_pagedkv_serve(app, local, prefix):
     for path, body in REQUESTS:
         plain = httpx.post(app.url + prefix + path, json={**body, "model": MODEL}, timeout=BOUND_S)

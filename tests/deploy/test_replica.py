@@ -20,7 +20,7 @@ from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-#: One event loop for every call, as a Serve replica has.
+#: One event loop for every call, as a Serve replica has: an engine process's front lives on the loop of its first call.
 LOOP = asyncio.new_event_loop()
 
 
@@ -63,13 +63,15 @@ async def _serve(replica: EngineReplica, calls: list[tuple[str, list[int], Sampl
     return done, failed
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
+@pytest.fixture(scope="module", params=["thread", "process", "loop"],
+                ids=["engine-thread", "engine-process", "engine-process-on-loop"])
 def replica(request):
-    """Both placements: an engine thread's outputs are encoded by the replica, an engine process's deltas
-    pass through it as they came."""
-    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=request.param)
+    """Each placement: an engine thread's outputs are encoded by the replica, an engine process's deltas pass
+    through it as they came, whether an engine thread or the replica's loop drives the process."""
+    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=request.param != "thread",
+                            engine_thread=request.param != "loop")
     yield replica
-    replica.__del__()
+    replica.__del__()  # on the loop's thread: an engine process's front stops there at once
 
 
 def test_outputs_reach_the_sender_and_equal_the_engine(replica):
@@ -225,8 +227,8 @@ def test_a_replica_freezes_its_built_heap_only_when_told(monkeypatch):
 
 
 def test_an_engine_process_that_dies_fails_its_requests_and_its_health_check():
-    """At the child's exit the open requests end with a failure, never hang, and the health check says so."""
-    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=True)
+    """The loop reads the child's pipe: at its EOF the open requests end with a failure, never hang."""
+    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=True, engine_thread=False)
     long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 
     async def run():
@@ -254,12 +256,12 @@ def test_an_engine_process_that_dies_fails_its_requests_and_its_health_check():
 
 
 def test_a_replica_built_on_another_threads_loop_serves_on_its_calls_loop():
-    """Ray Serve may run the constructor on a thread and loop other than its calls': every request still
-    arrives whole on the calls' loop."""
+    """Ray Serve may run the constructor on a thread and loop other than its calls': the engine process's front
+    (its pipe reader, its streams) belongs to the calls' loop, so every request under load arrives whole."""
     import concurrent.futures
 
     async def build():
-        return EngineReplica(EngineConfig(**OPTIONS), engine_process=True)
+        return EngineReplica(EngineConfig(**OPTIONS), engine_process=True, engine_thread=False)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         replica = pool.submit(asyncio.run, build()).result(120)
@@ -271,3 +273,20 @@ def test_a_replica_built_on_another_threads_loop_serves_on_its_calls_loop():
         assert on_loop(replica.check_integrity()) == 0
     finally:
         replica.__del__()
+
+
+def test_under_uvloop_the_engine_process_pipe_stays_blocking():
+    """uvloop (Ray Serve's loop) makes a watched descriptor non-blocking; the pipe frames whole messages, and a
+    read or write cut short by EAGAIN lost messages under load (every request's stream then had a gap)."""
+    import os
+
+    uvloop = pytest.importorskip("uvloop")
+    replica = EngineReplica(EngineConfig(**OPTIONS), engine_process=True, engine_thread=False)
+    loop = uvloop.new_event_loop()
+    try:
+        done, failed = loop.run_until_complete(_serve(replica, [("uv", PROMPTS[0], GREEDY)], sender="uv"))
+        assert not failed and len(done["uv"].outputs[0].token_ids) == GREEDY.max_tokens
+        assert os.get_blocking(replica._process.conn.fileno())
+    finally:
+        replica.__del__()
+        loop.close()

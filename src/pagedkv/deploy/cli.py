@@ -40,7 +40,8 @@ def ray_config(args: argparse.Namespace) -> RayServeConfig:
     max_replicas = args.max_replicas if args.max_replicas is not None else max(1, args.min_replicas)
     return RayServeConfig(routing=args.routing, min_replicas=args.min_replicas, max_replicas=max_replicas,
                           target_ongoing_requests=args.target_ongoing_requests, engine_process=args.engine_process,
-                          shared_loop=not args.ray_separate_loops)
+                          shared_loop=not args.ray_separate_loops,
+                          replica_engine_thread=not args.ray_replica_on_loop)
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:

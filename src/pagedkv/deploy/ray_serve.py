@@ -68,7 +68,12 @@ class RayServeConfig:
     the replica's loop, without the app's engine thread (`LoopAsyncEngine`): on a 2-core CPU it took
     1.5 ms of thread hops off a request's first token, but on an H200 host the added TTFT P50 stayed
     at +3.5 ms and the one run's saturated throughput was 0.82x direct serve's (against 0.96x and
-    1.10x with the thread), so the thread stays the default.
+    1.10x with the thread), so the thread stays the default. `replica_engine_thread` False drives
+    each engine replica's engine process from the replica's loop, without its engine thread
+    (`LoopProcessEngine`: requests written to the pipe at once, outputs read when it turns
+    readable); it has no effect on an engine that runs in the replica's process. On one H200 the
+    process boundary itself costs 0.3 ms of a first token (`benchmarks/tools/engine_process_hops.py`);
+    the thread's hops are what this removes. Opt-in until measured on a GPU.
     """
 
     routing: RoutingPolicy | str = RoutingPolicy.PREFIX
@@ -88,6 +93,7 @@ class RayServeConfig:
     handle_transport: str = "grpc"
     shared_loop: bool = True
     ingress_engine_thread: bool = True
+    replica_engine_thread: bool = True
 
     def __post_init__(self):
         try:
@@ -100,7 +106,7 @@ class RayServeConfig:
         if self.handle_transport not in HANDLE_TRANSPORTS:
             raise ConfigError(f"handle_transport must be one of {', '.join(HANDLE_TRANSPORTS)}; "
                               f"got {self.handle_transport!r}")
-        for name in ("shared_loop", "ingress_engine_thread"):
+        for name in ("shared_loop", "ingress_engine_thread", "replica_engine_thread"):
             if getattr(self, name) not in (True, False):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.ingress_engine_thread and not self.shared_loop:
@@ -250,7 +256,8 @@ def build_app(engine: EngineConfig = EngineConfig(), ray_config: RayServeConfig 
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name=INGRESS_DEPLOYMENT, ray_actor_options=actor_options(ray_config, num_cpus=ray_config.ingress_cpus),
         max_ongoing_requests=ray_config.max_ongoing_requests)
-    engines = engine_deployment(engine, ray_config).bind(engine, ray_config.engine_process, freeze_heap=True)
+    engines = engine_deployment(engine, ray_config).bind(engine, ray_config.engine_process, freeze_heap=True,
+                                                         engine_thread=ray_config.replica_engine_thread)
     return ingress.bind(engines, engine.model, name, server_config, ray_config.routing.value,
                         ray_config.max_attempts, ray_config.handle_transport, ray_config.ingress_engine_thread)
 

@@ -5,9 +5,10 @@ contains failures to the requests they touch, and hands outputs to asyncio consu
 request served through Ray runs exactly the code `pagedkv serve` runs. Where the engine runs is
 `pagedkv serve`'s choice too (`uses_engine_process`): on CUDA, in a process of its own
 (`DataParallelEngine` with one replica), so the engine's step loop never waits for the
-interpreter lock that Ray's streaming holds; on CPU, in the replica's process. Either way
-`AsyncEngine`'s engine thread drives it. That child process exits when the replica's actor dies.
-Ray Serve calls:
+interpreter lock that Ray's streaming holds (driven by an engine thread, or, opted in, from the
+replica's event loop with no thread between: `LoopAsyncEngine` over `LoopProcessEngine`, the loop
+writing to the pipe and reading it when it turns readable); on CPU, in the replica's process on
+`AsyncEngine`'s engine thread. That child process exits when the replica's actor dies. Ray Serve calls:
 
     generate(request_id, token_ids, params, block_hashes, sender)   a streaming call, one item per request
     outputs(sender, replica)                                          a streaming call, one per ingress
@@ -65,6 +66,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from pagedkv.deploy.loop_process import LoopProcessEngine
 from pagedkv.deploy.outbox import Outbox, OutboxStream
 from pagedkv.distributed.data_parallel import DataParallelEngine
 from pagedkv.distributed.router import RouterConfig, RoutingPolicy
@@ -74,6 +76,7 @@ from pagedkv.errors import EngineDeadError
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.cli import freeze_heap as gc_freeze_heap
 from pagedkv.server.cli import uses_engine_process
+from pagedkv.server.loop_engine import LoopAsyncEngine
 from pagedkv.server.request_stream import RequestFailedError
 
 logger = logging.getLogger("pagedkv.deploy")
@@ -133,6 +136,8 @@ def replica_identity() -> tuple[str, str]:
 
 def _published_block_hashes(engine) -> list:
     """The keys of the blocks `engine` cached most recently (at most MAX_PUBLISHED_BLOCK_HASHES); where the engine's calls run."""
+    if isinstance(engine, LoopProcessEngine):
+        engine = engine.engine
     if isinstance(engine, DataParallelEngine):
         return engine.published_block_hashes()
     cache = engine.scheduler.block_manager.prefix_cache
@@ -142,7 +147,7 @@ def _published_block_hashes(engine) -> list:
 def _engine_stats(engine) -> dict:
     """The engine's latest stats as a plain dict (one engine's, not a one-replica sum); where the engine's calls run."""
     stats = engine.latest_stats()
-    if isinstance(engine, DataParallelEngine):
+    if isinstance(engine, (DataParallelEngine, LoopProcessEngine)):
         return stats.per_replica[0] or {}
     return stats.as_dict()
 
@@ -154,9 +159,12 @@ class EngineReplica:
     None decides as `pagedkv serve` does (a child process on CUDA). `freeze_heap` (the deployment
     sets it) moves what startup allocated out of the garbage collector's reach once the replica is
     built, as `pagedkv serve` does, so no full collection walks the model's objects mid-serving.
+    `engine_thread` False drives an engine process from the replica's event loop instead of an
+    engine thread (`RayServeConfig.replica_engine_thread`).
     """
 
-    def __init__(self, config: EngineConfig, engine_process: bool | None = None, freeze_heap: bool = False):
+    def __init__(self, config: EngineConfig, engine_process: bool | None = None, freeze_heap: bool = False,
+                 engine_thread: bool = True):
         from pagedkv.engine.engine import LLMEngine
 
         # The model, KV pool and (on CUDA) decode graphs are built here: the replica is warm before any traffic.
@@ -170,8 +178,13 @@ class EngineReplica:
             engine.stream_outputs = True
             self._process = None
         self._engine = engine
-        self._async_engine = AsyncEngine(engine)
-        self._async_engine.start()
+        # An engine thread for an engine that computes here; an engine process may instead be driven from the
+        # loop that runs this replica's calls (`engine_thread=False`: `LoopProcessEngine`), made there by the
+        # first call that needs it (`_front`).
+        self._async_engine: AsyncEngine | None = None
+        if self._process is None or engine_thread:
+            self._async_engine = AsyncEngine(engine)
+            self._async_engine.start()
         self._num_started: Counter[str] = Counter()  # sender -> generate calls started here
         self._outboxes: dict[str, Outbox] = {}  # sender -> what it has yet to read
         self._replica, self._node = replica_identity()
@@ -179,6 +192,16 @@ class EngineReplica:
         self.outputs_idle_s = OUTPUTS_IDLE_S
         if freeze_heap:
             gc_freeze_heap()
+
+    def _front(self) -> AsyncEngine:
+        """The engine's front; an engine process's is made on the event loop of the first call that needs it.
+
+        Not in the constructor: Ray Serve may build a replica on another thread and loop than the one that
+        runs its calls, and the front's pipe reader and its streams belong to the calls' loop."""
+        if self._async_engine is None:
+            self._async_engine = LoopAsyncEngine(LoopProcessEngine(self._engine, asyncio.get_running_loop()))
+            self._async_engine.start()
+        return self._async_engine
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -192,7 +215,7 @@ class EngineReplica:
         stream = OutboxStream(asyncio.get_running_loop(), outbox)
         try:
             try:  # added first: the engine starts on it while the replica's id travels back
-                self._async_engine.add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
+                self._front().add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
             except (RequestFailedError, EngineDeadError) as error:
                 stream.end(error)
             yield self._replica
@@ -202,7 +225,7 @@ class EngineReplica:
         finally:
             outbox.leave(task)
             if not stream.ended.done():  # the caller went away (or cancelled): free the blocks now
-                self._async_engine.abort(request_id)
+                self._front().abort(request_id)
 
     def _failure(self, request_id: str, error: Exception) -> tuple:
         """The message that ends a failed request: its text and HTTP status."""
@@ -272,13 +295,13 @@ class EngineReplica:
                     "num_started": started, "block_hashes": _published_block_hashes(engine),
                     "engine_pid": self._process.process.pid if self._process is not None else os.getpid()}
 
-        return await asyncio.wrap_future(self._async_engine.call(read))
+        return await asyncio.wrap_future(self._front().call(read))
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose health check raises: one whose engine loop (or process) has died."""
-        if not self._async_engine.is_alive:
-            raise EngineDeadError(f"the engine loop of replica {self._replica} has stopped: "
-                                  f"{self._async_engine.error}")
+        front = self._async_engine  # None: an engine process whose loop front is not made yet (no call so far)
+        if front is not None and not front.is_alive:
+            raise EngineDeadError(f"the engine loop of replica {self._replica} has stopped: {front.error}")
         if self._process is not None and not self._process.process.is_alive():
             raise EngineDeadError(f"the engine process of replica {self._replica} has exited "
                                   f"(exit code {self._process.process.exitcode})")
@@ -296,7 +319,7 @@ class EngineReplica:
             return {**facts, "max_model_len": engine.max_model_len, "stats": _engine_stats(engine),
                     "replica": self._replica, "node": self._node}
 
-        return await asyncio.wrap_future(self._async_engine.call(read))
+        return await asyncio.wrap_future(self._front().call(read))
 
     async def check_integrity(self) -> int:
         """Assert the engine's block accounting holds; returns the KV blocks in use (tests call it)."""
@@ -305,7 +328,7 @@ class EngineReplica:
             engine.check_integrity()
             return engine.stats().num_used_blocks
 
-        return await asyncio.wrap_future(self._async_engine.call(check))
+        return await asyncio.wrap_future(self._front().call(check))
 
     def __del__(self):
         async_engine = getattr(self, "_async_engine", None)
@@ -313,4 +336,7 @@ class EngineReplica:
             async_engine.stop()
         engine = getattr(self, "_engine", None)
         if engine is not None:
-            engine.shutdown()
+            if isinstance(async_engine, LoopAsyncEngine):
+                async_engine.engine.shutdown()  # its pipe off the loop first
+            else:
+                engine.shutdown()

@@ -121,6 +121,9 @@ def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
     ray.add_argument("--ray-separate-loops", action="store_true",
                      help="run each replica's code and handle routers on Ray Serve's own thread and loop rather "
                           "than the replica's event loop (slower: docs/multi-node.md)")
+    ray.add_argument("--ray-replica-on-loop", action="store_true",
+                     help="drive each engine replica's engine process from the replica's event loop, without its "
+                          "engine thread (docs/multi-node.md; not yet measured on a GPU)")
     ray.add_argument("--direct-ingress", action="store_true",
                      help="when this command starts Ray: serve HTTP from the ingress replica itself on --port + 1 "
                           "(Ray Serve's direct ingress), without the proxy's hop; the proxy stays on --port")
@@ -239,9 +242,11 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
     options = server_config(args)
     if args.ray:  # `pagedkv serve --ray` is dispatched to pagedkv.deploy.cli before it gets here
         raise ConfigError("spell out --ray in full (pagedkv serve ... --ray)")
-    if args.direct_ingress or args.ray_separate_loops:
-        raise ConfigError(f"{'--direct-ingress' if args.direct_ingress else '--ray-separate-loops'} is a Ray "
-                          f"Serve setting: add --ray")
+    ray_only = [flag for flag, given in (("--direct-ingress", args.direct_ingress),
+                                         ("--ray-separate-loops", args.ray_separate_loops),
+                                         ("--ray-replica-on-loop", args.ray_replica_on_loop)) if given]
+    if ray_only:
+        raise ConfigError(f"{ray_only[0]} is a Ray Serve setting: add --ray")
     sock = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
     try:
         from pagedkv.engine.engine import LLMEngine
