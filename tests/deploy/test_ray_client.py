@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray")
 
 from ray.exceptions import ActorDiedError  # noqa: E402
 
-from pagedkv.deploy.ray_client import RayEngineClient  # noqa: E402
+from pagedkv.deploy.ray_client import RayEngineClient, take_queued  # noqa: E402
 from pagedkv.deploy.replica import Load, pack_messages  # noqa: E402
 from pagedkv.distributed.output_deltas import DeltaEncoder, to_wire  # noqa: E402
 from pagedkv.distributed.router import prompt_block_hashes  # noqa: E402
@@ -50,15 +50,7 @@ class _OnLoop:
         return self._on_loop(self.client.abort, request_id)
 
     def step(self, timeout_s: float = 0.05):
-        import queue
-
-        outputs = []
-        try:
-            outputs.append(self.outputs.get(timeout=timeout_s))
-            while True:
-                outputs.append(self.outputs.get_nowait())
-        except queue.Empty:
-            return outputs
+        return take_queued(self.outputs, timeout_s)
 
     def has_unfinished_requests(self):  # outputs not yet taken count, as a threaded client's queue does
         return self.client.has_unfinished_requests() or not self.outputs.empty()

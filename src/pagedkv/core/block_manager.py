@@ -174,11 +174,14 @@ class KVBlockManager(PoolQueries):
             return
         # A decode step changes neither the cache's eviction order nor the host: skip the scan that found
         # every candidate on the host already.
-        if self._pre_spilled == (self.prefix_cache.version, self.tiers.host.version, self.tiers.num_loading):
+        if self._pre_spilled == self._pre_spill_state():
             return
         settled = self.tiers.pre_spill(self.prefix_cache.next_evicted(2 * max_blocks), max_blocks)
-        self._pre_spilled = (self.prefix_cache.version, self.tiers.host.version, self.tiers.num_loading) \
-            if settled else None
+        self._pre_spilled = self._pre_spill_state() if settled else None
+
+    def _pre_spill_state(self) -> tuple[int, int, int]:
+        """What a settled `pre_spill` depends on: the GPU cache's evictable blocks, the host tier, disk loads."""
+        return self.prefix_cache.version, self.tiers.host.version, self.tiers.num_loading
 
     def persist(self) -> tuple[list[tuple[BlockHash, int]], list[tuple[BlockHash, int]]]:
         """Cached blocks to write to disk at shutdown, ((key, GPU block), (key, host block)) (see `KVTiers.persist`)."""

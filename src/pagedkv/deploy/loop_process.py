@@ -69,6 +69,9 @@ class LoopProcessEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def published_block_hashes(self) -> list:
+        return self.engine.published_block_hashes()
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len

@@ -87,6 +87,17 @@ class _Live:
     lost: str | None = None  # why that replica's output stream ended under it (its messages may be lost)
 
 
+def take_queued(items: queue.SimpleQueue, timeout_s: float) -> list:
+    """Everything in `items`, waiting up to `timeout_s` for the first (an empty list if none came)."""
+    taken = []
+    try:
+        taken.append(items.get(timeout=timeout_s))
+        while True:
+            taken.append(items.get_nowait())
+    except queue.Empty:
+        return taken
+
+
 class ReplicaStreamEndedError(PagedKVError):
     """A replica's output stream ended before a request's last message came on it."""
 
@@ -200,14 +211,8 @@ class RayEngineClient(ReplicaView):
 
     def step(self, timeout_s: float = 0.05) -> list[RequestOutput]:
         """Outputs that arrived since the last call; waits up to `timeout_s` (or a `wake()`) for the first."""
-        items = []
-        try:
-            items.append(self._outputs.get(timeout=timeout_s))
-            while True:
-                items.append(self._outputs.get_nowait())
-        except queue.Empty:
-            pass
-        return [output for output in items if output is not _WAKE and self._accept(output)]
+        return [output for output in take_queued(self._outputs, timeout_s)
+                if output is not _WAKE and self._accept(output)]
 
     def _accept(self, output: RequestOutput) -> bool:
         """Whether `output` goes on to the engine's owner (not if its request was aborted since); a finished

@@ -136,9 +136,7 @@ def replica_identity() -> tuple[str, str]:
 
 def _published_block_hashes(engine) -> list:
     """The keys of the blocks `engine` cached most recently (at most MAX_PUBLISHED_BLOCK_HASHES); where the engine's calls run."""
-    if isinstance(engine, LoopProcessEngine):
-        engine = engine.engine
-    if isinstance(engine, DataParallelEngine):
+    if hasattr(engine, "published_block_hashes"):  # an engine process's, as it last pushed them
         return engine.published_block_hashes()
     cache = engine.scheduler.block_manager.prefix_cache
     return cache.recent_keys(MAX_PUBLISHED_BLOCK_HASHES) if cache is not None else []
@@ -147,9 +145,8 @@ def _published_block_hashes(engine) -> list:
 def _engine_stats(engine) -> dict:
     """The engine's latest stats as a plain dict (one engine's, not a one-replica sum); where the engine's calls run."""
     stats = engine.latest_stats()
-    if isinstance(engine, (DataParallelEngine, LoopProcessEngine)):
-        return stats.per_replica[0] or {}
-    return stats.as_dict()
+    per_replica = getattr(stats, "per_replica", None)  # an engine process's: a sum over its one replica
+    return (per_replica[0] or {}) if per_replica is not None else stats.as_dict()
 
 
 class EngineReplica:

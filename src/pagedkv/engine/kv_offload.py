@@ -136,17 +136,15 @@ class KVOffload:
         # blocks, which in prefix order would be one small copy per block instead of one copy per run.
         d2h, pre_offload = (sorted(c, key=lambda c: c[1]) for c in (d2h, step.pre_offload))
         h2d, restore = (sorted(c, key=lambda c: c[0]) for c in (h2d, step.restore))
+        ids = self._device_ids(d2h, h2d, restore, pre_offload)
         ready = None
         if not self.is_cuda:
-            ids = self._device_ids(d2h, h2d, restore, pre_offload)
             self._d2h(d2h, ids[0])
             self._h2d(h2d, ids[1])
             self._h2d(restore, ids[2])
             self._d2h(pre_offload, ids[3])
         else:
             main = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self.stream):
-                ids = self._device_ids(d2h, h2d, restore, pre_offload)
 
             def after_the_step_before() -> None:
                 self.stream.wait_stream(main)
@@ -208,11 +206,13 @@ class KVOffload:
 
     def _device_ids(self, d2h, h2d, restore, pre_offload) -> list[torch.Tensor]:
         """The device block ids of each move (the first item of a device-to-host pair, the second of a
-        host-to-device one) as int64 tensors on the pool's device: one pinned tensor and one copy for all."""
+        host-to-device one) as int64 tensors on the pool's device: one pinned tensor and one copy for all, on the
+        copy stream (nothing to copy for a step that moves no block: a move given no pairs reads no ids)."""
         lists = [[c[0] for c in d2h], [c[1] for c in h2d], [c[1] for c in restore], [c[0] for c in pre_offload]]
         flat = torch.tensor([i for ids in lists for i in ids], dtype=torch.int64)
-        if self.is_cuda:
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        if self.is_cuda and flat.numel():
+            with torch.cuda.stream(self.stream):
+                flat = flat.pin_memory().to(self.device, non_blocking=True)
         return list(flat.split([len(ids) for ids in lists]))
 
     def _d2h(self, copies, src) -> None:
