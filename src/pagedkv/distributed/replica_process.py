@@ -127,10 +127,13 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
                 for request_id in error.request_ids:
                     encoder.forget(request_id)
                 outputs = []
-            if outputs:
-                send(("outputs", [encoder.encode_wire(output) for output in outputs]))
+            # NOTE: stats before the outputs. A parent whose last request just finished reads until it has
+            # these outputs and then waits for commands, reading nothing more: the stats must already be
+            # in the pipe ahead of them, or its metrics keep the busy step's figures while it idles.
             if time.perf_counter() - last_push >= STATS_PUSH_S or not engine.has_unfinished_requests():
                 push_stats()
+            if outputs:
+                send(("outputs", [encoder.encode_wire(output) for output in outputs]))
         publish()
     writer.close()
     writer.join(timeout_s=10)
