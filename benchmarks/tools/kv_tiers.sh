@@ -46,6 +46,8 @@ EXTRA+=(--gc "${GC:-freeze}")
 # IN_STEP=T: one more configuration, the tiers copying at most T tokens' worth of restored blocks before a step's
 # kernels (0: every restore beside the step, its request computing from the next step); about 30 s more per model.
 [ -n "${IN_STEP:-}" ] && EXTRA+=(--in-step-restore-tokens "$IN_STEP")
+# HOST_ONLY=1: one more configuration, the host tier without the disk tier (what the disk writers cost the steps).
+[ "${HOST_ONLY:-0}" = 1 ] && EXTRA+=(--host-tier-only)
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"
 timeout "${CHAT_TIMEOUT_S:-480}" $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" \
   --kv-offload-memory "$HOST_MEMORY" --kv-offload-dir "$DIR" --mixed-step-graphs "$GRAPHS" --out "$OUT" "${EXTRA[@]}" 2>&1 | tee "$OUT/kv_tiers.log" | grep -E "^\S+ \| " \

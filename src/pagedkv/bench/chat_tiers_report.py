@@ -12,8 +12,10 @@ from __future__ import annotations
 from pagedkv.engine.outputs import STEP_PHASES
 
 
-#: The tiered configuration the targets judge, and the name of the optional one with another in-step restore cap.
+#: The tiered configuration the targets judge, the optional one without its disk tier, and the name of the optional
+#: one with another in-step restore cap.
 TIERED = "GPU + host + disk"
+HOST_ONLY = "GPU + host (no disk tier)"
 
 
 def in_step_label(tokens: int) -> str:
@@ -98,7 +100,7 @@ def _summary(model: dict) -> list[str]:
                      f"lower; P99 {_ms(gpu['ttft_reuse_p99_s'])} -> {_ms(tiers['ttft_reuse_p99_s'])} ms, {r99:.2f}x "
                      f"lower (target >= 3x: {_verdict(min(r50, r99), 3.0)})")
     for label, row in model["configs"].items():
-        if label.startswith(f"{TIERED}, "):  # the same tiers under another in-step restore cap
+        if label == HOST_ONLY or label.startswith(f"{TIERED}, "):  # tiers without disk, or another in-step cap
             lines.append(f"- {label}: TTFT P50 {gpu['ttft_p50_s'] / row['ttft_p50_s']:.2f}x lower than GPU-only, P99 "
                          f"{gpu['ttft_p99_s'] / row['ttft_p99_s']:.2f}x; output tok/s "
                          f"{row['output_tokens_per_s'] / gpu['output_tokens_per_s']:.2f}x")

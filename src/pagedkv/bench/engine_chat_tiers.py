@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
-from pagedkv.bench.chat_tiers_report import TIERED, in_step_label, markdown, step_line
+from pagedkv.bench.chat_tiers_report import HOST_ONLY, TIERED, in_step_label, markdown, step_line
 from pagedkv.bench.chat_tiers_run import run_chat
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
@@ -224,9 +224,11 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}),
                (TIERED, dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir),
                              kv_offload_disk_bytes=disk_bytes))]
+    if args.host_tier_only:  # the same host tier without the disk tier: what the disk writers cost the steps
+        configs.append((HOST_ONLY, dict(kv_offload_memory=host_bytes)))
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
-                        dict(configs[-1][1], kv_offload_dir=str(Path(offload_dir) / "in-step"),
+                        dict(configs[2][1], kv_offload_dir=str(Path(offload_dir) / "in-step"),
                              kv_offload_in_step_restore_tokens=args.in_step_restore_tokens)))
     result = {"workload": workload.__dict__, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
               "mixed_step_graphs": "off" if device.type != "cuda" else args.mixed_step_graphs,
