@@ -12,10 +12,11 @@ from __future__ import annotations
 from pagedkv.engine.outputs import STEP_PHASES
 
 
-#: The tiered configuration the targets judge, the optional one without its disk tier, and the name of the optional
-#: one with another in-step restore cap.
+#: The tiered configuration the targets judge, the optional ones without its disk tier and with disk writes free to
+#: start while the step loop runs, and the name of the optional one with another in-step restore cap.
 TIERED = "GPU + host + disk"
 HOST_ONLY = "GPU + host (no disk tier)"
+WRITES_DURING_STEPS = f"{TIERED}, disk writes during steps"
 
 
 def in_step_label(tokens: int) -> str:

@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
                              "96,48,3,1024,4 for Llama-3-8B); e.g. 32,16,3,8192,2 for long shared prefixes")
     parser.add_argument("--host-tier-only", action="store_true",
                         help="chat-tiers: one more configuration, the same host tier without the disk tier")
+    parser.add_argument("--disk-writes-during-steps", action="store_true",
+                        help="chat-tiers: one more configuration, the tiers with disk writes free to start while "
+                             "the step loop schedules and launches (kv_offload_disk_writes_during_steps)")
     parser.add_argument("--in-step-restore-tokens", type=int, default=None, metavar="T",
                         help="chat-tiers: one more configuration, the tiers with at most T tokens' worth of restored "
                              "blocks copied before a step's kernels (--kv-offload-in-step-restore-tokens; 0: every "

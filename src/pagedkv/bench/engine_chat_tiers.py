@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
-from pagedkv.bench.chat_tiers_report import HOST_ONLY, TIERED, in_step_label, markdown, step_line
+from pagedkv.bench.chat_tiers_report import HOST_ONLY, TIERED, WRITES_DURING_STEPS, in_step_label, markdown, step_line
 from pagedkv.bench.chat_tiers_run import run_chat
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
@@ -226,6 +226,9 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
                              kv_offload_disk_bytes=disk_bytes))]
     if args.host_tier_only:  # the same host tier without the disk tier: what the disk writers cost the steps
         configs.append((HOST_ONLY, dict(kv_offload_memory=host_bytes)))
+    if args.disk_writes_during_steps:  # the disk writers not held while the step loop runs (a disk of its own)
+        configs.append((WRITES_DURING_STEPS, dict(configs[2][1], kv_offload_dir=str(Path(offload_dir) / "during"),
+                                                  kv_offload_disk_writes_during_steps=True)))
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
                         dict(configs[2][1], kv_offload_dir=str(Path(offload_dir) / "in-step"),

@@ -32,7 +32,10 @@ class EngineConfig:
     a restarted engine finds again; kv_offload_disk_bytes caps its size (LRU beyond it).
     kv_offload_in_step_restore_tokens: how many tokens' worth of restored blocks a step copies
     before its kernels, their requests computing in that step (None: max_num_batched_tokens); the
-    rest are copied beside the step, their requests computing from the next one. See docs/kv-tiers.md.
+    rest are copied beside the step, their requests computing from the next one.
+    kv_offload_disk_writes_during_steps: let the disk tier's writer threads start writes while the
+    step loop schedules, builds and launches (False, the default: only while it waits for the device
+    and between steps, where they do not take the interpreter lock from it). See docs/kv-tiers.md.
     """
 
     model: str | None = None
@@ -70,6 +73,7 @@ class EngineConfig:
     kv_offload_dir: str | None = None  # the disk tier's directory (None: no disk tier)
     kv_offload_disk_bytes: int = 64 * 2**30  # the disk tier's size cap
     kv_offload_in_step_restore_tokens: int | None = None  # None: max_num_batched_tokens
+    kv_offload_disk_writes_during_steps: bool = False
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)

@@ -208,6 +208,21 @@ class LLMEngine:
             raise EngineDeadError(self._dead) from error
 
     def _step(self) -> list[RequestOutput]:
+        self._hold_disk_writes(True)  # until the device wait, and again after it (see kv_disk)
+        try:
+            return self._run_step()
+        finally:
+            self._hold_disk_writes(False)
+
+    def _hold_disk_writes(self, held: bool) -> bool:
+        """Hold the disk tier's writes (True) or let them run (False); whether they were held before. Under
+        `kv_offload_disk_writes_during_steps`, or with no disk tier, nothing is held."""
+        offload = self.runner.offload
+        if offload is None or self.config.kv_offload_disk_writes_during_steps:
+            return False
+        return offload.io.hold_writes(held)
+
+    def _run_step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         previous = self._in_flight
@@ -267,12 +282,16 @@ class LLMEngine:
             if broken is not None:
                 self._fail(broken)
                 raise EngineDeadError(self._dead)
+        held = self._hold_disk_writes(False)  # the disk writes run while the host waits for the device
         try:  # the one device read of the step: an error here is the step's, not one request's
             token_ids = flight.result.token_ids() if flight.result is not None else []
             logprobs = flight.result.logprobs() if flight.result is not None and any(
                 row.params.logprobs is not None for row in flight.step_input.sampling) else None
         except Exception as error:
             raise self._step_failed(error, flight.out) from error
+        finally:
+            if held:
+                self._hold_disk_writes(True)
         sampled = self.output_processor.unpack(flight.step_input, flight.out, token_ids, logprobs)
         flight.wait_s = time.perf_counter() - waiting
         finished = flight.length_finished + self.scheduler.resolve(flight.out, sampled)

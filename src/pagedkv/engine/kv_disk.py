@@ -16,7 +16,12 @@ lock, and one thread hashes and writes a 2 MB block in about a millisecond, fewe
 second than a busy engine spills); each key always goes to the same thread, so a key's write
 and a later delete of it stay in order. The writer threads run at a lower CPU priority than the
 process (Linux, `WRITER_NICENESS`): where cores are few, a step loop that shares them with four
-writers slowed 2-5x on a 2-core machine at full priority, about 1.5x niced. A directory that cannot
+writers slowed 2-5x on a 2-core machine at full priority, about 1.5x niced. Each write takes and
+gives back the interpreter lock several times (the event wait, the hash, open, write, rename), and
+each time it takes it while the step loop runs Python, the loop waits: the engine holds the writes
+(`hold_writes`) while it schedules, builds and launches a step, and lets them run
+(`release_writes`) while it waits for the device and between steps. A job under way finishes; any
+wait for a write (`load` of a key still queued, `flush`, `close`) lets them run first. A directory that cannot
 be written, or a full disk, turns the tier off with one warning; serving goes on from GPU and host memory.
 """
 
@@ -64,6 +69,8 @@ class DiskStore:
         self._queued: dict[bytes, threading.Event] = {}  # key -> done event of its write still queued
         self._lock = threading.Lock()
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(max(1, num_write_threads))]
+        self._may_write = threading.Event()  # cleared while the engine holds writes (see the module docstring)
+        self._may_write.set()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".probe.{os.getpid()}"
@@ -106,6 +113,7 @@ class DiskStore:
         with self._lock:
             queued = self._queued.get(key)
         if queued is not None:
+            self.release_writes()
             queued.wait()
         try:
             with open(path, "rb") as file:
@@ -144,6 +152,19 @@ class DiskStore:
             self._queued[key] = done
         self._jobs(key).put(("write", key, data, ready, done))
         return done
+
+    @property
+    def writes_held(self) -> bool:
+        """Whether queued writes and deletes wait (`hold_writes`) instead of starting."""
+        return not self._may_write.is_set()
+
+    def hold_writes(self) -> None:
+        """Queued writes and deletes wait until `release_writes` (one under way finishes)."""
+        self._may_write.clear()
+
+    def release_writes(self) -> None:
+        """Let queued writes and deletes run."""
+        self._may_write.set()
 
     def delete_async(self, key: bytes) -> None:
         """Queue removing `key`'s file (the size cap evicted it)."""
@@ -193,6 +214,7 @@ class DiskStore:
                 jobs.task_done()
                 return
             kind, key, data, ready, done = job
+            self._may_write.wait()
             try:
                 if kind == "delete":
                     try:
@@ -225,11 +247,13 @@ class DiskStore:
 
     def flush(self) -> None:
         """Wait until every queued write and delete is done."""
+        self.release_writes()
         for jobs in self._queues:
             jobs.join()
 
     def close(self) -> None:
         """Finish the queued work and stop the writer threads (idempotent)."""
+        self.release_writes()
         for jobs, thread in zip(self._queues, self._threads):
             if thread.is_alive():
                 jobs.put(None)

@@ -52,10 +52,23 @@ class DiskIO:
         for block in host_blocks:
             done = self._writing.pop(block, None)
             if done is not None and not done.is_set():
+                self.disk.release_writes()  # the engine may hold them (see kv_disk)
                 start = time.perf_counter()
                 done.wait()
                 self.stats.disk_write_waits += 1
                 self.stats.disk_write_wait_seconds += time.perf_counter() - start
+
+    def hold_writes(self, held: bool) -> bool:
+        """Hold the disk writes (True) or let them run (False); returns whether they were held before (see
+        `kv_disk`: the engine holds them while the step loop runs Python). No disk tier: False."""
+        if self.disk is None:
+            return False
+        was = self.disk.writes_held
+        if held:
+            self.disk.hold_writes()
+        else:
+            self.disk.release_writes()
+        return was
 
     def write(self, writes, ready) -> None:
         """Queue writing each (key, host block) of `writes` to disk, after `ready()` (the copies that fill them)."""
@@ -105,6 +118,8 @@ class DiskIO:
             done = wait or failed or self.tp is not None or read[1] is None or read[1].done()
             (reading if done else pending).append(read)
         self._reading = pending
+        if any(future is not None and not future.done() for _, future in reading):
+            self.disk.release_writes()  # a read may wait for a queued write of its block (see `load`)
         loads, flags, seconds = [], [], 0.0
         for part, future in reading:
             part_flags, part_seconds = future.result() if future is not None else ([0] * len(part), 0.0)

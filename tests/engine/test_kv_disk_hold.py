@@ -1,0 +1,104 @@
+"""The disk tier's writes held while the step loop runs Python: a held write waits, every wait for one lets it go,
+and the engine holds them exactly while it schedules, builds and launches (not while it waits for the device, and
+not between steps)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import tiny
+from pagedkv import LLM, SamplingParams
+from pagedkv.engine.kv_disk import DiskStore
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def _store(tmp_path) -> DiskStore:
+    return DiskStore(tmp_path, "ab" * 32, 64, num_write_threads=1)
+
+
+def test_a_held_write_waits_until_released(tmp_path):
+    store = _store(tmp_path)
+    store.hold_writes()
+    data = np.arange(64, dtype=np.uint8)
+    done = store.write_async(b"k" * 32, data)
+    assert not done.wait(0.2) and not store.path(b"k" * 32).exists() and store.writes_held
+    store.release_writes()
+    assert done.wait(10) and store.path(b"k" * 32).exists()
+    store.close()
+
+
+@pytest.mark.parametrize("wait", ["flush", "load", "close"])
+def test_every_wait_for_a_held_write_releases_it(tmp_path, wait):
+    store = _store(tmp_path)
+    store.hold_writes()
+    data = np.arange(64, dtype=np.uint8)
+    store.write_async(b"k" * 32, data)
+    finished = threading.Event()
+
+    def waiter():
+        if wait == "load":
+            out = np.zeros(64, dtype=np.uint8)
+            assert store.load(b"k" * 32, out) and (out == data).all()  # a queued write is no miss
+        else:
+            getattr(store, wait)()
+        finished.set()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    assert finished.wait(10), f"{wait} hung on a held write"
+    assert store.path(b"k" * 32).exists()
+    store.close()
+
+
+class _Recorded:
+    """A step result whose device read records whether the disk writes were held during it."""
+
+    def __init__(self, result, disk, seen):
+        self._result, self._disk, self._seen = result, disk, seen
+
+    def token_ids(self):
+        self._seen.append(("wait", self._disk.writes_held))
+        return self._result.token_ids()
+
+    def __getattr__(self, name):
+        return getattr(self._result, name)
+
+
+@pytest.mark.parametrize("during_steps", [False, True])
+def test_the_engine_holds_disk_writes_while_it_runs_a_step_and_not_while_it_waits(tmp_path, during_steps):
+    model = tiny("tiny-llama")
+    common = dict(hf_model=model, block_size=4, num_blocks=9, watermark=0.0)
+    bytes_per_block = LLM(**common, enable_prefix_caching=False).engine.pool.bytes_per_block
+    llm = LLM(**common, kv_offload_memory=10 * bytes_per_block, kv_offload_dir=str(tmp_path),
+              kv_offload_disk_writes_during_steps=during_steps)
+    engine = llm.engine
+    disk = engine.runner.offload.disk
+    seen = []
+    run_step, execute = engine._run_step, engine.runner.execute
+
+    def recorded_step():
+        seen.append(("step", disk.writes_held))
+        return run_step()
+
+    def recorded_execute(*args, **kwargs):
+        result = execute(*args, **kwargs)
+        seen.append(("launch", disk.writes_held))
+        return _Recorded(result, disk, seen) if result is not None else None
+
+    engine._run_step, engine.runner.execute = recorded_step, recorded_execute
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (18,), generator=gen).tolist() for _ in range(3)]
+    with_tiers = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    assert not disk.writes_held  # between steps they run
+    assert {kind for kind, _ in seen} == {"step", "launch", "wait"}
+    assert all(held == (not during_steps and kind != "wait") for kind, held in seen), seen
+    deadline = time.monotonic() + 10
+    while not llm.stats()["kv_disk_written_blocks"] and time.monotonic() < deadline:
+        llm.generate([prompts[0]], GREEDY)  # a step's poll tells the tiers what was written
+    assert llm.stats()["kv_disk_written_blocks"] > 0  # the writes were held, never lost
+    llm.shutdown()
+    plain = LLM(**common)
+    assert with_tiers == [plain.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
