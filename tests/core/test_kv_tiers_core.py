@@ -316,3 +316,22 @@ def test_pre_spill_skips_a_settled_cache_and_takes_each_new_evictable_block():
     bm.pre_spill(max_blocks=1)
     assert not bm.take_tier_copies().pre_offload
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("host_tier", [True, False])
+def test_recent_keys_name_the_gpu_cache_first_then_the_host_tier(host_tier):
+    """What a replica tells the routers: a prefix spilled to the host tier still hits there (a copy, not a
+    prefill), so its keys stay published after the GPU cache evicted them; without a host tier they go."""
+    bm = KVBlockManager(4, 4, num_offload_blocks=4 if host_tier else 0)
+    prompt = list(range(13))
+    _cache(bm, [prompt])
+    spilled = hash_blocks(prompt[:12], 4)
+    assert bm.recent_keys(10) == list(reversed(spilled))  # on the GPU, the most recently cached first
+    filler = list(range(100, 113))
+    _cache(bm, [filler])  # takes the whole pool: the prompt's blocks leave the GPU cache
+    on_gpu = list(reversed(hash_blocks(filler[:12], 4)))
+    keys = bm.recent_keys(10)
+    assert keys[:3] == on_gpu
+    assert set(keys[3:]) == (set(spilled) if host_tier else set())
+    assert bm.recent_keys(4) == on_gpu + ([keys[3]] if host_tier else [])  # the limit holds
+    bm.check_integrity()

@@ -290,3 +290,29 @@ def test_under_uvloop_the_engine_process_pipe_stays_blocking():
     finally:
         replica.__del__()
         loop.close()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_routing_stats_keep_publishing_a_prefix_spilled_to_the_host_tier(engine_process):
+    """The routers' view of a replica (`record_routing_stats`) names a prefix the GPU cache evicted while it
+    waits in the host tier (a hit there is a copy, not a prefill)."""
+    from pagedkv.distributed.router import prompt_block_hashes
+
+    replica = EngineReplica(EngineConfig(**dict(OPTIONS, num_blocks=12, max_model_len=48,
+                                                kv_offload_memory=16 * 2**20)), engine_process=engine_process)
+    try:
+        prompt = list(range(30, 47))
+        filler = list(range(100, 140))  # with its outputs, every GPU block: the prompt's blocks spill
+        on_loop(_serve(replica, [("a", prompt, GREEDY)]))
+        on_loop(_serve(replica, [("b", filler, GREEDY)]))
+        wanted = set(prompt_block_hashes(prompt, OPTIONS["block_size"]))
+        deadline = time.monotonic() + 30
+        while True:  # an engine process pushes its keys once idle; the parent reads them on its own time
+            published = set(on_loop(replica.record_routing_stats())["block_hashes"])
+            if wanted <= published or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert wanted <= published
+        assert on_loop(replica.describe())["stats"]["kv_offloaded_blocks"] >= len(wanted)  # they did leave the GPU
+    finally:
+        replica.__del__()

@@ -19,6 +19,7 @@ and are reclaimed (LRU) the moment an allocation needs them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from pagedkv.core.allocator import BlockAllocator
@@ -167,6 +168,18 @@ class KVBlockManager(PoolQueries):
             return False
         hits, keys = self.match_prefix(token_ids, known_keys)
         return tiers.prefetch(keys[len(hits):(len(token_ids) - 1) // self.block_size])
+
+    def recent_keys(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` keys a prompt would hit here, the GPU cache's most recent first, then the host tier's
+        (a host hit is a copy, not a prefill, so a router should send the prefix here too)."""
+        keys = super().recent_keys(limit)
+        tiers = self.tiers
+        if tiers is None or not tiers.cache_on_host or len(keys) >= limit:
+            return keys
+        on_gpu = set(keys)
+        keys += itertools.islice((key for key in tiers.host.recent_keys(limit) if key not in on_gpu),
+                                 limit - len(keys))
+        return keys
 
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
         """Copy the GPU cache's next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""

@@ -17,6 +17,7 @@ need no wait at all.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -63,6 +64,10 @@ class HostTier:
 
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._block_of
+
+    def recent_keys(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` cached keys, the most recently used first."""
+        return [self._key_of[block] for block in itertools.islice(reversed(self._lru), limit)]
 
     def begin_step(self) -> None:
         """A new step: last step's copies are ordered before this one's, so busy and freed blocks come back."""

@@ -94,6 +94,12 @@ class PoolQueries:
         """Whether the prompt waits for disk loads (never, without KV tiers). `known_keys`: see `match_prefix`."""
         return False
 
+    def recent_keys(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` keys of prefix blocks a prompt would hit here, the most recently cached first: what a
+        replica tells the routers (`pagedkv.distributed.router`). The GPU prefix cache's; `KVBlockManager` adds
+        its host tier's."""
+        return self.prefix_cache.recent_keys(limit) if self.prefix_cache is not None else []
+
     def pre_spill(self) -> None:
         """Copy next evictions to the host tier ahead of time (no KV tiers: nothing to do)."""
 

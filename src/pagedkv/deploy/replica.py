@@ -135,11 +135,11 @@ def replica_identity() -> tuple[str, str]:
 
 
 def _published_block_hashes(engine) -> list:
-    """The keys of the blocks `engine` cached most recently (at most MAX_PUBLISHED_BLOCK_HASHES); where the engine's calls run."""
+    """The keys of the prefix blocks `engine` cached most recently, in its GPU cache or host tier (at most
+    MAX_PUBLISHED_BLOCK_HASHES); where the engine's calls run."""
     if hasattr(engine, "published_block_hashes"):  # an engine process's, as it last pushed them
         return engine.published_block_hashes()
-    cache = engine.scheduler.block_manager.prefix_cache
-    return cache.recent_keys(MAX_PUBLISHED_BLOCK_HASHES) if cache is not None else []
+    return engine.scheduler.block_manager.recent_keys(MAX_PUBLISHED_BLOCK_HASHES)
 
 
 def _engine_stats(engine) -> dict:

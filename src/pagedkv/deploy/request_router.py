@@ -19,8 +19,9 @@ What the policy reads about a replica, and where it comes from:
   simulation put a whole burst on one replica). The count is capped by Ray's own count of
   requests in flight to the replica, so a request the replica refused cannot inflate it for good;
 - **held prefixes**: the router's memory of which replica it sent each prompt block to, and
-  the keys of the blocks each replica cached most recently (from its stats), which cover what
-  other ingress replicas sent and what a restarted router forgot.
+  the keys of the blocks each replica cached most recently (from its stats: its GPU prefix
+  cache's, then its host tier's), which cover what other ingress replicas sent and what a
+  restarted router forgot.
 
 The prompt's block hashes are computed once by the ingress (`RayEngineClient`) and travel as
 the call's `block_hashes` argument: the router matches on them and the replica's engine reuses

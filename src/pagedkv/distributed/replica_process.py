@@ -80,16 +80,16 @@ def replica_main(config: EngineConfig, index: int, conn, load, engine_factory=No
 
     last_push = last_keys_push = 0.0
     pushed_free = -1  # the free block count the last pushed stats carried
-    cache = bm.prefix_cache if num_published_block_hashes else None
+    publishes = bool(num_published_block_hashes) and bm.prefix_cache is not None
 
     def push_stats() -> None:  # the parent's `latest_stats()`: metrics that never wait on this process
         nonlocal last_push, last_keys_push, pushed_free
         last_push = time.perf_counter()
         pushed_free = bm.num_free_blocks
         send(("load", engine.stats().as_dict()))
-        if cache is not None and (last_push - last_keys_push >= KEYS_PUSH_S or not engine.has_unfinished_requests()):
+        if publishes and (last_push - last_keys_push >= KEYS_PUSH_S or not engine.has_unfinished_requests()):
             last_keys_push = last_push
-            send(("keys", cache.recent_keys(num_published_block_hashes)))
+            send(("keys", bm.recent_keys(num_published_block_hashes)))  # GPU cache and host tier
 
     push_stats()
     while True:
