@@ -191,8 +191,18 @@ def run_worker(config, rank: int, init_method: str) -> None:
         plan = startup.plan_pool(config, setup, device, tp)
         _, runner = startup.build_runner(config, setup, plan, device, tp)
         previous = None
+        # This rank's disk writers run while it waits for rank 0's next step, not while it launches one (as
+        # rank 0's engine does: see pagedkv.engine.kv_disk).
+        io = runner.offload.io if runner.offload is not None and not config.kv_offload_disk_writes_during_steps \
+            else None
         while (step_input := tp.broadcast_object()) is not None:
-            previous = runner.execute(step_input, previous.device_tokens if previous is not None else None)
+            if io is not None:
+                io.hold_writes(True)
+            try:
+                previous = runner.execute(step_input, previous.device_tokens if previous is not None else None)
+            finally:
+                if io is not None:
+                    io.hold_writes(False)
     finally:
         if runner is not None and runner.offload is not None:
             runner.offload.close()  # queued KV disk-tier writes

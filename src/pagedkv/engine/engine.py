@@ -275,20 +275,21 @@ class LLMEngine:
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, resolve them in the scheduler and report what moved."""
         waiting = time.perf_counter()
-        if self.executor is not None and flight.result is not None:
-            # A peer that died or stopped answering leaves this step's collectives waiting forever on the
-            # device: the executor watches the workers and gives the step `distributed_timeout_s`.
-            broken = self.executor.wait(flight.result, self.config.distributed_timeout_s)
-            if broken is not None:
-                self._fail(broken)
-                raise EngineDeadError(self._dead)
         held = self._hold_disk_writes(False)  # the disk writes run while the host waits for the device
-        try:  # the one device read of the step: an error here is the step's, not one request's
-            token_ids = flight.result.token_ids() if flight.result is not None else []
-            logprobs = flight.result.logprobs() if flight.result is not None and any(
-                row.params.logprobs is not None for row in flight.step_input.sampling) else None
-        except Exception as error:
-            raise self._step_failed(error, flight.out) from error
+        try:
+            if self.executor is not None and flight.result is not None:
+                # A peer that died or stopped answering leaves this step's collectives waiting forever on the
+                # device: the executor watches the workers and gives the step `distributed_timeout_s`.
+                broken = self.executor.wait(flight.result, self.config.distributed_timeout_s)
+                if broken is not None:
+                    self._fail(broken)
+                    raise EngineDeadError(self._dead)
+            try:  # the one device read of the step: an error here is the step's, not one request's
+                token_ids = flight.result.token_ids() if flight.result is not None else []
+                logprobs = flight.result.logprobs() if flight.result is not None and any(
+                    row.params.logprobs is not None for row in flight.step_input.sampling) else None
+            except Exception as error:
+                raise self._step_failed(error, flight.out) from error
         finally:
             if held:
                 self._hold_disk_writes(True)
