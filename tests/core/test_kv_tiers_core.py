@@ -332,6 +332,27 @@ def test_recent_keys_name_the_gpu_cache_first_then_the_host_tier(host_tier):
     on_gpu = list(reversed(hash_blocks(filler[:12], 4)))
     keys = bm.recent_keys(10)
     assert keys[:3] == on_gpu
-    assert set(keys[3:]) == (set(spilled) if host_tier else set())
-    assert bm.recent_keys(4) == on_gpu + ([keys[3]] if host_tier else [])  # the limit holds
+    # The host tier's most recent first: the GPU cache evicts a prefix tail first, so its head came last.
+    assert keys[3:] == (spilled if host_tier else [])
+    assert bm.recent_keys(4) == on_gpu + spilled[:1 if host_tier else 0]  # the limit holds
     bm.check_integrity()
+
+
+def test_a_layer_group_manager_publishes_no_host_tier_keys():
+    """Its host tier holds blocks under per-group keys (`group_key`), which no router could match to a prompt."""
+    rng = random.Random(7)
+    bm = _layer_group_manager()
+    for seq_id in range(60):
+        bm.begin_step()
+        prompt = [rng.randint(0, 50) for _ in range(rng.randint(8, 24))]
+        if bm.can_admit(bm.blocks_to_admit(prompt), 0.0):
+            num_cached = bm.admit(seq_id, prompt)
+            bm.append_slots(seq_id, len(prompt) - bm.num_tokens(seq_id))
+            bm.schedule(seq_id, num_cached, len(prompt) - num_cached)
+            bm.commit(seq_id, prompt, len(prompt))
+            bm.free(seq_id)
+        bm.take_tier_copies()
+    assert bm.tiers.host.num_cached > 0  # prefixes did spill
+    published = bm.recent_keys(10_000)
+    assert published and set(published) <= set(bm.prefix_cache._block_of)
+    assert not set(published) & set(bm.tiers.host._block_of)

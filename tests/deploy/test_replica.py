@@ -313,6 +313,6 @@ def test_routing_stats_keep_publishing_a_prefix_spilled_to_the_host_tier(engine_
                 break
             time.sleep(0.05)
         assert wanted <= published
-        assert on_loop(replica.describe())["stats"]["kv_offloaded_blocks"] >= len(wanted)  # they did leave the GPU
+        assert on_loop(replica.describe())["stats"]["kv_offloaded_blocks"] >= len(wanted)  # copied to the host tier
     finally:
         replica.__del__()

@@ -102,3 +102,57 @@ def test_the_engine_holds_disk_writes_while_it_runs_a_step_and_not_while_it_wait
     llm.shutdown()
     plain = LLM(**common)
     assert with_tiers == [plain.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_a_wait_lets_held_writes_run_and_the_hold_resumes_after_it(tmp_path):
+    store = _store(tmp_path)
+    store.hold_writes()
+    data = np.arange(64, dtype=np.uint8)
+    store.write_async(b"a" * 32, data)
+    out = np.zeros(64, dtype=np.uint8)
+    assert store.load(b"a" * 32, out)  # waited for the held write, which ran meanwhile
+    assert store.writes_held  # the engine's hold stands
+    done = store.write_async(b"b" * 32, data)
+    assert not done.wait(0.2), "a write started while the engine held them, after another wait ended"
+    store.release_writes()
+    assert done.wait(10)
+    store.close()
+
+
+def _disk_io(tmp_path, num_blocks=2):
+    from pagedkv.engine.kv_disk_io import DiskIO
+    from pagedkv.engine.kv_offload import OffloadStats
+
+    host = np.zeros((num_blocks, 64), dtype=np.uint8)
+    return DiskIO(_store(tmp_path), host, OffloadStats()), host
+
+
+def _finishes(call, timeout_s=10.0) -> bool:
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
+def test_a_spill_that_waits_for_a_held_write_lets_it_run(tmp_path):
+    io, host = _disk_io(tmp_path)
+    io.hold_writes(True)
+    host[0] = 7
+    io.write([(b"k" * 32, 0)], None)
+    assert _finishes(lambda: io.wait_writes([0])), "wait_writes hung on a write the engine held"
+    assert io.stats.disk_write_waits == 1 and io.disk.writes_held
+    io.close()
+
+
+def test_a_step_that_waits_for_its_disk_reads_lets_the_writes_they_wait_for_run(tmp_path):
+    io, host = _disk_io(tmp_path)
+    host[0] = 9
+    io.write([(b"k" * 32, 0)], None)
+    io.disk.flush()  # on disk
+    io.hold_writes(True)
+    io.write([(b"j" * 32, 1)], None)  # held: a read into host block 1 must wait for it
+    io.load([(b"k" * 32, 1)], None)
+    assert _finishes(lambda: io.finish_loads(wait=True)), "finish_loads hung on a read behind a held write"
+    loads, _, _ = io.poll()
+    assert loads == [(b"k" * 32, True)] and (host[1] == 9).all()
+    io.close()

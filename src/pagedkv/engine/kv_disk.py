@@ -21,12 +21,14 @@ gives back the interpreter lock several times (the event wait, the hash, open, w
 each time it takes it while the step loop runs Python, the loop waits: the engine holds the writes
 (`hold_writes`) while it schedules, builds and launches a step, and lets them run
 (`release_writes`) while it waits for the device and between steps. A job under way finishes; any
-wait for a write (`load` of a key still queued, `flush`, `close`) lets them run first. A directory that cannot
+wait for a write (`load` of a key still queued, `flush`, `close`, the engine's waits in `kv_disk_io`)
+lets them run while it waits (`writes_running`), and the engine's hold resumes after it. A directory that cannot
 be written, or a full disk, turns the tier off with one warning; serving goes on from GPU and host memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -69,8 +71,11 @@ class DiskStore:
         self._queued: dict[bytes, threading.Event] = {}  # key -> done event of its write still queued
         self._lock = threading.Lock()
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(max(1, num_write_threads))]
-        self._may_write = threading.Event()  # cleared while the engine holds writes (see the module docstring)
+        # Cleared while the engine holds the writes and nothing waits for one (see the module docstring).
+        self._may_write = threading.Event()
         self._may_write.set()
+        self._held = False  # the engine's hold
+        self._num_waiting = 0  # callers waiting for a write (`writes_running`), on any thread
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".probe.{os.getpid()}"
@@ -113,8 +118,8 @@ class DiskStore:
         with self._lock:
             queued = self._queued.get(key)
         if queued is not None:
-            self.release_writes()
-            queued.wait()
+            with self.writes_running():
+                queued.wait()
         try:
             with open(path, "rb") as file:
                 header = file.read(_HEADER.size)
@@ -155,16 +160,37 @@ class DiskStore:
 
     @property
     def writes_held(self) -> bool:
-        """Whether queued writes and deletes wait (`hold_writes`) instead of starting."""
-        return not self._may_write.is_set()
+        """Whether the engine holds the writes (`hold_writes`; a wait for one may let them run meanwhile)."""
+        return self._held
 
     def hold_writes(self) -> None:
-        """Queued writes and deletes wait until `release_writes` (one under way finishes)."""
-        self._may_write.clear()
+        """Queued writes and deletes wait until `release_writes` (one under way finishes), except while a caller
+        waits for a write (`writes_running`)."""
+        with self._lock:
+            self._held = True
+            if not self._num_waiting:
+                self._may_write.clear()
 
     def release_writes(self) -> None:
         """Let queued writes and deletes run."""
-        self._may_write.set()
+        with self._lock:
+            self._held = False
+            self._may_write.set()
+
+    @contextlib.contextmanager
+    def writes_running(self):
+        """Let queued writes run while the block waits for one of them, on any thread; the engine's hold, if it
+        holds them, resumes after the last such wait."""
+        with self._lock:
+            self._num_waiting += 1
+            self._may_write.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._num_waiting -= 1
+                if self._held and not self._num_waiting:
+                    self._may_write.clear()
 
     def delete_async(self, key: bytes) -> None:
         """Queue removing `key`'s file (the size cap evicted it)."""
@@ -247,9 +273,9 @@ class DiskStore:
 
     def flush(self) -> None:
         """Wait until every queued write and delete is done."""
-        self.release_writes()
-        for jobs in self._queues:
-            jobs.join()
+        with self.writes_running():
+            for jobs in self._queues:
+                jobs.join()
 
     def close(self) -> None:
         """Finish the queued work and stop the writer threads (idempotent)."""

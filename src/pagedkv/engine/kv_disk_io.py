@@ -15,6 +15,7 @@ that fill it. A copy into a host block whose write is still queued waits for tha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,9 +53,9 @@ class DiskIO:
         for block in host_blocks:
             done = self._writing.pop(block, None)
             if done is not None and not done.is_set():
-                self.disk.release_writes()  # the engine may hold them (see kv_disk)
                 start = time.perf_counter()
-                done.wait()
+                with self.disk.writes_running():  # the engine may hold them (see kv_disk)
+                    done.wait()
                 self.stats.disk_write_waits += 1
                 self.stats.disk_write_wait_seconds += time.perf_counter() - start
 
@@ -118,14 +119,15 @@ class DiskIO:
             done = wait or failed or self.tp is not None or read[1] is None or read[1].done()
             (reading if done else pending).append(read)
         self._reading = pending
-        if any(future is not None and not future.done() for _, future in reading):
-            self.disk.release_writes()  # a read may wait for a queued write of its block (see `load`)
         loads, flags, seconds = [], [], 0.0
-        for part, future in reading:
-            part_flags, part_seconds = future.result() if future is not None else ([0] * len(part), 0.0)
-            loads += part
-            flags += part_flags
-            seconds = max(seconds, part_seconds)  # the threads read side by side
+        # A read may wait for a queued write of its host block (`load`): the writes run while this waits.
+        waits = any(future is not None and not future.done() for _, future in reading)
+        with self.disk.writes_running() if waits else contextlib.nullcontext():
+            for part, future in reading:
+                part_flags, part_seconds = future.result() if future is not None else ([0] * len(part), 0.0)
+                loads += part
+                flags += part_flags
+                seconds = max(seconds, part_seconds)  # the threads read side by side
         if failed:
             if self.reports:
                 self._load_results.extend((key, None) for key, _ in loads)
@@ -176,6 +178,8 @@ class DiskIO:
 
     def close(self) -> None:
         """Finish queued disk work."""
+        if self.disk is not None:
+            self.disk.release_writes()  # the readers may wait for queued writes
         if self._readers is not None:
             self._readers.shutdown(wait=True)
         if self.disk is not None:
