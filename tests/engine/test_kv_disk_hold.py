@@ -156,3 +156,23 @@ def test_a_step_that_waits_for_its_disk_reads_lets_the_writes_they_wait_for_run(
     loads, _, _ = io.poll()
     assert loads == [(b"k" * 32, True)] and (host[1] == 9).all()
     io.close()
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_tensor_parallel_rank_holds_its_disk_writes_while_it_executes_a_step(tmp_path, hold):
+    from types import SimpleNamespace
+
+    from pagedkv.distributed.executor import serve_steps
+
+    io, _ = _disk_io(tmp_path)
+    steps = iter(["step 1", "step 2", None])
+    seen = []
+
+    def execute(step_input, previous_tokens):
+        seen.append(io.disk.writes_held)
+        return SimpleNamespace(device_tokens=step_input)
+
+    serve_steps(SimpleNamespace(broadcast_object=lambda: next(steps)),
+                SimpleNamespace(offload=SimpleNamespace(io=io), execute=execute), hold_disk_writes=hold)
+    assert seen == [hold, hold] and not io.disk.writes_held  # free while it waits for the next step
+    io.close()

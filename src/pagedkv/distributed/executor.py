@@ -190,23 +190,29 @@ def run_worker(config, rank: int, init_method: str) -> None:
         setup = startup.load_model_setup(config, device, tp, is_driver=False)
         plan = startup.plan_pool(config, setup, device, tp)
         _, runner = startup.build_runner(config, setup, plan, device, tp)
-        previous = None
-        # This rank's disk writers run while it waits for rank 0's next step, not while it launches one (as
-        # rank 0's engine does: see pagedkv.engine.kv_disk).
-        io = runner.offload.io if runner.offload is not None and not config.kv_offload_disk_writes_during_steps \
-            else None
-        while (step_input := tp.broadcast_object()) is not None:
-            if io is not None:
-                io.hold_writes(True)
-            try:
-                previous = runner.execute(step_input, previous.device_tokens if previous is not None else None)
-            finally:
-                if io is not None:
-                    io.hold_writes(False)
+        serve_steps(tp, runner, hold_disk_writes=not config.kv_offload_disk_writes_during_steps)
     finally:
         if runner is not None and runner.offload is not None:
             runner.offload.close()  # queued KV disk-tier writes
         close_group(tp, runner)
+
+
+def serve_steps(tp, runner, hold_disk_writes: bool = True) -> None:
+    """Execute rank 0's steps as they are broadcast, until None.
+
+    This rank's disk writers (if it has a disk tier) run while it waits for the next step, not while it
+    launches one, as rank 0's engine does (see `pagedkv.engine.kv_disk`); `hold_disk_writes=False` lets them
+    start any time."""
+    io = runner.offload.io if runner.offload is not None and hold_disk_writes else None
+    previous = None
+    while (step_input := tp.broadcast_object()) is not None:
+        if io is not None:
+            io.hold_writes(True)
+        try:
+            previous = runner.execute(step_input, previous.device_tokens if previous is not None else None)
+        finally:
+            if io is not None:
+                io.hold_writes(False)
 
 
 def worker_entry(config, rank: int, init_method: str) -> None:
