@@ -136,7 +136,7 @@ def _finishes(call, timeout_s=10.0) -> bool:
 
 def test_a_spill_that_waits_for_a_held_write_lets_it_run(tmp_path):
     io, host = _disk_io(tmp_path)
-    io.hold_writes(True)
+    io.disk.hold_writes()
     host[0] = 7
     io.write([(b"k" * 32, 0)], None)
     assert _finishes(lambda: io.wait_writes([0])), "wait_writes hung on a write the engine held"
@@ -149,7 +149,7 @@ def test_a_step_that_waits_for_its_disk_reads_lets_the_writes_they_wait_for_run(
     host[0] = 9
     io.write([(b"k" * 32, 0)], None)
     io.disk.flush()  # on disk
-    io.hold_writes(True)
+    io.disk.hold_writes()
     io.write([(b"j" * 32, 1)], None)  # held: a read into host block 1 must wait for it
     io.load([(b"k" * 32, 1)], None)
     assert _finishes(lambda: io.finish_loads(wait=True)), "finish_loads hung on a read behind a held write"

@@ -221,17 +221,16 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
                   mixed_step_graphs=args.mixed_step_graphs)
     # The disk tier's cap keeps a run inside a small disk; LRU keeps what the restart replays (the latest turns).
     disk_bytes = 64 * 2**20 if smoke else DISK_CAP_BYTES
-    configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}),
-               (TIERED, dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir),
-                             kv_offload_disk_bytes=disk_bytes))]
+    tiered = dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir), kv_offload_disk_bytes=disk_bytes)
+    configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}), (TIERED, tiered)]
     if args.host_tier_only:  # the same host tier without the disk tier: what the disk writers cost the steps
         configs.append((HOST_ONLY, dict(kv_offload_memory=host_bytes)))
     if args.disk_writes_during_steps:  # the disk writers not held while the step loop runs (a disk of its own)
-        configs.append((WRITES_DURING_STEPS, dict(configs[2][1], kv_offload_dir=str(Path(offload_dir) / "during"),
+        configs.append((WRITES_DURING_STEPS, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "during"),
                                                   kv_offload_disk_writes_during_steps=True)))
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
-                        dict(configs[2][1], kv_offload_dir=str(Path(offload_dir) / "in-step"),
+                        dict(tiered, kv_offload_dir=str(Path(offload_dir) / "in-step"),
                              kv_offload_in_step_restore_tokens=args.in_step_restore_tokens)))
     result = {"workload": workload.__dict__, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
               "mixed_step_graphs": "off" if device.type != "cuda" else args.mixed_step_graphs,
@@ -299,7 +298,7 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     result["distinct_prefix_blocks"] = len(distinct)
     result["gpu_pool_share_of_prefixes"] = num_blocks / len(distinct) if distinct else 0.0
     result["same_prompts"] = len({row["prompts_hash"] for row in result["configs"].values()}) == 1
-    result["restart"] = r = restart(LLM, common, configs[2][1], workload, tiered_prompts, block_size)
+    result["restart"] = r = restart(LLM, common, tiered, workload, tiered_prompts, block_size)
     shutil.rmtree(offload_dir, ignore_errors=True)
     print(f"{name} | restart: per distinct prompt block {r['disk_share'] * 100:.1f}% read from disk, "
           f"{r['not_computed_share'] * 100:.1f}% not computed; first TTFT {r['first_ttft_s'] * 1e3:.1f} ms",

@@ -21,6 +21,7 @@ worker's exit named, instead of at the NCCL timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -206,13 +207,8 @@ def serve_steps(tp, runner, hold_disk_writes: bool = True) -> None:
     io = runner.offload.io if runner.offload is not None and hold_disk_writes else None
     previous = None
     while (step_input := tp.broadcast_object()) is not None:
-        if io is not None:
-            io.hold_writes(True)
-        try:
+        with io.holding_writes() if io is not None else contextlib.nullcontext():
             previous = runner.execute(step_input, previous.device_tokens if previous is not None else None)
-        finally:
-            if io is not None:
-                io.hold_writes(False)
 
 
 def worker_entry(config, rank: int, init_method: str) -> None:

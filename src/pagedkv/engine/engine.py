@@ -13,6 +13,7 @@ forward pass raises `StepFailedError` naming that step's requests, and the other
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -208,19 +209,15 @@ class LLMEngine:
             raise EngineDeadError(self._dead) from error
 
     def _step(self) -> list[RequestOutput]:
-        self._hold_disk_writes(True)  # until the device wait, and again after it (see kv_disk)
-        try:
+        io = self._held_disk_io()
+        with io.holding_writes() if io is not None else contextlib.nullcontext():  # but in the device wait
             return self._run_step()
-        finally:
-            self._hold_disk_writes(False)
 
-    def _hold_disk_writes(self, held: bool) -> bool:
-        """Hold the disk tier's writes (True) or let them run (False); whether they were held before. Under
-        `kv_offload_disk_writes_during_steps`, or with no disk tier, nothing is held."""
+    def _held_disk_io(self):
+        """The disk tier's `DiskIO` whose writes the step loop holds while it runs Python (see kv_disk); None
+        without KV tiers or under `kv_offload_disk_writes_during_steps`."""
         offload = self.runner.offload
-        if offload is None or self.config.kv_offload_disk_writes_during_steps:
-            return False
-        return offload.io.hold_writes(held)
+        return None if offload is None or self.config.kv_offload_disk_writes_during_steps else offload.io
 
     def _run_step(self) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -275,8 +272,8 @@ class LLMEngine:
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, resolve them in the scheduler and report what moved."""
         waiting = time.perf_counter()
-        held = self._hold_disk_writes(False)  # the disk writes run while the host waits for the device
-        try:
+        io = self._held_disk_io()
+        with io.writes_running() if io is not None else contextlib.nullcontext():  # while the host waits
             if self.executor is not None and flight.result is not None:
                 # A peer that died or stopped answering leaves this step's collectives waiting forever on the
                 # device: the executor watches the workers and gives the step `distributed_timeout_s`.
@@ -290,9 +287,6 @@ class LLMEngine:
                     row.params.logprobs is not None for row in flight.step_input.sampling) else None
             except Exception as error:
                 raise self._step_failed(error, flight.out) from error
-        finally:
-            if held:
-                self._hold_disk_writes(True)
         sampled = self.output_processor.unpack(flight.step_input, flight.out, token_ids, logprobs)
         flight.wait_s = time.perf_counter() - waiting
         finished = flight.length_finished + self.scheduler.resolve(flight.out, sampled)

@@ -160,8 +160,17 @@ class DiskStore:
 
     @property
     def writes_held(self) -> bool:
-        """Whether the engine holds the writes (`hold_writes`; a wait for one may let them run meanwhile)."""
-        return self._held
+        """Whether queued writes and deletes wait now (held, and no caller waits for one)."""
+        return not self._may_write.is_set()
+
+    @contextlib.contextmanager
+    def holding_writes(self):
+        """Hold the writes for the block (`hold_writes`), then let them run."""
+        self.hold_writes()
+        try:
+            yield
+        finally:
+            self.release_writes()
 
     def hold_writes(self) -> None:
         """Queued writes and deletes wait until `release_writes` (one under way finishes), except while a caller

@@ -59,17 +59,13 @@ class DiskIO:
                 self.stats.disk_write_waits += 1
                 self.stats.disk_write_wait_seconds += time.perf_counter() - start
 
-    def hold_writes(self, held: bool) -> bool:
-        """Hold the disk writes (True) or let them run (False); returns whether they were held before (see
-        `kv_disk`: the engine holds them while the step loop runs Python). No disk tier: False."""
-        if self.disk is None:
-            return False
-        was = self.disk.writes_held
-        if held:
-            self.disk.hold_writes()
-        else:
-            self.disk.release_writes()
-        return was
+    def holding_writes(self):
+        """A context that holds the disk writes (see `kv_disk`: the step loop holds them while it runs Python)."""
+        return self.disk.holding_writes() if self.disk is not None else contextlib.nullcontext()
+
+    def writes_running(self):
+        """A context that lets held disk writes run while it waits (the step loop's wait for the device)."""
+        return self.disk.writes_running() if self.disk is not None else contextlib.nullcontext()
 
     def write(self, writes, ready) -> None:
         """Queue writing each (key, host block) of `writes` to disk, after `ready()` (the copies that fill them)."""
