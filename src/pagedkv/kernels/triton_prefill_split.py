@@ -56,7 +56,7 @@ from pagedkv.kernels.triton_prefill_split_parts import attend, finish, launch_op
 from pagedkv.kernels.tuning import PrefillTuning, SplitPrefillTuning, num_sms
 
 logger = logging.getLogger(__name__)
-PREFILL_KERNELS = ("split", "paged")
+PREFILL_KERNELS = ("split", "paged", "gluon")
 
 
 @triton.jit
@@ -170,10 +170,26 @@ def _log_fallback(reason: str) -> None:
     logger.info("prefill: the split kernel does not cover %s; the paged prefill kernel runs instead", reason)
 
 
-def prefill_route(key: torch.Tensor | None) -> str:
-    """"split" or "paged": which prefill kernel a call with these chunk K/V asks for.
+def _gluon_reason(query: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """Why the Gluon kernel cannot run a call the split kernel covers (its import failing is a reason too)."""
+    try:
+        from pagedkv.kernels.gluon_prefill import unsupported_reason as gluon_unsupported
+    except ImportError as error:  # a Triton without Gluon's Hopper module
+        return f"this Triton ({error})"
+    return gluon_unsupported(query, k_cache)
 
-    PAGEDKV_PREFILL_KERNEL=paged turns the split kernel off (an A/B switch, read per call).
+
+@functools.lru_cache(maxsize=64)
+def _log_gluon_fallback(reason: str) -> None:
+    """Say once per distinct reason why a call that asked for the Gluon kernel ran the split kernel."""
+    logger.info("prefill: the Gluon kernel does not cover %s; the split kernel runs instead", reason)
+
+
+def prefill_route(key: torch.Tensor | None) -> str:
+    """"split", "gluon" or "paged": which prefill kernel a call with these chunk K/V asks for.
+
+    PAGEDKV_PREFILL_KERNEL (read per call) switches: "paged" turns the split kernel off,
+    "gluon" asks for the Hopper warp-specialized kernel (`gluon_prefill`) where it covers the call.
     """
     if key is None:
         return "paged"
@@ -187,9 +203,18 @@ def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.T
                    split_tuning: SplitPrefillTuning, k_scale: torch.Tensor | None,
                    v_scale: torch.Tensor | None, max_seq_len: int | None = None) -> torch.Tensor:
     """The split kernel where the chunk K/V are given and covered, else the all-paged kernel (reason logged once)."""
-    if prefill_route(key) == "split" and max_seqlen_q >= split_tuning.min_query_tokens:
+    route = prefill_route(key)
+    if route != "paged" and max_seqlen_q >= split_tuning.min_query_tokens:
         reason = unsupported_reason(query, key, value, k_cache, v_cache, out, sliding_window=sliding_window,
                                     soft_cap=soft_cap, k_scale=k_scale)
+        if reason is None and route == "gluon":
+            hopper_reason = _gluon_reason(query, k_cache)
+            if hopper_reason is None:
+                from pagedkv.kernels.gluon_prefill import gluon_prefill_attention
+
+                return gluon_prefill_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
+                                               cu_seqlens_q, out, scale=scale, max_seqlen_q=max_seqlen_q)
+            _log_gluon_fallback(hopper_reason)
         if reason is None:
             return triton_split_prefill_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
                                                   cu_seqlens_q, out, scale=scale, max_seqlen_q=max_seqlen_q,
