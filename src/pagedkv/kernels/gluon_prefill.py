@@ -21,16 +21,17 @@ Each item's kv tiles (128 keys each) are the cached prefix, then the chunk's own
     the prefix's last are not read (the last page is read again; those keys are masked).
   - the chunk's tiles come from the step's key/value rows, contiguous, one box each.
 Only two tiles are masked: the prefix's ragged last tile (keys past the prefix) and the
-chunk's diagonal tile (key > query). A masked key's score is -inf, so its probability is 0.
-Its V row still enters the PV product (0 x V): V must be finite there. The rows read past a
-sequence's chunk are other tokens' K/V or TMA's zero fill, and pool slots are finite because
-the pool is allocated zeroed and only ever written with KV (`kernels.pool`). An all-paged or
-split kernel zeroes V rows instead; this one cannot (V goes to wgmma from shared memory).
+chunk's diagonal tile (key > query). A masked key's score is -inf, so its probability is 0;
+its V row still enters the PV product (0 x V), so it must be finite. The ragged tile's last
+page may hold stale slots (never-written memory can hold NaN): each consumer zeroes those V
+rows in shared memory before its PV product. The rows read past a chunk's end are other
+tokens' K/V of the same step, or TMA's zero fill past the tensor.
 
 Covered: bf16/fp16, head_dim 64 or 128, no sliding window, no soft cap, no FP8 cache,
 TMA-aligned rows, pages of 16+ tokens that divide 128 or are a multiple of it, sm_90.
-`triton_prefill_split.triton_prefill` routes here when asked (PAGEDKV_PREFILL_KERNEL=gluon)
-and the inputs are covered; otherwise the split kernel runs and the reason is logged once.
+`triton_prefill_split.triton_prefill` routes every covered call with the chunk's K/V here
+(PAGEDKV_PREFILL_KERNEL=auto, the default); the split kernel takes the rest.
+PAGEDKV_PREFILL_KERNEL=split keeps the split kernel (an A/B switch).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedkv.kernels.triton_common import LOG2E
@@ -122,6 +123,21 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
 
 
 @gluon.jit
+def _zero_rows_from(tile, first, HEAD_DIM: gl.constexpr):
+    """Zero rows `first` .. of a [TILE_N, HEAD_DIM] shared tile, visible to this warp group's next wgmma.
+
+    Both consumers zero the same rows of the same tile: they write the same bytes (the other
+    consumer's wgmma may be reading them, and reads the same values either way).
+    """
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    values = tile.load(layout)
+    keep = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, layout)) < first
+    tile.store(gl.where(keep[:, None], values, gl.zeros_like(values)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
               qk_scale, stride_out_t, stride_out_h, num_seqs, num_heads, num_q_tiles, num_items,
               HEAD_DIM: gl.constexpr, HALF: gl.constexpr):
@@ -161,6 +177,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, seq_
                 if (t == prefix_full) | (t == num_tiles - 1):  # the prefix's ragged tile, the diagonal
                     limit = gl.where(t < num_prefix, ctx - t * TILE_N + 0 * rows, rows - (t - num_prefix) * TILE_N + 1)
                     qk = gl.where(cols[None, :] < limit[:, None], qk, float("-inf"))
+                    if t < num_prefix:  # V rows of the page's slots past the prefix may be stale: zero them
+                        _zero_rows_from(v_smem.index(stage), ctx - t * TILE_N, HEAD_DIM)
                 m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
                 p = gl.exp2(qk * qk_scale - m_new[:, None])
                 alpha = gl.exp2(m_i - m_new)

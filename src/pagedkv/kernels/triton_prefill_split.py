@@ -56,7 +56,7 @@ from pagedkv.kernels.triton_prefill_split_parts import attend, finish, launch_op
 from pagedkv.kernels.tuning import PrefillTuning, SplitPrefillTuning, num_sms
 
 logger = logging.getLogger(__name__)
-PREFILL_KERNELS = ("split", "paged", "gluon")
+PREFILL_KERNELS = ("auto", "gluon", "split", "paged")
 
 
 @triton.jit
@@ -172,11 +172,18 @@ def _log_fallback(reason: str) -> None:
 
 def _gluon_reason(query: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     """Why the Gluon kernel cannot run a call the split kernel covers (its import failing is a reason too)."""
+    if not _is_hopper(query.device):
+        return "a device other than sm_90 (Hopper)"
     try:
         from pagedkv.kernels.gluon_prefill import unsupported_reason as gluon_unsupported
     except ImportError as error:  # a Triton without Gluon's Hopper module
         return f"this Triton ({error})"
     return gluon_unsupported(query, k_cache)
+
+
+@functools.lru_cache(maxsize=16)
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @functools.lru_cache(maxsize=64)
@@ -186,14 +193,15 @@ def _log_gluon_fallback(reason: str) -> None:
 
 
 def prefill_route(key: torch.Tensor | None) -> str:
-    """"split", "gluon" or "paged": which prefill kernel a call with these chunk K/V asks for.
+    """"auto", "gluon", "split" or "paged": which prefill kernel a call with these chunk K/V asks for.
 
-    PAGEDKV_PREFILL_KERNEL (read per call) switches: "paged" turns the split kernel off,
-    "gluon" asks for the Hopper warp-specialized kernel (`gluon_prefill`) where it covers the call.
+    PAGEDKV_PREFILL_KERNEL (read per call; default "auto": the Gluon kernel where it covers the
+    call, else the split kernel) switches: "gluon" asks for the Gluon kernel and logs once per
+    reason when it cannot run, "split" keeps the split kernel, "paged" the all-paged kernel.
     """
     if key is None:
         return "paged"
-    return env_choice("PAGEDKV_PREFILL_KERNEL", PREFILL_KERNELS, "split")
+    return env_choice("PAGEDKV_PREFILL_KERNEL", PREFILL_KERNELS, "auto")
 
 
 def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, k_cache: torch.Tensor,
@@ -202,19 +210,21 @@ def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.T
                    sliding_window: int | None, soft_cap: float | None, tuning: PrefillTuning,
                    split_tuning: SplitPrefillTuning, k_scale: torch.Tensor | None,
                    v_scale: torch.Tensor | None, max_seq_len: int | None = None) -> torch.Tensor:
-    """The split kernel where the chunk K/V are given and covered, else the all-paged kernel (reason logged once)."""
+    """Given the chunk K/V: the Gluon kernel on Hopper, else the split kernel, where covered; else the all-paged
+    kernel (the reason logged once)."""
     route = prefill_route(key)
     if route != "paged" and max_seqlen_q >= split_tuning.min_query_tokens:
         reason = unsupported_reason(query, key, value, k_cache, v_cache, out, sliding_window=sliding_window,
                                     soft_cap=soft_cap, k_scale=k_scale)
-        if reason is None and route == "gluon":
+        if reason is None and route in ("auto", "gluon"):
             hopper_reason = _gluon_reason(query, k_cache)
             if hopper_reason is None:
                 from pagedkv.kernels.gluon_prefill import gluon_prefill_attention
 
                 return gluon_prefill_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
                                                cu_seqlens_q, out, scale=scale, max_seqlen_q=max_seqlen_q)
-            _log_gluon_fallback(hopper_reason)
+            if route == "gluon":
+                _log_gluon_fallback(hopper_reason)
         if reason is None:
             return triton_split_prefill_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
                                                   cu_seqlens_q, out, scale=scale, max_seqlen_q=max_seqlen_q,
