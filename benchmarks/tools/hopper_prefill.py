@@ -182,7 +182,7 @@ def compiled_resources() -> list[dict]:
     if not SMOKE:
         from pagedkv.kernels import gluon_prefill
 
-        jits.append(gluon_prefill._prefill_kernel)
+        jits.append(gluon_prefill._gluon_prefill_kernel)
     rows = []
     for jit in jits:
         for cache in getattr(jit, "device_caches", {}).values():

@@ -33,7 +33,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     kernels = {row["kernel"] for row in compiled}
     assert {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_unified_kernel",
             "_write_kv_kernel", "_decode_write_kernel", "_split_prefill_kernel",
-            "_packed_prefill_kernel"} <= kernels
+            "_packed_prefill_kernel", "_gluon_prefill_kernel"} <= kernels
     # The decode loops are software-pipelined (cp.async into shared memory), not plain loads.
     assert all(row["async_copies"] > 0 for row in compiled if "decode" in row["kernel"] and "merge" not in
                row["kernel"])
@@ -54,3 +54,12 @@ def test_the_gqa_packed_prefill_program_keeps_two_per_sm(compiled):
     """The wide launch's premise (two 8-warp programs share an SM) holds for the packed rows too."""
     residency = {row["case"]: row["residency"] for row in compiled}
     assert residency["split prefill wide gqa-packed llama3"] == residency["split prefill wide llama3"] == 2
+
+
+def test_the_gluon_prefill_fits_one_program_per_sm_without_spills(compiled):
+    """Two Q buffers and a 2-stage K/V ring in shared memory, no local memory: the schedule its docstring claims."""
+    rows = [row for row in compiled if row["kernel"] == "_gluon_prefill_kernel"]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["wgmma"] > 0 and row["stack_bytes"] == 0
+        assert row["shared_bytes"] <= 227 * 1024

@@ -197,10 +197,10 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, seq_
 
 
 @gluon.jit
-def _prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-                    out_ptr, qk_scale, stride_out_t, stride_out_h, stride_bt_s, stride_bt_b, num_seqs, num_heads,
-                    num_q_tiles, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                    PAGE_ROWS: gl.constexpr):
+def _gluon_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, block_tables_ptr, seq_lens_ptr,
+                          cu_seqlens_q_ptr, out_ptr, qk_scale, stride_out_t, stride_out_h, stride_bt_s, stride_bt_b,
+                          num_seqs, num_heads, num_q_tiles, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          BLOCK_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     num_items = num_q_tiles * num_seqs * num_heads
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS, TILE_M, HEAD_DIM], q_desc.layout)
@@ -267,7 +267,7 @@ def gluon_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     vc_desc = TensorDescriptor(v_cache, pool_shape, [v_cache.stride(1), 1], [page_rows, CHUNK.value], page_layout)
     num_q_tiles = triton.cdiv(max_seqlen_q, TILE_M.value)
     grid = (min(num_sms(query.device), num_q_tiles * num_seqs * num_heads),)
-    _prefill_kernel[grid](q_desc, k_desc, v_desc, kc_desc, vc_desc, block_tables, seq_lens.contiguous(),
+    _gluon_prefill_kernel[grid](q_desc, k_desc, v_desc, kc_desc, vc_desc, block_tables, seq_lens.contiguous(),
                           cu_seqlens_q.contiguous(), out, scale * LOG2E, out.stride(0), out.stride(1),
                           block_tables.stride(0), block_tables.stride(1), num_seqs, num_heads, num_q_tiles,
                           GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,

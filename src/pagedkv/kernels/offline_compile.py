@@ -151,6 +151,22 @@ def _cases():
                                                       torch.empty_like(query), scale=0.1, max_seqlen_q=512,
                                                       max_seq_len=1024, tuning=SplitPrefillTuning(**tuning))
 
+    def gluon_prefill(heads, block_size, dtype=torch.bfloat16):
+        """The Hopper prefill (Gluon): a 512-token chunk on a ragged 1,000-token prefix, and a fresh 512 prompt."""
+        from pagedkv.kernels.gluon_prefill import gluon_prefill_attention
+
+        num_heads, num_kv_heads, head_dim = heads
+        _, k_cache, v_cache, table, _ = paged(2, 1536, heads, page=block_size, dtype=dtype)
+        lens = torch.tensor([1512, 512], dtype=torch.int32)
+        qkv = torch.zeros(1024, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+        q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+        query, key, value = (qkv[:, :q_end].view(1024, num_heads, head_dim),
+                             qkv[:, q_end:k_end].view(1024, num_kv_heads, head_dim),
+                             qkv[:, k_end:].view(1024, num_kv_heads, head_dim))
+        cu = torch.tensor([0, 512, 1024], dtype=torch.int32)
+        return lambda: gluon_prefill_attention(query, key, value, k_cache, v_cache, table, lens, cu,
+                                               torch.empty_like(query), scale=0.1, max_seqlen_q=512)
+
     def write():
         key = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
         k_cache = torch.zeros(10, 16, 8, 128, dtype=torch.bfloat16)
@@ -191,6 +207,9 @@ def _cases():
         ("unified smollm2 window+cap", varlen(paged_attention, (9, 3, 64), None, **masked), {}),
         ("split prefill wide llama3", split_prefill(**wide), {}),
         ("split prefill wide gqa-packed llama3", split_prefill(**wide, pack_gqa=True), {}),
+        ("gluon prefill llama3 page 16", gluon_prefill(llama, 16), {}),
+        ("gluon prefill llama3 page 128", gluon_prefill(llama, 128), {}),
+        ("gluon prefill smollm2 fp16 page 64", gluon_prefill((9, 3, 64), 64, torch.float16), {}),
         ("write_kv llama3", write(), {}),
         ("decode tiles gemma3 window+cap", decode((4, 1, 256), DecodeTuning(schedule="tiles"), sliding_window=512,
                                                   soft_cap=30.0), {"head_dim": 256, "masked": True}),
