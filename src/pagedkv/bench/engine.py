@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
                              "comma-separated dtypes to compare (kv-bound preset, default auto,fp8_e4m3)")
     parser.add_argument("--kv-budget-gib", type=float, default=None,
                         help="kv-bound: KV pool GiB (default 7: about 16 full bf16 sequences of the workload)")
-    parser.add_argument("--requests", type=int, default=None, help="requests (default 256; kv-bound: 64)")
+    parser.add_argument("--requests", type=int, default=None, help="requests (default 256; kv-bound: 128)")
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)

@@ -2,8 +2,10 @@
 
 Llama-3-8B shape (random weights, bf16; 32 layers, 8 KV heads of 128: 128 KiB of bf16 KV per
 token), requests with prompts uniform in [1,000, 2,000] tokens and outputs uniform in [1,000,
-3,000], all submitted at once, and a KV pool of a fixed number of bytes (`--kv-budget-gib`,
-default 7 GiB: about 16 of these sequences at their full length in bf16). Most of the run is
+3,000], all submitted at once (`--requests`, default 128), and a KV pool of a fixed number of
+bytes (`--kv-budget-gib`, default 7 GiB: about 16 of these sequences at their full length in
+bf16). 128 requests keep even the FP8 pool (~32 sequences) full for four turnovers: with 64 the
+FP8 run was two pools' worth, and its tail of a few sequences, not KV-bound, weighed twice as much. Most of the run is
 decode steps over long contexts, the regime where KV bytes set both how many sequences fit and
 how long each step reads. The same requests run once per `--kv-cache-dtype` (default bf16 then
 fp8_e4m3), each with a fresh engine on the same budget, so an FP8 pool holds twice the blocks.
@@ -31,6 +33,7 @@ from pagedkv.bench.engine_timing import decode_share, timed_generate
 TARGET_SPEEDUP = 1.4
 #: Prompt and output token ranges (uniform, inclusive) and the KV budget that holds ~16 full bf16 sequences.
 PROMPT_TOKENS, OUTPUT_TOKENS, DEFAULT_BUDGET_GIB = (1000, 2000), (1000, 3000), 7.0
+DEFAULT_REQUESTS = 128
 
 
 def kv_bound_workload(num_requests: int, seed: int, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -78,7 +81,7 @@ def run(args) -> int:
     if len(dtypes) == 1 and dtypes[0] != "auto":
         dtypes = ["auto", *dtypes]  # always against the model dtype, in the same run
     model = random_model("llama3-8b", torch.bfloat16, torch.device("cuda"))
-    prompts, output_lens = kv_bound_workload(args.requests or 64, args.seed, model.config.vocab_size)
+    prompts, output_lens = kv_bound_workload(args.requests or DEFAULT_REQUESTS, args.seed, model.config.vocab_size)
     budget = int((args.kv_budget_gib or DEFAULT_BUDGET_GIB) * 2**30)
     result = {"benchmark": "engine_kv_bound", "model": "random:llama3-8b (bf16)",
               "provenance": provenance(torch.cuda.get_device_name()), "kv_budget_bytes": budget,
