@@ -68,7 +68,8 @@ VARIANTS[GLUON] = {}
 DEFAULT_VARIANTS = ("auto", "wide", "deep", "wide split2", "deep split2", *(f"{name} packed" for name in PACKED),
                     "wide packed nocap")
 #: name -> (batch, chunk tokens, cached prefix tokens)
-CASES = {"prefill 8 x 2048": (8, 2048, 0), "chunk 512 on 4096": (1, 512, 4096)}
+CASES = {"prefill 8 x 2048": (8, 2048, 0), "chunk 512 on 4096": (1, 512, 4096),
+         "chunk 64 on 16384": (1, 64, 16384)}  # 32 items for 132 SMs: the default route keeps the split kernel
 #: A ragged mix for the checks: whole prompts, chunks on prefixes (ragged ones), a one-token chunk.
 MIXED = ([1000, 4608, 2048, 129, 17, 300, 77], [1000, 512, 2048, 64, 17, 1, 40])
 if SMOKE:

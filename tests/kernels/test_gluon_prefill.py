@@ -1,11 +1,11 @@
 """The Hopper prefill kernel in Gluon (`kernels.gluon_prefill`) against float64, and its route.
 
 Gluon has no interpreter, so on CPU only the route is tested: asked for (PAGEDKV_PREFILL_KERNEL=
-gluon) where it cannot run, the split kernel answers and the reason is logged once. The
-GPU-marked tests run it on an sm_90 device at the engine's head shapes and every page size it
-covers. Its pools hold 1e4 (not NaN) in the slots nobody wrote: a masked key's V row enters its
-PV product times 0, so stale slots must be finite (the engine's pool is allocated zeroed);
-1e4 in any unmasked score or V row would show in the output.
+gluon) where it cannot run, the split kernel answers and the reason is logged once; and which
+calls the default route keeps on the split kernel. The GPU-marked tests run it on an sm_90 device
+at the engine's head shapes and every page size it covers, on NaN-poisoned pools (a masked key's
+V row enters its PV product times 0: the kernel zeroes the stale rows of a prefix's last page and
+the neighbour's rows past a chunk; without that, these tests fail).
 """
 
 import logging
@@ -43,6 +43,26 @@ def test_asked_for_where_it_cannot_run_the_split_kernel_answers_and_says_why_onc
     assert len(said) == 1 and "sm_90" in said[0]
 
 
+def test_the_default_route_keeps_the_split_kernel_for_few_items_on_long_keys_or_explicit_settings(monkeypatch):
+    """The Gluon kernel runs one (query tile, sequence, head) item per SM and never splits the keys."""
+    from pagedkv.kernels import triton_prefill_split as route
+
+    monkeypatch.setattr(route, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(route, "num_sms", lambda device: 132)
+    tables, cache = torch.zeros(1, 1100, dtype=torch.int32), torch.zeros(1, 16, 8, 128)
+
+    def keeps_split(chunk, num_seqs, max_seq_len, tuning=SplitPrefillTuning()):
+        query = torch.zeros(chunk * num_seqs, 32, 128)
+        return route._auto_keeps_split(query, torch.zeros(num_seqs), chunk, max_seq_len, tables, cache, tuning)
+
+    assert keeps_split(64, 1, 16384) == "32 work items for 132 SMs on 16384 keys"  # a tail chunk on a long prompt
+    assert keeps_split(512, 1, 4608) is None  # 128 items: the Gluon kernel fills the SMs
+    assert keeps_split(64, 2, 16384) == "64 work items for 132 SMs on 16384 keys"  # at most half the SMs
+    assert keeps_split(64, 3, 16384) is None  # 96 items: the Gluon kernel
+    assert keeps_split(64, 1, 2047) is None  # short keys: a split would not pay
+    assert keeps_split(512, 1, 4608, SplitPrefillTuning(num_splits=2)) == "explicit split-kernel settings"
+
+
 def hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -64,6 +84,38 @@ def test_gluon_prefill_on_cuda(block_size, heads, dtype):
     gluon_prefill_attention(query, key, value, *scenario.kv, cu, out, scale=heads[2] ** -0.5,
                             max_seqlen_q=max(GPU_Q_LENS))
     assert_gpu_matches(out, expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_gluon_prefill_takes_int64_metadata():
+    from pagedkv.kernels.gluon_prefill import gluon_prefill_attention
+
+    scenario = GpuScenario(GPU_SEQ_LENS, 16, 8, 128, torch.bfloat16, seed=26)
+    query, key, value, cu = chunk_step(scenario, GPU_SEQ_LENS, GPU_Q_LENS, 32)
+    expected = reference_prefill_attention(query, *scenario.kv, cu, scale=128 ** -0.5, float64=True)
+    out = torch.full_like(query, float("nan"))
+    gluon_prefill_attention(query, key, value, scenario.k_cache, scenario.v_cache, scenario.block_tables.long(),
+                            scenario.seq_lens.long(), cu.long(), out, scale=128 ** -0.5, max_seqlen_q=max(GPU_Q_LENS))
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_a_bad_neighbour_does_not_reach_a_sequence_through_its_diagonal_tile():
+    """A chunk of 100 tokens reads the next sequence's first 28 K/V rows on its diagonal tile, masked: NaN there
+    (a request whose activations overflowed) must not reach it. The neighbour's own rows may be NaN."""
+    from pagedkv.kernels.gluon_prefill import gluon_prefill_attention
+
+    seq_lens, q_lens = [300, 200], [100, 200]
+    scenario = GpuScenario(seq_lens, 16, 8, 128, torch.bfloat16, seed=27)
+    query, key, value, cu = chunk_step(scenario, seq_lens, q_lens, 32)
+    expected = reference_prefill_attention(query, *scenario.kv, cu, scale=128 ** -0.5, float64=True)
+    value[100:140] = float("nan")
+    key[100:140] = float("nan")
+    out = torch.full_like(query, float("nan"))
+    gluon_prefill_attention(query, key, value, *scenario.kv, cu, out, scale=128 ** -0.5, max_seqlen_q=200)
+    assert_gpu_matches(out[:100], expected[:100], torch.bfloat16)
 
 
 @pytest.mark.gpu

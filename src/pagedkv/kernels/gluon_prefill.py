@@ -23,9 +23,12 @@ Each item's kv tiles (128 keys each) are the cached prefix, then the chunk's own
 Only two tiles are masked: the prefix's ragged last tile (keys past the prefix) and the
 chunk's diagonal tile (key > query). A masked key's score is -inf, so its probability is 0;
 its V row still enters the PV product (0 x V), so it must be finite. The ragged tile's last
-page may hold stale slots (never-written memory can hold NaN): each consumer zeroes those V
-rows in shared memory before its PV product. The rows read past a chunk's end are other
-tokens' K/V of the same step, or TMA's zero fill past the tensor.
+page may hold stale slots (never-written memory can hold NaN), and a diagonal tile that runs
+past the chunk's end holds the next sequence's rows (one bad request must not poison its
+neighbour): each consumer zeroes those V rows in shared memory before its PV product.
+A consumer whose 64 rows all lie past the chunk (a tile of 64 tokens or fewer) still computes
+them (an idle branch spilled registers); the default route sends steps of few items on long keys
+to the split kernel, which splits the keys.
 
 Covered: bf16/fp16, head_dim 64 or 128, no sliding window, no soft cap, no FP8 cache,
 TMA-aligned rows, pages of 16+ tokens that divide 128 or are a multiple of it, sm_90.
@@ -62,9 +65,9 @@ def _item(item, cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, num_heads, num_q_tiles
     tile = num_q_tiles - 1 - item // per_tile
     seq = (item % per_tile) // num_heads
     head = item % num_heads
-    q_start = gl.load(cu_seqlens_q_ptr + seq)
-    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    ctx = gl.load(seq_lens_ptr + seq) - q_len
+    q_start = gl.load(cu_seqlens_q_ptr + seq).to(gl.int32)  # int32: TMA coordinates are 32-bit
+    q_len = gl.load(cu_seqlens_q_ptr + seq + 1).to(gl.int32) - q_start
+    ctx = gl.load(seq_lens_ptr + seq).to(gl.int32) - q_len
     return tile * TILE_M >= q_len, head, seq, tile, q_start, q_len, ctx
 
 
@@ -107,7 +110,7 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
                     for j in gl.static_range(TILE_N // PAGE_ROWS):
                         token = t * TILE_N + j * PAGE_ROWS
                         page = gl.minimum(token // BLOCK_SIZE, last_page)
-                        row = gl.load(table_row + page * stride_bt_b) * BLOCK_SIZE + token % BLOCK_SIZE
+                        row = gl.load(table_row + page * stride_bt_b).to(gl.int32) * BLOCK_SIZE + token % BLOCK_SIZE
                         for c in gl.static_range(HEAD_DIM // CHUNK):
                             k_dst = k_smem.index(stage).slice(j * PAGE_ROWS, PAGE_ROWS, dim=0)
                             v_dst = v_smem.index(stage).slice(j * PAGE_ROWS, PAGE_ROWS, dim=0)
@@ -126,8 +129,9 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
 def _zero_rows_from(tile, first, HEAD_DIM: gl.constexpr):
     """Zero rows `first` .. of a [TILE_N, HEAD_DIM] shared tile, visible to this warp group's next wgmma.
 
-    Both consumers zero the same rows of the same tile: they write the same bytes (the other
-    consumer's wgmma may be reading them, and reads the same values either way).
+    Both consumers rewrite the same tile (kept rows unchanged, the rest zeros) through the generic proxy
+    while the other's wgmma may read it through the async proxy: unordered, but the bytes it reads are
+    the same either way. The tile's stage is refilled only after both consumers released it.
     """
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     values = tile.load(layout)
@@ -175,10 +179,14 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, seq_
                 qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)),
                                    gl.zeros([HALF_M, TILE_N], gl.float32, layout=qk_layout), use_acc=False)
                 if (t == prefix_full) | (t == num_tiles - 1):  # the prefix's ragged tile, the diagonal
-                    limit = gl.where(t < num_prefix, ctx - t * TILE_N + 0 * rows, rows - (t - num_prefix) * TILE_N + 1)
+                    chunk_tile = t - num_prefix
+                    limit = gl.where(t < num_prefix, ctx - t * TILE_N + 0 * rows, rows - chunk_tile * TILE_N + 1)
                     qk = gl.where(cols[None, :] < limit[:, None], qk, float("-inf"))
-                    if t < num_prefix:  # V rows of the page's slots past the prefix may be stale: zero them
-                        _zero_rows_from(v_smem.index(stage), ctx - t * TILE_N, HEAD_DIM)
+                    # V rows that are not this sequence's keys enter PV times 0: zero them (a stale page slot
+                    # past the prefix, or the next sequence's rows past the chunk, may not be finite).
+                    keys_here = gl.where(t < num_prefix, ctx - t * TILE_N, q_len - chunk_tile * TILE_N)
+                    if keys_here < TILE_N:
+                        _zero_rows_from(v_smem.index(stage), keys_here, HEAD_DIM)
                 m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
                 p = gl.exp2(qk * qk_scale - m_new[:, None])
                 alpha = gl.exp2(m_i - m_new)
@@ -231,7 +239,8 @@ def _gluon_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, block_tables
 
 def unsupported_reason(query: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     """Why this kernel cannot run inputs the split kernel accepts (None when it can)."""
-    if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] != 9:
+    if query.device.type != "cuda" or torch.version.hip is not None or \
+            torch.cuda.get_device_capability(query.device) != (9, 0):
         return "a device other than sm_90 (Hopper)"
     block_size = k_cache.shape[1]
     if block_size < 16 or (TILE_N.value % block_size and block_size % TILE_N.value):

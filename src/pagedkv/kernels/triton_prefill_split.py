@@ -57,6 +57,7 @@ from pagedkv.kernels.tuning import PrefillTuning, SplitPrefillTuning, num_sms
 
 logger = logging.getLogger(__name__)
 PREFILL_KERNELS = ("auto", "gluon", "split", "paged")
+_DEFAULT_SPLIT = SplitPrefillTuning()
 
 
 @triton.jit
@@ -170,6 +171,25 @@ def _log_fallback(reason: str) -> None:
     logger.info("prefill: the split kernel does not cover %s; the paged prefill kernel runs instead", reason)
 
 
+def _auto_keeps_split(query: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int, max_seq_len: int | None,
+                      block_tables: torch.Tensor, k_cache: torch.Tensor, tuning: SplitPrefillTuning) -> str | None:
+    """Why the default route keeps the split kernel for a call the Gluon kernel could take (None: it does not).
+
+    Launch settings given explicitly (or GQA packing asked for) are the split kernel's. A step of at
+    most half as many (query tile, sequence, head) items as SMs on long keys: the Gluon kernel runs one
+    item per SM and never splits the keys, the split kernel splits them and fills twice the SMs.
+    """
+    if tuning != _DEFAULT_SPLIT:
+        return "explicit split-kernel settings"
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+    items = -(-max_seqlen_q // 128) * seq_lens.shape[0] * query.shape[1]
+    if _is_hopper(query.device) and 2 * items <= num_sms(query.device) and \
+            max_seq_len >= 2 * tuning.min_split_tokens:
+        return f"{items} work items for {num_sms(query.device)} SMs on {max_seq_len} keys"
+    return None
+
+
 def _gluon_reason(query: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     """Why the Gluon kernel cannot run a call the split kernel covers (its import failing is a reason too)."""
     if not _is_hopper(query.device):
@@ -183,7 +203,8 @@ def _gluon_reason(query: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 @functools.lru_cache(maxsize=64)
@@ -216,7 +237,10 @@ def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.T
     if route != "paged" and max_seqlen_q >= split_tuning.min_query_tokens:
         reason = unsupported_reason(query, key, value, k_cache, v_cache, out, sliding_window=sliding_window,
                                     soft_cap=soft_cap, k_scale=k_scale)
-        if reason is None and route in ("auto", "gluon"):
+        split = split_tuning.with_env_packing()
+        wants_gluon = route == "gluon" or route == "auto" and reason is None and _auto_keeps_split(
+            query, seq_lens, max_seqlen_q, max_seq_len, block_tables, k_cache, split) is None
+        if reason is None and wants_gluon:
             hopper_reason = _gluon_reason(query, k_cache)
             if hopper_reason is None:
                 from pagedkv.kernels.gluon_prefill import gluon_prefill_attention
@@ -228,7 +252,7 @@ def triton_prefill(query: torch.Tensor, key: torch.Tensor | None, value: torch.T
         if reason is None:
             return triton_split_prefill_attention(query, key, value, k_cache, v_cache, block_tables, seq_lens,
                                                   cu_seqlens_q, out, scale=scale, max_seqlen_q=max_seqlen_q,
-                                                  tuning=split_tuning.with_env_packing(), max_seq_len=max_seq_len)
+                                                  tuning=split, max_seq_len=max_seq_len)
         _log_fallback(reason)
     return triton_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale=scale,
                                     max_seqlen_q=max_seqlen_q, sliding_window=sliding_window, soft_cap=soft_cap,
