@@ -51,6 +51,8 @@ EXTRA+=(--gc "${GC:-freeze}")
 # WRITES_DURING_STEPS=1: one more configuration, the disk writers free to start while the step loop runs (the
 # engine's default holds them until it waits for the device).
 [ "${WRITES_DURING_STEPS:-0}" = 1 ] && EXTRA+=(--disk-writes-during-steps)
+# WRITER_PROCESS=1: one more configuration, the disk writes in a child process over a shared host pool.
+[ "${WRITER_PROCESS:-0}" = 1 ] && EXTRA+=(--disk-writer-process)
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"
 timeout "${CHAT_TIMEOUT_S:-480}" $PY -m pagedkv bench engine --preset chat-tiers --model "$MODELS" \
   --kv-offload-memory "$HOST_MEMORY" --kv-offload-dir "$DIR" --mixed-step-graphs "$GRAPHS" --out "$OUT" "${EXTRA[@]}" 2>&1 | tee "$OUT/kv_tiers.log" | grep -E "^\S+ \| " \

@@ -54,13 +54,14 @@ def offload_options(args: argparse.Namespace) -> dict:
     """The KV tiers' `EngineConfig` fields from `add_engine_arguments`' flags."""
     return {"kv_offload_memory": args.kv_offload_memory, "kv_offload_dir": args.kv_offload_dir,
             "kv_offload_disk_bytes": args.kv_offload_disk_size,
-            "kv_offload_in_step_restore_tokens": args.kv_offload_in_step_restore_tokens}
+            "kv_offload_in_step_restore_tokens": args.kv_offload_in_step_restore_tokens,
+            "kv_offload_disk_writer": args.kv_offload_disk_writer}
 
 
 def add_engine_arguments(group) -> None:
     """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
     --max-model-len, --kv-offload-memory, --kv-offload-dir, --kv-offload-disk-size,
-    --kv-offload-in-step-restore-tokens, --kv-cache-dtype,
+    --kv-offload-disk-writer, --kv-offload-in-step-restore-tokens, --kv-cache-dtype,
     --enforce-eager, --mixed-step-graphs."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
@@ -82,6 +83,10 @@ def add_engine_arguments(group) -> None:
                             "DIR finds its prefixes again (default: off)")
     group.add_argument("--kv-offload-disk-size", type=parse_size, default=64 * 2**30, metavar="SIZE",
                        help="the disk tier's size cap, LRU beyond it (default 64GiB)")
+    group.add_argument("--kv-offload-disk-writer", default="threads", choices=["threads", "process"],
+                       help="who writes the disk tier's files: writer threads, or a writer process over a host "
+                            "pool in shared memory that never takes the engine's interpreter lock "
+                            "(default %(default)s)")
     group.add_argument("--kv-offload-in-step-restore-tokens", type=int, default=None, metavar="N",
                        help="tokens' worth of restored KV a step copies before its kernels, so that their requests "
                             "compute in it; the rest copy beside the step and compute from the next "

@@ -17,6 +17,7 @@ from pagedkv.engine.outputs import STEP_PHASES
 TIERED = "GPU + host + disk"
 HOST_ONLY = "GPU + host (no disk tier)"
 WRITES_DURING_STEPS = f"{TIERED}, disk writes during steps"
+WRITER_PROCESS = f"{TIERED}, disk writer process"
 
 
 def in_step_label(tokens: int) -> str:

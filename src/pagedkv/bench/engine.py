@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--disk-writes-during-steps", action="store_true",
                         help="chat-tiers: one more configuration, the tiers with disk writes free to start while "
                              "the step loop schedules and launches (kv_offload_disk_writes_during_steps)")
+    parser.add_argument("--disk-writer-process", action="store_true",
+                        help="chat-tiers: one more configuration, the tiers with the disk writes in a child process "
+                             "over a shared host pool (kv_offload_disk_writer=\"process\")")
     parser.add_argument("--in-step-restore-tokens", type=int, default=None, metavar="T",
                         help="chat-tiers: one more configuration, the tiers with at most T tokens' worth of restored "
                              "blocks copied before a step's kernels (--kv-offload-in-step-restore-tokens; 0: every "

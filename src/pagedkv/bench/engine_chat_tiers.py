@@ -49,7 +49,15 @@ from pathlib import Path
 import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
-from pagedkv.bench.chat_tiers_report import HOST_ONLY, TIERED, WRITES_DURING_STEPS, in_step_label, markdown, step_line
+from pagedkv.bench.chat_tiers_report import (
+    HOST_ONLY,
+    TIERED,
+    WRITER_PROCESS,
+    WRITES_DURING_STEPS,
+    in_step_label,
+    markdown,
+    step_line,
+)
 from pagedkv.bench.chat_tiers_run import run_chat
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
@@ -228,6 +236,9 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     if args.disk_writes_during_steps:  # the disk writers not held while the step loop runs (a disk of its own)
         configs.append((WRITES_DURING_STEPS, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "during"),
                                                   kv_offload_disk_writes_during_steps=True)))
+    if args.disk_writer_process:  # the disk writes in a child process over a shared host pool (a disk of its own)
+        configs.append((WRITER_PROCESS, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "process"),
+                                             kv_offload_disk_writer="process")))
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
                         dict(tiered, kv_offload_dir=str(Path(offload_dir) / "in-step"),

@@ -36,6 +36,9 @@ class EngineConfig:
     kv_offload_disk_writes_during_steps: let the disk tier's writer threads start writes while the
     step loop schedules, builds and launches (False, the default: only while it waits for the device
     and between steps, where they do not take the interpreter lock from it). See docs/kv-tiers.md.
+    kv_offload_disk_writer: "threads" (default) or "process": the disk tier's writes in a child process
+    over a host pool in shared memory, so they never take this process's interpreter lock
+    (`pagedkv.engine.kv_disk_process`; threads again, with a warning, where /dev/shm cannot hold the pool).
     """
 
     model: str | None = None
@@ -74,6 +77,7 @@ class EngineConfig:
     kv_offload_disk_bytes: int = 64 * 2**30  # the disk tier's size cap
     kv_offload_in_step_restore_tokens: int | None = None  # None: max_num_batched_tokens
     kv_offload_disk_writes_during_steps: bool = False
+    kv_offload_disk_writer: str = "threads"  # or "process"
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
@@ -90,6 +94,9 @@ class EngineConfig:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise ConfigError(f"kv_offload_in_step_restore_tokens must be a number of tokens >= 0 (or None: "
                               f"max_num_batched_tokens), got {tokens!r}")
+        if self.kv_offload_disk_writer not in ("threads", "process"):
+            raise ConfigError(f"kv_offload_disk_writer must be 'threads' or 'process', got "
+                              f"{self.kv_offload_disk_writer!r}")
         if self.kv_offload_dir is not None:
             if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:
                 raise ConfigError(f"kv_offload_dir must be a directory path, got {self.kv_offload_dir!r}")

@@ -83,8 +83,12 @@ class DiskStore:
             probe.unlink()
         except OSError as error:
             self._disable(f"the KV offload directory {self.dir} is not writable ({error.strerror or error})")
+        self._start_writers(num_write_threads)
+
+    def _start_writers(self, num_write_threads: int) -> None:
+        """Start the writer threads (none: only the synchronous `write` is used, as in a writer process)."""
         self._threads = [threading.Thread(target=self._work, args=(jobs,), name=f"pagedkv-kv-disk-{index}", daemon=True)
-                         for index, jobs in enumerate(self._queues)]
+                         for index, jobs in enumerate(self._queues)] if num_write_threads else []
         for thread in self._threads:
             thread.start()
 

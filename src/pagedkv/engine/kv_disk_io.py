@@ -68,11 +68,15 @@ class DiskIO:
         return self.disk.writes_running() if self.disk is not None else contextlib.nullcontext()
 
     def write(self, writes, ready) -> None:
-        """Queue writing each (key, host block) of `writes` to disk, after `ready()` (the copies that fill them)."""
+        """Queue writing each (key, host block) of `writes` to disk, after `ready` (a CUDA event recorded after the
+        copies that fill them, or None)."""
         if not writes or self.disk is None:
             return
+        by_block = getattr(self.disk, "takes_blocks", False)  # a writer process reads the shared pool itself
+        after = ready if by_block or ready is None else ready.synchronize
         for key, block in writes:
-            self._writing[block] = self.disk.write_async(key, self._host_bytes[block], ready)
+            data = None if by_block else self._host_bytes[block]
+            self._writing[block] = self.disk.write_async(key, data, after, **({"block": block} if by_block else {}))
             self.stats.disk_write_bytes += self.block_nbytes
 
     def delete(self, keys) -> None:

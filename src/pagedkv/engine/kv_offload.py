@@ -84,7 +84,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 class KVOffload:
     """A pinned host pool beside the device pool, its copy stream, and the optional disk store."""
 
-    def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None):
+    def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None, shared_host=None):
         self.pool = pool
         self.device = pool.device
         self.is_cuda = self.device.type == "cuda"
@@ -93,7 +93,13 @@ class KVOffload:
         block_shape = (2, storage.shape[1], *storage.shape[3:])
         # Empty, not zeroed: a host block is always written (a spill, a swap-out, a disk read) before it is read,
         # and zeroing tens of GiB of pinned memory would cost seconds of startup.
-        self.host = torch.empty((num_host_blocks, *block_shape), dtype=storage.dtype, pin_memory=self.is_cuda)
+        # `shared_host` (a `kv_disk_process.SharedHostPool`, pinned on CUDA): the pool in shared memory, which a
+        # writer process reads.
+        self._shared_host = shared_host
+        if shared_host is not None:
+            self.host = shared_host.tensor.view(storage.dtype).view(num_host_blocks, *block_shape)
+        else:
+            self.host = torch.empty((num_host_blocks, *block_shape), dtype=storage.dtype, pin_memory=self.is_cuda)
         self._host_bytes = self.host.view(torch.uint8).reshape(num_host_blocks, -1).numpy()  # [Nh, bytes]
         self.block_nbytes = self._host_bytes.shape[1]
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
@@ -161,7 +167,7 @@ class KVOffload:
                     ready.record(self.stream)
             if d2h or h2d:
                 main.wait_event(spilled)  # outside any graph: the step's graphs are launched after this
-        self.io.write(step.disk_writes, ready.synchronize if ready is not None else None)
+        self.io.write(step.disk_writes, ready)
         self.io.delete(step.disk_deletes)
 
     def _mark(self):
@@ -298,5 +304,9 @@ class KVOffload:
         self.disk.flush()
 
     def close(self) -> None:
-        """Finish queued disk work."""
+        """Finish queued disk work (and free a shared host pool)."""
         self.io.close()
+        if self._shared_host is not None:
+            self.host = self._host_bytes = self.io._host_bytes = None
+            self._shared_host.close()
+            self._shared_host = None

@@ -211,11 +211,21 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
                   layer_slots=layout.layer_slot if layout is not None else None)
     offload = None
     if plan.num_host_blocks:
-        disk = None
+        disk = shared = None
         if plan.disk_capacity_blocks:
             fields = disk_fingerprint_fields(config, setup, tp)
-            disk = DiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block)
-        offload = KVOffload(pool, plan.num_host_blocks, disk=disk, tp=tp)
+            if config.kv_offload_disk_writer == "process":
+                from pagedkv.engine.kv_disk_process import ProcessDiskStore, SharedHostPool
+
+                shared, why = SharedHostPool.create(plan.num_host_blocks * plan.bytes_per_block,
+                                                    pin=device.type == "cuda")
+                if shared is None:
+                    logger.warning("KV disk tier: writer threads, not a writer process: %s", why)
+                else:
+                    disk = ProcessDiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block, shared)
+            if disk is None:
+                disk = DiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block)
+        offload = KVOffload(pool, plan.num_host_blocks, disk=disk, tp=tp, shared_host=shared)
     runner = ModelRunner(setup.model, pool, is_own_model=setup.model_impl == "pagedkv",
                          offload=offload, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
