@@ -1,6 +1,7 @@
 """KV tiers under tensor parallelism (two CPU ranks over gloo): each rank offloads and persists its own shard,
 and a disk file that is bad on one rank only is a miss on every rank."""
 
+import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
@@ -20,10 +21,12 @@ def _llm(tp, **options):
     return LLM("random:tiny-llama", device="cpu", block_size=BLOCK, num_blocks=64, tensor_parallel_size=tp, **options)
 
 
-def test_tp2_restart_reads_every_ranks_shard_and_a_miss_on_one_rank_is_a_miss_for_all(tmp_path):
+@pytest.mark.parametrize("writer", ["threads", "process"])
+def test_tp2_restart_reads_every_ranks_shard_and_a_miss_on_one_rank_is_a_miss_for_all(tmp_path, writer):
+    """Each rank writes its shard through its own writer threads or writer process."""
     prompts = _prompts()
     expected = [o.outputs[0].token_ids for o in _llm(1, enable_prefix_caching=False).generate(prompts, PARAMS)]
-    options = dict(kv_offload_memory=64 * 2**10, kv_offload_dir=str(tmp_path))
+    options = dict(kv_offload_memory=64 * 2**10, kv_offload_dir=str(tmp_path), kv_offload_disk_writer=writer)
     first = _llm(2, **options)
     try:
         assert [o.outputs[0].token_ids for o in first.generate(prompts[:1], PARAMS)] == expected[:1]
