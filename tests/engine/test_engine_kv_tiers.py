@@ -408,12 +408,14 @@ GPU_POOLS = {"tiny-qwen3": dict(num_blocks=48), "tiny-gemma3": dict(num_blocks=7
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_POOLS))
+@pytest.mark.parametrize("name, writer", [(name, "threads") for name in GPU_POOLS] + [("tiny-qwen3", "process")])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name):
+def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name, writer):
     """The CUDA path: spills, pre-spills and restores on the side stream beside graphed steps, swap through the
     same pool, disk writes after a CUDA event, then a restart: the tokens of a pool with no tiers, every time.
-    For the layer-group model every group's blocks take that path, keyed per group."""
+    For the layer-group model every group's blocks take that path, keyed per group. With the writer process
+    the host pool is shared memory registered with CUDA (pinned), and its writes wait for their copies'
+    events."""
     from pagedkv.models.loader import random_model
 
     model = random_model(name, torch.float32, "cuda")
@@ -422,8 +424,13 @@ def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_
     options = dict(hf_model=model, block_size=BLOCK, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     expected = _tokens(LLM(num_blocks=2048, enable_prefix_caching=False, **options).generate(prompts, params))
     tiers = dict(kv_offload_memory=8 * 2**20, kv_offload_dir=str(tmp_path), watermark=0.0,
-                 preemption_mode="swap", swap_space=2**20, **GPU_POOLS[name])
+                 preemption_mode="swap", swap_space=2**20, kv_offload_disk_writer=writer, **GPU_POOLS[name])
     first = LLM(**options, **tiers)
+    if writer == "process":
+        from pagedkv.engine.kv_disk_process import ProcessDiskStore
+
+        assert isinstance(first.engine.runner.offload.disk, ProcessDiskStore)
+        assert first.engine.runner.offload.host.is_pinned()
     assert first.engine.runner.graphs
     assert first.engine.scheduler.block_manager.num_groups == (3 if name == "tiny-gemma3" else 1)
     assert _tokens(first.generate(prompts, params)) == expected

@@ -137,3 +137,53 @@ def test_the_shared_host_pool_is_a_torch_view_of_the_segment():
     assert bytes(pool.shm.buf[:4]) == b"\x05" * 4
     pool.close()
     pool.close()  # idempotent
+
+
+def test_thousands_of_writes_queued_without_a_poll_do_not_fill_the_pipes(store):
+    """Reports are read on a thread of their own: the writer never blocks on a full report pipe while the engine
+    blocks on a full command pipe."""
+    store, _ = store
+    dones = [store.write_async(_key(i % 250) + bytes([i // 250]), None, None, block=i % 8) for i in range(5000)]
+    store.flush()
+    assert all(done.is_set() for done in dones) and len(store.poll()) == 5000
+
+
+def test_a_writer_process_that_dies_turns_the_disk_tier_off_and_nothing_hangs(store, caplog):
+    store, _ = store
+    first = store.write_async(_key(1), None, None, block=1)
+    first.wait()
+    store.poll()
+    store._process.kill()
+    store._process.wait()
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        later = [store.write_async(_key(i), None, None, block=i) for i in range(2, 6)]
+        for done in later:
+            done.wait()
+        store.flush()
+    reports = store.poll()
+    assert sorted(reports) == [(_key(i), False) for i in range(2, 6)]
+    assert store.disabled_reason is not None and "writer process" in store.disabled_reason
+    assert any("KV disk tier off" in r.getMessage() for r in caplog.records)
+    store.delete_async(_key(1))  # a no-op now, not an error
+
+
+def test_the_writer_process_outlives_a_ctrl_c_meant_for_the_engine(store):
+    import signal
+
+    store, blocks = store
+    store._process.send_signal(signal.SIGINT)
+    blocks[0] = 4
+    done = store.write_async(_key(0), None, None, block=0)
+    done.wait()
+    assert store.poll() == [(_key(0), True)] and store._process.poll() is None
+
+
+def test_a_writer_process_that_cannot_start_leaves_the_writer_threads(tmp_path, caplog, monkeypatch):
+    from pagedkv.engine import kv_disk_process
+
+    monkeypatch.setattr(kv_disk_process.sys, "executable", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        llm = _disk_llm(tmp_path, kv_offload_disk_writer="process")
+    assert not isinstance(llm.engine.runner.offload.disk, ProcessDiskStore)
+    assert any("did not start" in r.getMessage() for r in caplog.records)
+    llm.engine.shutdown()

@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 
@@ -51,8 +52,12 @@ class SharedHostPool:
 
         self.shm = shm
         self.nbytes = nbytes
+        self._state = {"unlinked": False}
         self.tensor = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
         self.pinned = False
+        # An engine dropped without its shutdown still removes the segment's name (the memory goes with the
+        # process's last reference to it).
+        weakref.finalize(self, _unlink_quietly, shm.name, self._state)
         if pin:
             try:
                 torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
@@ -81,53 +86,71 @@ class SharedHostPool:
             return None, str(error)
 
     def close(self) -> None:
-        """Unpin and free the segment (idempotent)."""
-        if self.shm is None:
-            return
+        """Unpin the segment and remove its name (idempotent). The caller has synchronized the device (no copy
+        into or out of it in flight). The mapping itself goes when the last reference to this pool does, so a
+        tensor view still held somewhere never points at unmapped memory while this object lives."""
         if self.pinned:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
-        self.tensor = None
-        shm, self.shm = self.shm, None
-        with contextlib.suppress(BufferError):
-            shm.close()
-        with contextlib.suppress(FileNotFoundError):
-            shm.unlink()
+        self._unlink()
+
+    def _unlink(self) -> None:
+        if not self._state["unlinked"]:
+            self._state["unlinked"] = True
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
 
 
-class _Done:
-    """A write's done flag, set when the writer process reports it; `wait` pumps the pipe until then."""
+def _unlink_quietly(name: str, state: dict) -> None:
+    from multiprocessing import resource_tracker
 
-    __slots__ = ("_store", "_set")
+    if state["unlinked"]:
+        return
+    state["unlinked"] = True
+    with contextlib.suppress(FileNotFoundError, OSError):
+        os.unlink(os.path.join(SHM_DIR, name.lstrip("/")))
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(f"/{name.lstrip('/')}", "shared_memory")
+
+
+class _Done(threading.Event):
+    """A write's done flag, set when the writer process reports it (or when it died); waiting for it first sends
+    its command, waiting out the device copy that fills its block if need be."""
 
     def __init__(self, store: ProcessDiskStore):
+        super().__init__()
         self._store = store
-        self._set = False
-
-    def is_set(self) -> bool:
-        return self._set
 
     def wait(self, timeout=None) -> bool:
-        if not self._set:
-            self._store._pump(until=self)
-        return True
+        if not self.is_set():
+            self._store._send_through(self)
+        return super().wait(timeout)
 
 
 class ProcessDiskStore(DiskStore):
     """A `DiskStore` whose writes and deletes run in one writer process over `pool` (a `SharedHostPool` of
     `block_nbytes`-byte blocks). `write_async` takes the block's index and the CUDA event after which it may
-    be read; reads and the synchronous `write` (a shutdown's persist) run in this process as before."""
+    be read; reads and the synchronous `write` (a shutdown's persist) run in this process as before.
+
+    A thread of this process reads the writer's reports (so neither pipe ever fills while the other waits,
+    and a read waiting for a write holds nothing the step loop needs). A writer process that dies turns the
+    disk tier off: its writes report failed, later ones fail at once, and serving goes on.
+    """
 
     takes_blocks = True
+    #: Seconds the writer process has to say it is ready before the engine keeps the writer threads.
+    START_TIMEOUT_S = 60.0
 
     def __init__(self, root, fingerprint_hex: str, block_nbytes: int, pool: SharedHostPool):
         self._pool = pool
         self._pending: list[tuple] = []  # commands not sent yet, in order: (event or None, message, done or None)
         self._inflight: dict[int, tuple[bytes, _Done]] = {}  # token -> (key, done) sent, not reported
         self._next_token = 0
-        self._pump_lock = threading.RLock()
+        self._send_lock = threading.RLock()  # the command pipe, the pending list and the tokens
+        self._flushed: dict[int, threading.Event] = {}
+        self._dead: str | None = None  # why the writer process is gone
         self._process = None
         super().__init__(root, fingerprint_hex, block_nbytes, num_write_threads=0)
 
@@ -139,12 +162,24 @@ class ProcessDiskStore(DiskStore):
         self._process = subprocess.Popen(
             [sys.executable, "-m", __name__, str(commands_in), str(results_out), self._pool.shm.name,
              str(self._pool.nbytes), str(self.block_nbytes), str(self.dir.parent), self.dir.name],
-            pass_fds=(commands_in, results_out), stdin=subprocess.DEVNULL, close_fds=True)
+            pass_fds=(commands_in, results_out), stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
         os.close(commands_in)
         os.close(results_out)
         self._commands_out = Connection(commands_out, readable=False)
         self._results_in = Connection(results_in, writable=False)
         self._threads = []
+        try:
+            ready = self._results_in.poll(self.START_TIMEOUT_S) and self._results_in.recv() == ("ready",)
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self._stop_process()
+            raise RuntimeError(f"the disk writer process did not start (exit status {self._process_status()})")
+        self._reader = threading.Thread(target=self._read_reports, name="pagedkv-kv-disk-reports", daemon=True)
+        self._reader.start()
+
+    def _process_status(self):
+        return self._process.poll() if self._process is not None else None
 
     # ------------------------------------------------------------------ writes
     def write_async(self, key: bytes, data, ready=None, *, block: int | None = None) -> _Done:
@@ -154,90 +189,132 @@ class ProcessDiskStore(DiskStore):
         done = _Done(self)
         with self._lock:
             self._queued[key] = done
-        with self._pump_lock:
+        with self._send_lock:
+            if self._dead is not None:
+                self._finish(key, done, False)
+                return done
             self._pending.append((ready, ("write", key, block), done))
             self._send_ready()
         return done
 
     def delete_async(self, key: bytes) -> None:
-        with self._pump_lock:
-            self._pending.append((None, ("delete", key), None))
-            self._send_ready()
+        with self._send_lock:
+            if self._dead is None:
+                self._pending.append((None, ("delete", key), None))
+                self._send_ready()
 
     def _send_ready(self, through: int = 0) -> None:
         """Send the pending commands from the front: the first `through` of them whatever it takes (their copies
-        waited for), then those whose copies are done. Holds the pump lock."""
-        while self._pending:
-            event, message, done = self._pending[0]
-            if event is not None and not event.query():
-                if through <= 0:
-                    return
-                event.synchronize()
-            self._pending.pop(0)
-            through -= 1
-            if message[0] == "write":
-                token = self._next_token
-                self._next_token += 1
-                self._inflight[token] = (message[1], done)
-                message = (*message, token)
-            self._commands_out.send(message)
+        waited for), then those whose copies are done. Holds the send lock."""
+        try:
+            while self._pending and self._dead is None:
+                event, message, done = self._pending[0]
+                if event is not None and not event.query():
+                    if through <= 0:
+                        return
+                    event.synchronize()
+                self._pending.pop(0)
+                through -= 1
+                if message[0] == "write":
+                    token = self._next_token
+                    self._next_token += 1
+                    self._inflight[token] = (message[1], done)
+                    message = (*message, token)
+                self._commands_out.send(message)
+        except (OSError, EOFError) as error:  # the writer process is gone
+            self._died(f"the disk writer process is gone ({error})")
 
-    def _pump(self, until: _Done | None = None, flush_token=None) -> None:
-        """Send what is ready and take the writer's reports; block until `until` is set or `flush_token` returns."""
-        with self._pump_lock:
-            if until is not None and not until._set:
-                position = next((i for i, (_, _, done) in enumerate(self._pending) if done is until), -1)
+    def _send_through(self, done: _Done) -> None:
+        """Send the commands up to `done`'s (a wait needs its write under way)."""
+        with self._send_lock:
+            position = next((i for i, (_, _, pending) in enumerate(self._pending) if pending is done), -1)
+            if position >= 0:
                 self._send_ready(through=position + 1)
-            while True:
-                waiting = (until is not None and not until._set) or flush_token is not None
-                if not waiting and not self._results_in.poll():
-                    return
+
+    def _read_reports(self) -> None:
+        """On the reports thread: mark writes done as the writer process reports them, until it exits."""
+        while True:
+            try:
                 report = self._results_in.recv()
-                if report[0] == "done":
-                    _, token, ok = report
+            except (EOFError, OSError):
+                if self._process is not None:  # not a close: it died
+                    self._died(f"the disk writer process exited (status {self._process_status()})")
+                return
+            if report[0] == "done":
+                _, token, ok = report
+                with self._send_lock:
                     key, done = self._inflight.pop(token)
-                    self._finish(key, done, ok)
-                elif report[0] == "flushed":
-                    if report[1] == flush_token:
-                        flush_token = None
-                elif report[0] == "disabled":
-                    self._disable(report[1])
+                self._finish(key, done, ok)
+            elif report[0] == "flushed":
+                self._flushed.pop(report[1]).set()
+            elif report[0] == "disabled":
+                self._disable(report[1])
+
+    def _died(self, reason: str) -> None:
+        """The writer process is gone: every write not reported failed, later ones fail at once, the tier is off."""
+        with self._send_lock:
+            if self._dead is not None:
+                return
+            self._dead = reason
+            unreported = list(self._inflight.values()) + [(message[1], done) for _, message, done in self._pending
+                                                          if done is not None]
+            self._inflight.clear()
+            self._pending.clear()
+            flushes = list(self._flushed.values())
+            self._flushed.clear()
+        for key, done in unreported:
+            self._finish(key, done, False)
+        for flushed in flushes:
+            flushed.set()
+        self._disable(reason)
 
     def _finish(self, key: bytes, done: _Done, ok: bool) -> None:
         with self._lock:
             if self._queued.get(key) is done:
                 del self._queued[key]
             self._results.append((key, ok))
-        done._set = True
+        done.set()
 
     def poll(self) -> list[tuple[bytes, bool]]:
-        self._pump()
+        with self._send_lock:
+            self._send_ready()
         return super().poll()
 
     def flush(self) -> None:
         """Send every pending command (waiting for their copies) and wait until the writer has done them all."""
-        with self._pump_lock:
-            if self._process is None:
+        with self._send_lock:
+            if self._process is None or self._dead is not None:
                 return
             self._send_ready(through=len(self._pending))
             token = self._next_token
             self._next_token += 1
-            self._commands_out.send(("flush", token))
-            self._pump(flush_token=token)
+            flushed = self._flushed[token] = threading.Event()
+            try:
+                self._commands_out.send(("flush", token))
+            except (OSError, EOFError) as error:
+                self._died(f"the disk writer process is gone ({error})")
+        flushed.wait()
 
     def close(self) -> None:
         """Finish the queued work and stop the writer process (idempotent)."""
         if self._process is None:
             return
         self.flush()
-        self._commands_out.send(None)
+        self._stop_process()
+        self._reader.join(timeout=30)
+
+    def _stop_process(self) -> None:
+        process, self._process = self._process, None
+        with contextlib.suppress(OSError, EOFError):
+            self._commands_out.send(None)
         try:
-            self._process.wait(timeout=30)
+            process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self._process.kill()
-        self._process = None
+            process.kill()
+            process.wait()
         self._commands_out.close()
-        self._results_in.close()
+        with contextlib.suppress(OSError):
+            self._results_in.close()
 
     # The writer process never takes this process's interpreter lock: nothing to hold.
     @property
@@ -258,8 +335,15 @@ class ProcessDiskStore(DiskStore):
 
 
 def writer_main(commands, results, shm_name: str, nbytes: int, block_nbytes: int, root: str, fingerprint_hex: str):
-    """The writer process: write and delete block files as `commands` say, reporting on `results`."""
+    """The writer process: write and delete block files as `commands` say, reporting on `results`. It stops
+    when told, or when the engine's end of the pipe closes; signals meant for the engine (Ctrl-C, a service
+    manager's SIGTERM) do not stop it before the engine's shutdown has written what it persists."""
+    import signal
+
     import numpy as np
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     shm = SharedMemory(name=shm_name)
     try:
@@ -270,6 +354,7 @@ def writer_main(commands, results, shm_name: str, nbytes: int, block_nbytes: int
     pool = np.ndarray((nbytes // block_nbytes, block_nbytes), dtype=np.uint8, buffer=shm.buf)
     store = DiskStore(root, fingerprint_hex, block_nbytes, num_write_threads=0)
     reported = None
+    results.send(("ready",))
     try:
         while True:
             try:
@@ -284,7 +369,11 @@ def writer_main(commands, results, shm_name: str, nbytes: int, block_nbytes: int
             kind = message[0]
             if kind == "write":
                 _, key, block, token = message
-                ok = store.write(key, pool[block])
+                try:
+                    ok = store.write(key, pool[block])
+                except Exception as error:  # noqa: BLE001 - a write that fails is a block not cached
+                    logger.warning("KV disk tier: writing %s failed: %s", key.hex(), error)
+                    ok = False
                 if store.disabled_reason is not None and reported is None:
                     reported = store.disabled_reason
                     results.send(("disabled", reported))

@@ -304,9 +304,13 @@ class KVOffload:
         self.disk.flush()
 
     def close(self) -> None:
-        """Finish queued disk work (and free a shared host pool)."""
-        self.io.close()
-        if self._shared_host is not None:
-            self.host = self._host_bytes = self.io._host_bytes = None
-            self._shared_host.close()
-            self._shared_host = None
+        """Finish queued disk work (and free a shared host pool, once no copy into or out of it is in flight)."""
+        try:
+            self.io.close()
+        finally:
+            if self._shared_host is not None:
+                if self.is_cuda:
+                    torch.cuda.synchronize(self.device)
+                self.host = self._host_bytes = self.io._host_bytes = None
+                self._shared_host.close()
+                self._shared_host = None

@@ -219,10 +219,15 @@ def build_runner(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, device
 
                 shared, why = SharedHostPool.create(plan.num_host_blocks * plan.bytes_per_block,
                                                     pin=device.type == "cuda")
+                if shared is not None:
+                    try:
+                        disk = ProcessDiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block,
+                                                shared)
+                    except RuntimeError as error:
+                        shared.close()
+                        shared, why = None, str(error)
                 if shared is None:
                     logger.warning("KV disk tier: writer threads, not a writer process: %s", why)
-                else:
-                    disk = ProcessDiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block, shared)
             if disk is None:
                 disk = DiskStore(config.kv_offload_dir, fingerprint(fields), plan.bytes_per_block)
         offload = KVOffload(pool, plan.num_host_blocks, disk=disk, tp=tp, shared_host=shared)
