@@ -11,6 +11,8 @@
 #                on PORT + 1)
 #   ray-separate ray-direct with Serve's user code and handle routers on a thread and loop of their own
 #                (`--ray-separate-loops`; the app's default runs them on each replica's own event loop)
+#   ray-nolanes  ray-direct with requests sent to the engine replica by Ray Serve calls alone (`--ray-no-lanes`; the
+#                app's default also sends each one by its lane, a TCP connection from the ingress to the replica)
 #   ray-loop     ray-direct with each engine replica's engine process driven from the replica's event loop, without
 #                its engine thread (`--ray-replica-on-loop`)
 #   ray-opt      the same with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Ray's preset of direct ingress, user code and
@@ -148,6 +150,8 @@ start_mode() {  # start_mode MODE PORT: MODE's server on PORT (a direct ingress 
   case $mode in ray-direct*) envs=("${direct[@]}"); extra+=(--direct-ingress); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
                 ray-separate*) envs=("${direct[@]}"); extra+=(--direct-ingress --ray-separate-loops)
                                URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
+                ray-nolanes*) envs=("${direct[@]}"); extra+=(--direct-ingress --ray-no-lanes)
+                              URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
                 ray-loop*) envs=("${direct[@]}"); extra+=(--direct-ingress --ray-replica-on-loop)
                            URLS[$mode]="http://127.0.0.1:$((port + 1))" ;;
                 ray-opt*) envs=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 "${direct[@]}"); URLS[$mode]="http://127.0.0.1:$((port + 1))" ;; esac

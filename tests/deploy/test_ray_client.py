@@ -177,8 +177,7 @@ class _Handle:
         self.outputs = _Method(self._outputs)
 
     def options(self, stream: bool, _by_reference: bool = True):
-        assert stream
-        self.by_reference = _by_reference
+        self.by_reference = _by_reference  # (the client's unary handle, for lane addresses, is never called here)
         return self
 
     def _generate(self, *args, **kwargs):

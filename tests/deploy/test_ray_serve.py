@@ -263,6 +263,19 @@ def test_health_reports_each_replica(app):
     assert len({r["node"] for r in health["replicas"]}) == 2  # one replica on each node
 
 
+def test_requests_go_in_by_lanes_once_the_ingress_has_one_to_each_replica(app):
+    def lanes() -> list:
+        return httpx.get(app.url + "/health", timeout=10).json()["replicas"]
+
+    wait_for(lambda: all(r["lane"] for r in lanes()) and len(lanes()) == 2, "a lane to each replica")
+    before = sum(r["lane_requests"] for r in lanes())
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
+    answers = [httpx.post(app.url + "/v1/completions", json=body, timeout=BOUND_S) for _ in range(4)]
+    assert all(answer.status_code == 200 for answer in answers)
+    assert len({answer.json()["choices"][0]["text"] for answer in answers}) == 1
+    assert sum(r["lane_requests"] for r in lanes()) - before == 4
+
+
 def test_shared_prefix_requests_go_to_the_replica_that_holds_it(app):
     system = list(range(100, 132))  # 8 blocks of 4 tokens
     before = replica_stats()

@@ -41,7 +41,7 @@ def ray_config(args: argparse.Namespace) -> RayServeConfig:
     return RayServeConfig(routing=args.routing, min_replicas=args.min_replicas, max_replicas=max_replicas,
                           target_ongoing_requests=args.target_ongoing_requests, engine_process=args.engine_process,
                           shared_loop=not args.ray_separate_loops,
-                          replica_engine_thread=not args.ray_replica_on_loop)
+                          replica_engine_thread=not args.ray_replica_on_loop, lanes=not args.ray_no_lanes)
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:

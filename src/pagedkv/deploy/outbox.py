@@ -37,9 +37,9 @@ class Outbox:
         self.reader = reader
         self._ready.set()  # wake the old reader, so that it ends
 
-    async def take(self, reader: object, idle_s: float) -> list | None:
+    async def take(self, reader: object, idle_s: float | None) -> list | None:
         """Every message queued since the last call (waits for the first); None once another reader took over,
-        or once `idle_s` passed with no request of this sender here and nothing queued."""
+        or once `idle_s` passed with no request of this sender here and nothing queued (never, if None)."""
         while True:
             if self.requests or self.messages:
                 await self._ready.wait()

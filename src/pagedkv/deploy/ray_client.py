@@ -19,6 +19,14 @@ A request's outputs come on the stream this client holds with its replica (opene
 replica first names itself), many requests' messages per item: see `pagedkv.deploy.replica`
 for why. A request is over when its last message arrived on that stream.
 
+Lanes (`lanes=True`, the app's default): once this client has a lane to every running replica
+(opened after each poll of the replica list), it routes each request itself, with the same policy
+module as the request router (queues from each replica's items, what it sent there and not yet
+started, the keys each replica publishes, its memory of recent decisions), writes the request to
+that replica's lane and makes the Serve call pinned there, which the replica joins to the copy it
+already runs. The lane also brings that replica's outputs once no `outputs` stream is open there. A
+lane that ends is a broken output stream (below); requests go by Serve calls alone until it reopens.
+
 The prompt is hashed here, once (when routing by prefix): the request router matches on
 those keys and the replica's engine reuses them.
 
@@ -47,15 +55,20 @@ import asyncio
 import concurrent.futures
 import contextvars
 import logging
+import math
 import queue
 import threading
+import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
+from pagedkv.deploy.lane import LaneClient
 from pagedkv.deploy.replica import Load, unpack_messages
-from pagedkv.deploy.replica_view import ReplicaView
+from pagedkv.deploy.replica_view import ReplicaView, replica_state
 from pagedkv.distributed.output_deltas import DeltaDecoder, OutputGapError
-from pagedkv.distributed.router import RoutingPolicy, prompt_block_hashes
+from pagedkv.distributed.router import (DEFAULT_BALANCE_THRESHOLD, LoadedReplica, Router, RouterConfig, RoutingPolicy,
+                                       prompt_block_hashes)
 from pagedkv.engine.output_processor import chat_token_ids, tokenize_prompt
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
@@ -65,6 +78,8 @@ logger = logging.getLogger("pagedkv.deploy")
 
 DEFAULT_MAX_ATTEMPTS = 3
 _RETRY_BACKOFF_S = 0.2
+#: After a lane failed to open, the next try at that replica waits this long.
+LANE_RETRY_S = 10.0
 _WAKE = None  # put in the output queue to end a waiting step() early (a new command arrived)
 
 
@@ -83,7 +98,8 @@ class _Live:
     prompt_token_ids: list[int]  # the replica does not send them back
     wire_id: str = ""  # the current attempt's id at the replicas (the request id, then one per retry)
     started: bool = False  # an output arrived: a retry elsewhere would repeat it
-    replica: str | None = None  # the replica serving the current attempt, once it named itself
+    replica: str | None = None  # the replica serving the current attempt, once it named itself (or its lane's)
+    lane: LaneClient | None = None  # the lane the current attempt went in by, if any
     lost: str | None = None  # why that replica's output stream ended under it (its messages may be lost)
 
 
@@ -107,7 +123,8 @@ class RayEngineClient(ReplicaView):
 
     def __init__(self, handle, info: dict, tokenizer, policy: RoutingPolicy | str = RoutingPolicy.PREFIX,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, loop: asyncio.AbstractEventLoop | None = None,
-                 grpc: bool = True, drive_on_loop: bool = False):
+                 grpc: bool = True, drive_on_loop: bool = False, lanes: bool = False,
+                 balance_threshold: int | None = DEFAULT_BALANCE_THRESHOLD):
         from pagedkv.engine.scheduler import Scheduler
 
         self.tokenizer = tokenizer
@@ -121,6 +138,7 @@ class RayEngineClient(ReplicaView):
         # death then surfaces as ActorUnavailableError, a RayActorError, so the retry in _serve holds);
         # else Ray's actor calls, Serve's default. See RayServeConfig.handle_transport.
         self._handle = handle.options(stream=True, _by_reference=not grpc)
+        self._unary = handle.options(stream=False, _by_reference=not grpc)
         self._sender = uuid.uuid4().hex  # names this client's output streams at every replica
         self._app_name, self._deployment_name = handle.app_name, handle.deployment_name
         self._max_attempts = max_attempts
@@ -134,6 +152,17 @@ class RayEngineClient(ReplicaView):
         self._loads: dict[str, Load] = {}
         self._stats: dict[str, dict] = {info["replica"]: info["stats"]}
         self._replicas: list[dict] = []
+        # Lanes (`pagedkv.deploy.lane`): replica -> its open lane, and the task reading it; the policy that routes
+        # requests going in by lane (the same module as the request router's), what went to each replica (lanes
+        # and calls) and each replica's published prefix keys.
+        self._use_lanes = lanes
+        self._lanes: dict[str, LaneClient] = {}
+        self._lane_readers: dict[str, asyncio.Task] = {}
+        self._lane_opening: dict[str, float] = {}  # replica -> when its lane was last tried (or is being opened)
+        self._policy = Router([], RouterConfig(policy, balance_threshold), block_size=self._block_size)
+        self._num_sent: Counter[str] = Counter()
+        self._published: dict[str, frozenset] = {}
+        self._num_lane_sent: Counter[str] = Counter()  # replica -> requests that went in by its lane (/health)
         # NOTE: in an ingress replica, the replica's own event loop (`loop`): Ray Serve binds a handle's calls to
         # the loop that makes them when its router shares the replica's loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0),
         # and it saves a thread hop each way. Otherwise (Serve's separate loops, tests) a loop on a thread of its own.
@@ -241,14 +270,19 @@ class RayEngineClient(ReplicaView):
                 # NOTE: each attempt has an id of its own at the replicas. A retry may land on the replica that
                 # is still aborting the attempt before it, whose late messages must not pass for this one's.
                 live.wire_id = request_id if attempt == 1 else f"{request_id}#retry{attempt}-{uuid.uuid4().hex[:8]}"
-                live.replica = live.lost = None
+                live.replica = live.lost = live.lane = None
                 self._live[live.wire_id] = live
                 call = None
                 try:
+                    pin = self._send_by_lane(live, token_ids, params, block_hashes)
                     call = self._handle.generate.remote(live.wire_id, token_ids, params, block_hashes=block_hashes,
-                                                        sender=self._sender)
-                    async for replica in call:  # one item: the replica that took it
-                        live.replica = replica
+                                                        sender=self._sender, **({"replica": pin} if pin else {}))
+                    async for replica in call:  # one item: the replica that took it (None: the lane's has it)
+                        if replica is None:
+                            continue
+                        if pin is None:
+                            live.replica = replica
+                            self._num_sent[replica] += 1
                         if not self._closed:
                             self._channel(replica)
                     await self._last_message(live)
@@ -256,12 +290,14 @@ class RayEngineClient(ReplicaView):
                 except asyncio.CancelledError:
                     if call is not None:
                         call.cancel()  # the replica aborts it
+                    self._abort_by_lane(live)
                     # Cancelled by `_ended` or a gap (`lost`): this attempt is over. A second cancellation (an
                     # abort in the same turn) leaves the count above zero: that one wins.
                     if live.lost is None or asyncio.current_task().uncancel():
                         raise
                     error, retry = ReplicaStreamEndedError(live.lost), True
                 except Exception as raised:  # noqa: BLE001 - whatever ended the call ends (or retries) this request
+                    self._abort_by_lane(live)
                     error, retry = raised, isinstance(raised, (RayActorError, ReplicaStreamEndedError))
                 if self._end_or_retry(request_id, live, attempt, error, retry):
                     return
@@ -269,6 +305,108 @@ class RayEngineClient(ReplicaView):
                 await asyncio.sleep(_RETRY_BACKOFF_S)
         finally:
             self._forget(live)
+
+    # ------------------------------------------------------------------ lanes (client loop)
+    def _send_by_lane(self, live: _Live, token_ids: list[int], params: SamplingParams,
+                      block_hashes: list[bytes] | None) -> str | None:
+        """Route `live`'s attempt here and send it in by that replica's lane; the replica, or None (no lane to
+        every running replica, or the write failed: the Serve call routes and carries it)."""
+        if not self._use_lanes or self._closed or not self._lanes:
+            return None
+        replica = self._route_by_lane(token_ids, block_hashes)
+        lane = self._lanes.get(replica) if replica is not None else None
+        if lane is None or not lane.send(("add", live.wire_id, token_ids, params, block_hashes)):
+            return None
+        live.replica, live.lane = replica, lane
+        self._num_sent[replica] += 1
+        self._num_lane_sent[replica] += 1
+        self._channel(replica)
+        return replica
+
+    def _route_by_lane(self, token_ids: list[int], block_hashes: list[bytes] | None) -> str | None:
+        """The policy's choice among the running replicas, if this client has a lane to each (else None: it does
+        not see them all, and Ray Serve's request router decides)."""
+        running = [r["replica_id"] for r in self._replicas if replica_state(r) == "RUNNING"]
+        if not running or any(key not in self._lanes for key in running):
+            return None
+        views = {}
+        for key in running:
+            load = self._loads.get(key)
+            num_unconsumed = max(0, self._num_sent[key] - (load.num_started if load else 0))
+            views[key] = LoadedReplica(self._block_size, (load.num_waiting if load else 0) + num_unconsumed,
+                                       load.num_running if load else 0, load.num_free_blocks if load else 0,
+                                       self._published.get(key, frozenset()))
+        return self._policy.choose(views, token_ids, block_hashes).replica
+
+    def _abort_by_lane(self, live: _Live) -> None:
+        """An attempt that went in by lane is over unfinished: abort it at its replica (its call's cancellation
+        does too, when the call got there)."""
+        if live.lane is not None:
+            live.lane.send(("abort", live.wire_id))
+
+    def _replicas_changed(self) -> None:
+        """After each poll of the replica list: open a lane to each running replica that has none (a replica whose
+        lane failed to open is tried again after `LANE_RETRY_S`)."""
+        if not self._use_lanes or self._closed:
+            return
+        now = time.monotonic()
+        for replica in self._replicas:
+            key = replica["replica_id"]
+            if replica_state(replica) != "RUNNING" or key in self._lanes:
+                continue
+            last = self._lane_opening.get(key)
+            if last is not None and now - last < LANE_RETRY_S:
+                continue
+            self._lane_opening[key] = math.inf  # being opened
+            self._loop.create_task(self._open_lane(key))
+
+    async def _open_lane(self, replica: str) -> None:
+        try:
+            address = await self._unary.lane_address.remote(replica=replica)
+            if address is None:
+                raise ReplicaStreamEndedError(f"replica {replica} is gone")
+            lane = await LaneClient.connect(replica, address, self._sender)
+        except Exception as error:  # noqa: BLE001 - requests there go by Serve calls; tried again later
+            logger.warning("no lane to replica %s (its requests go by Ray Serve calls): %s: %s", replica,
+                           type(error).__name__, error)
+            self._lane_opening[replica] = time.monotonic()
+            return
+        if self._closed:
+            lane.close()
+            return
+        self._lanes[replica] = lane
+        self._lane_opening.pop(replica, None)
+        self._lane_readers[replica] = self._loop.create_task(self._read_lane(replica, lane))
+        task = self._channels.get(replica)
+        if task is None or task.done():  # nothing streams from there now: the lane carries its outputs from here on
+            self._channel(replica)
+
+    async def _read_lane(self, replica: str, lane: LaneClient) -> None:
+        """Read what `replica` sends back on `lane` (its outputs, once attached) until the lane ends; a lane that
+        ends under requests is a broken output stream (`_ended`)."""
+        broke, num_items = "the lane closed", 0
+        try:
+            async for blob, load in lane.messages():
+                num_items += 1
+                self._take_item(blob, load)
+        except asyncio.CancelledError:
+            num_items = -1  # closed here: nothing to recover
+            raise
+        except Exception as error:  # noqa: BLE001 - the replica is gone, or the connection broke
+            broke = f"{type(error).__name__}: {error}"
+        finally:
+            lane.close()
+            if self._lanes.get(replica) is lane:
+                del self._lanes[replica]
+            task = asyncio.current_task()
+            if self._lane_readers.get(replica) is task:
+                del self._lane_readers[replica]
+            self._lane_opening[replica] = time.monotonic()
+            if self._channels.get(replica) is task:
+                del self._channels[replica]
+                if num_items >= 0:
+                    logger.warning("the lane to replica %s ended: %s", replica, broke)
+                    self._ended(replica, broke, num_items)
 
     def _forget(self, live: _Live) -> None:
         if self._live.get(live.wire_id) is live:  # (a new request may have taken an aborted one's id already)
@@ -303,7 +441,12 @@ class RayEngineClient(ReplicaView):
         """The task reading this client's output stream from `replica` (started on first use)."""
         task = self._channels.get(replica)
         if task is None or task.done():
-            task = self._channels[replica] = self._loop.create_task(self._read(replica))
+            lane, reader = self._lanes.get(replica), self._lane_readers.get(replica)
+            if lane is not None and reader is not None and not reader.done() and lane.send(("attach",)):
+                task = reader  # the lane carries the outputs (the stream before it, if any, has ended)
+            else:
+                task = self._loop.create_task(self._read(replica))
+            self._channels[replica] = task
         return task
 
     async def _read(self, replica: str) -> None:
@@ -312,11 +455,7 @@ class RayEngineClient(ReplicaView):
         try:
             async for blob, load in call:
                 num_items += 1
-                self._loads[load.replica] = load
-                if load.stats is not None:
-                    self._stats[load.replica] = load.stats
-                for message in unpack_messages(blob):
-                    self._take(message)
+                self._take_item(blob, load)
         except asyncio.CancelledError:
             call.cancel()
             num_items = -1  # closed here: nothing to recover
@@ -329,6 +468,16 @@ class RayEngineClient(ReplicaView):
                 del self._channels[replica]
             if num_items >= 0:
                 self._ended(replica, broke, num_items)
+
+    def _take_item(self, blob: bytes, load: Load) -> None:
+        """One item of a replica's output stream or lane: its load, then each of its messages."""
+        self._loads[load.replica] = load
+        if load.stats is not None:
+            self._stats[load.replica] = load.stats
+        if load.block_hashes is not None:
+            self._published[load.replica] = frozenset(load.block_hashes)
+        for message in unpack_messages(blob):
+            self._take(message)
 
     def _ended(self, replica: str, broke: str | None, num_items: int) -> None:
         """`replica`'s output stream ended, not closed by this client (see the module docstring's Faults).
@@ -351,7 +500,7 @@ class RayEngineClient(ReplicaView):
             self._channel(replica)
 
     def _cancel_channels(self) -> list[asyncio.Task]:
-        tasks = list(self._channels.values())
+        tasks = list({*self._channels.values(), *self._lane_readers.values()})
         for task in tasks:
             task.cancel()
         return tasks

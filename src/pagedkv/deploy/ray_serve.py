@@ -73,7 +73,10 @@ class RayServeConfig:
     (`LoopProcessEngine`: requests written to the pipe at once, outputs read when it turns
     readable); it has no effect on an engine that runs in the replica's process. On one H200 the
     process boundary itself costs 0.3 ms of a first token (`benchmarks/tools/engine_process_hops.py`);
-    the thread's hops are what this removes. Opt-in until measured on a GPU.
+    the thread's hops are what this removes. Opt-in until measured on a GPU. `lanes` sends each
+    request in by a TCP connection from the ingress to its replica (`pagedkv.deploy.lane`), routed by
+    the ingress with the same policy once it has a lane to every running replica, and brings outputs
+    back on it; the Serve call still goes out, pinned to that replica, for Serve's accounting.
     """
 
     routing: RoutingPolicy | str = RoutingPolicy.PREFIX
@@ -94,6 +97,7 @@ class RayServeConfig:
     shared_loop: bool = True
     ingress_engine_thread: bool = True
     replica_engine_thread: bool = True
+    lanes: bool = True
 
     def __post_init__(self):
         try:
@@ -106,7 +110,7 @@ class RayServeConfig:
         if self.handle_transport not in HANDLE_TRANSPORTS:
             raise ConfigError(f"handle_transport must be one of {', '.join(HANDLE_TRANSPORTS)}; "
                               f"got {self.handle_transport!r}")
-        for name in ("shared_loop", "ingress_engine_thread", "replica_engine_thread"):
+        for name in ("shared_loop", "ingress_engine_thread", "replica_engine_thread", "lanes"):
             if getattr(self, name) not in (True, False):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.ingress_engine_thread and not self.shared_loop:
@@ -202,7 +206,8 @@ class Ingress:
     """The ingress replica: `create_app` over a `RayEngineClient` (`serve.ingress` wraps it in `build_app`)."""
 
     async def __init__(self, engine_handle, model: str | None, served_model_name: str, server_config: ServerConfig,
-                   routing: str, max_attempts: int, handle_transport: str = "grpc", engine_thread: bool = True):
+                   routing: str, max_attempts: int, handle_transport: str = "grpc", engine_thread: bool = True,
+                   lanes: bool = False, balance_threshold: int | None = None):
         import asyncio
 
         from pagedkv.deploy.ray_client import RayEngineClient
@@ -219,7 +224,8 @@ class Ingress:
         # it on the replica's loop.)
         loop = None if _router_in_separate_loop() else asyncio.get_running_loop()
         self._client = RayEngineClient(engine_handle, info, tokenizer, routing, max_attempts, loop=loop,
-                                       grpc=handle_transport == "grpc", drive_on_loop=not engine_thread)
+                                       grpc=handle_transport == "grpc", drive_on_loop=not engine_thread,
+                                       lanes=lanes, balance_threshold=balance_threshold)
         self._app = create_app(self._client, served_model_name, config=server_config)
         if isinstance(self._app.state.async_engine, LoopAsyncEngine) == engine_thread:  # never a silent fallback
             raise ConfigError(f"the ingress asked for {'an engine thread' if engine_thread else 'no engine thread'} "
@@ -259,7 +265,8 @@ def build_app(engine: EngineConfig = EngineConfig(), ray_config: RayServeConfig 
     engines = engine_deployment(engine, ray_config).bind(engine, ray_config.engine_process, freeze_heap=True,
                                                          engine_thread=ray_config.replica_engine_thread)
     return ingress.bind(engines, engine.model, name, server_config, ray_config.routing.value,
-                        ray_config.max_attempts, ray_config.handle_transport, ray_config.ingress_engine_thread)
+                        ray_config.max_attempts, ray_config.handle_transport, ray_config.ingress_engine_thread,
+                        lanes=ray_config.lanes, balance_threshold=ray_config.balance_threshold)
 
 
 def __getattr__(name: str):

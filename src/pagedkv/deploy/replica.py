@@ -10,8 +10,9 @@ replica's event loop with no thread between: `LoopAsyncEngine` over `LoopProcess
 writing to the pipe and reading it when it turns readable); on CPU, in the replica's process on
 `AsyncEngine`'s engine thread. That child process exits when the replica's actor dies. Ray Serve calls:
 
-    generate(request_id, token_ids, params, block_hashes, sender)   a streaming call, one item per request
+    generate(request_id, token_ids, params, block_hashes, sender, replica)   streaming, one item per request
     outputs(sender, replica)                                          a streaming call, one per ingress
+    lane_address(replica)                                             where the ingress's lane connects
     record_routing_stats()                                           the router's view of this replica
     check_health()                                                   raises once the engine loop (or process) died
     describe()                                                       what the ingress needs at startup
@@ -52,6 +53,14 @@ each sender has started (so a router counts the requests it sent that this repli
 taken yet), and the keys of the prefix-cache blocks most recently cached (capped), which tell a
 router that did not send a prefix here (another ingress, or one that restarted) where it lives.
 
+Lanes (`pagedkv.deploy.lane`): an ingress may also send a request in by a TCP connection of its
+own, ahead of its `generate` call (pinned here by `replica`), and read its outputs on it instead of
+an `outputs` stream. Each request id runs here once, whichever copy comes first: the call that finds
+its lane's copy running waits for it (and aborts it if cancelled), a copy of a request that ended
+here lately is dropped, and a call pinned to a replica that is not this one yields None and starts
+nothing. A lane that ends while it carries its sender's outputs cancels that sender's requests, as an
+`outputs` stream does.
+
 The constructor returns only once the engine is built: the model loaded, the KV pool sized and,
 on CUDA, the decode graphs captured. Ray Serve sends no traffic to a replica before that.
 """
@@ -63,9 +72,11 @@ import logging
 import os
 import pickle
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from pagedkv.deploy.lane import LaneAddress, LaneError, LaneServer, read_message
+from pagedkv.deploy.lane import pack as lane_pack
 from pagedkv.deploy.loop_process import LoopProcessEngine
 from pagedkv.deploy.outbox import Outbox, OutboxStream
 from pagedkv.distributed.data_parallel import DataParallelEngine
@@ -87,6 +98,10 @@ MAX_PUBLISHED_BLOCK_HASHES = 2048
 STATS_PERIOD_S = 0.05
 #: An `outputs` stream ends after this long with no request of its sender here and nothing queued.
 OUTPUTS_IDLE_S = 5.0
+#: A sender's output items carry the replica's published prefix keys at most this often.
+HASHES_PERIOD_S = 1.0
+#: How many ended request ids a replica remembers, so that a late copy of one (see `generate`) does not run it again.
+MAX_REMEMBERED_ENDED = 65536
 #: An `outputs` item's pickled messages stay under this many bytes unless one message alone is larger (a
 #: quarter of the 4 MiB that Serve's gRPC channel to a replica accepts by default).
 MAX_ITEM_BYTES = 1 << 20
@@ -121,6 +136,8 @@ class Load:
     num_running: int
     num_free_blocks: int
     stats: dict | None
+    num_started: int = 0  # the reader's sender's requests started here so far
+    block_hashes: list | None = None  # the replica's published prefix keys, every HASHES_PERIOD_S per sender
 
 
 def replica_identity() -> tuple[str, str]:
@@ -182,7 +199,12 @@ class EngineReplica:
         if self._process is None or engine_thread:
             self._async_engine = AsyncEngine(engine)
             self._async_engine.start()
-        self._num_started: Counter[str] = Counter()  # sender -> generate calls started here
+        self._num_started: Counter[str] = Counter()  # sender -> requests started here (by a call or a lane)
+        self._tasks: dict[str, asyncio.Task] = {}  # request id -> the task serving it here
+        self._gone: OrderedDict[str, None] = OrderedDict()  # request ids ended here lately (see _end)
+        self._lane_server = LaneServer(self._on_lane)
+        self._published: list = []  # the prefix keys of the latest routing stats
+        self._hashes_sent_s: dict[str, float] = {}  # sender -> when its lane's items last carried them
         self._outboxes: dict[str, Outbox] = {}  # sender -> what it has yet to read
         self._replica, self._node = replica_identity()
         self._last_stats_s = 0.0
@@ -202,27 +224,111 @@ class EngineReplica:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       block_hashes: list[bytes] | None = None, sender: str = ""):
+                       block_hashes: list[bytes] | None = None, sender: str = "", replica: str = ""):
         """Serve one request (see the module docstring): yield this replica's id, queue its messages for
-        `sender`, end when it ended; abort it if the caller cancels."""
+        `sender`, end when it ended; abort it if the caller cancels.
+
+        A request its sender's lane started here already (`pagedkv.deploy.lane`) is not started again: this
+        call waits for it instead. `replica` pins the call to the replica the sender's lane sent it to: if this
+        is another one, the call yields None and ends at once (the request runs where the lane took it)."""
+        if replica and replica != self._replica:
+            yield None
+            return
+        task = self._start(request_id, token_ids, params, block_hashes, sender)
+        yield self._replica
+        if task is None:  # it ran here already (its lane's copy), or its sender aborted it
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if not task.done():  # the caller went away (or cancelled): abort it, free the blocks now
+                task.cancel()
+
+    def _start(self, request_id: str, token_ids: list[int], params: SamplingParams, block_hashes, sender: str):
+        """The task serving `request_id` here: its running one if a lane or a call started it already, None if it
+        ran or was aborted here lately, else a new one (added to the engine before this returns)."""
+        task = self._tasks.get(request_id)
+        if task is not None or request_id in self._gone:
+            return task
         self._num_started[sender] += 1
         outbox = self._outbox(sender)
-        task = asyncio.current_task()
-        outbox.requests.add(task)
         stream = OutboxStream(asyncio.get_running_loop(), outbox)
+        try:  # added first: the engine starts on it while the replica's id travels back
+            self._front().add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
+        except (RequestFailedError, EngineDeadError) as error:
+            stream.end(error)
+        task = self._tasks[request_id] = asyncio.get_running_loop().create_task(
+            self._serve_request(request_id, stream, outbox))
+        outbox.requests.add(task)
+        return task
+
+    async def _serve_request(self, request_id: str, stream: OutboxStream, outbox: Outbox) -> None:
         try:
-            try:  # added first: the engine starts on it while the replica's id travels back
-                self._front().add_request(request_id, token_ids, params, stream, block_hashes=block_hashes)
-            except (RequestFailedError, EngineDeadError) as error:
-                stream.end(error)
-            yield self._replica
             await stream.ended
             if stream.error is not None:
                 outbox.put(self._failure(request_id, stream.error))
         finally:
-            outbox.leave(task)
-            if not stream.ended.done():  # the caller went away (or cancelled): free the blocks now
+            outbox.leave(asyncio.current_task())
+            self._end(request_id)
+            if not stream.ended.done():  # cancelled: free the blocks now
                 self._front().abort(request_id)
+
+    def _end(self, request_id: str) -> None:
+        """`request_id` is over here: a late copy of it (its lane's, or its call's) will not start it again."""
+        self._tasks.pop(request_id, None)
+        self._gone[request_id] = None
+        while len(self._gone) > MAX_REMEMBERED_ENDED:
+            self._gone.popitem(last=False)
+
+    def _abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+        else:
+            self._end(request_id)
+
+    # ------------------------------------------------------------------ lanes
+    async def lane_address(self, replica: str = "") -> LaneAddress | None:
+        """Where the sender's lane to this replica connects (the server starts on the first call); None if the
+        call was meant for another replica (`replica`), which is gone."""
+        if replica and replica != self._replica:
+            return None
+        if self._lane_server.address is None:
+            self._front()  # an engine process's front lives on this loop (the lanes' too)
+            await self._lane_server.start()
+        return self._lane_server.address
+
+    async def _on_lane(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One sender's lane: start and abort its requests as its messages say; once it asks, carry its outputs
+        as `outputs` would, until the lane ends or another reader takes the sender's outbox over."""
+        pump: asyncio.Task | None = None
+        token = object()
+        try:
+            while (message := await read_message(reader)) is not None:
+                kind = message[0]
+                if kind == "add":
+                    _, request_id, token_ids, params, block_hashes = message
+                    self._start(request_id, token_ids, params, block_hashes, sender)
+                elif kind == "abort":
+                    self._abort(message[1])
+                elif kind == "attach" and (pump is None or pump.done()):
+                    pump = asyncio.get_running_loop().create_task(self._pump(sender, token, writer))
+        except (ConnectionError, asyncio.IncompleteReadError, LaneError) as error:
+            logger.warning("the lane of sender %s ended: %s: %s", sender, type(error).__name__, error)
+        finally:
+            if pump is not None:
+                pump.cancel()
+            writer.close()
+            self._reader_gone(sender, token)
+
+    async def _pump(self, sender: str, token: object, writer: asyncio.StreamWriter) -> None:
+        outbox = self._outbox(sender)
+        outbox.attach(token)
+        while (messages := await outbox.take(token, None)) is not None:
+            load = self._load(sender)
+            for blob in pack_messages(messages):
+                writer.write(lane_pack((blob, load)))
+            await writer.drain()
 
     def _failure(self, request_id: str, error: Exception) -> tuple:
         """The message that ends a failed request: its text and HTTP status."""
@@ -242,15 +348,20 @@ class EngineReplica:
         outbox.attach(reader)
         try:
             while (messages := await outbox.take(reader, self.outputs_idle_s)) is not None:
-                load = self._load()
+                load = self._load(sender)
                 for blob in pack_messages(messages):
                     yield blob, load
-        finally:  # the reader went away: nobody can receive these requests' outputs any more
-            if outbox.reader is reader:
-                if self._outboxes.get(sender) is outbox:
-                    del self._outboxes[sender]
-                for task in list(outbox.requests):
-                    task.cancel()
+        finally:
+            self._reader_gone(sender, reader)
+
+    def _reader_gone(self, sender: str, reader: object) -> None:
+        """`sender`'s reader `reader` went away: if it was still the outbox's, nobody can receive the requests'
+        outputs any more, so they are cancelled (aborted, blocks freed)."""
+        outbox = self._outboxes.get(sender)
+        if outbox is not None and outbox.reader is reader:
+            del self._outboxes[sender]
+            for task in list(outbox.requests):
+                task.cancel()
 
     def _outbox(self, sender: str) -> Outbox:
         outbox = self._outboxes.get(sender)
@@ -266,9 +377,12 @@ class EngineReplica:
         sched = self._engine.scheduler
         return len(sched.waiting), len(sched.running), sched.block_manager.num_free_blocks
 
-    def _load(self) -> Load:
-        stats = None
+    def _load(self, sender: str) -> Load:
+        stats = block_hashes = None
         now = time.perf_counter()
+        if now - self._hashes_sent_s.get(sender, 0.0) >= HASHES_PERIOD_S and self._published:
+            self._hashes_sent_s[sender] = now
+            block_hashes = self._published
         if now - self._last_stats_s >= STATS_PERIOD_S or not self._engine.has_unfinished_requests():
             self._last_stats_s = now
             if self._process is not None:
@@ -278,7 +392,7 @@ class EngineReplica:
                     stats = self._engine.latest_stats().as_dict()
                 except Exception:  # noqa: BLE001 - see above
                     logger.debug("stats read raced the engine thread", exc_info=True)
-        return Load(self._replica, self._node, *self._queues(), stats)
+        return Load(self._replica, self._node, *self._queues(), stats, self._num_started[sender], block_hashes)
 
     # ------------------------------------------------------------------ Ray Serve hooks
     async def record_routing_stats(self) -> dict:
@@ -292,7 +406,9 @@ class EngineReplica:
                     "num_started": started, "block_hashes": _published_block_hashes(engine),
                     "engine_pid": self._process.process.pid if self._process is not None else os.getpid()}
 
-        return await asyncio.wrap_future(self._front().call(read))
+        stats = await asyncio.wrap_future(self._front().call(read))
+        self._published = stats["block_hashes"]
+        return stats
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose health check raises: one whose engine loop (or process) has died."""
@@ -328,6 +444,9 @@ class EngineReplica:
         return await asyncio.wrap_future(self._front().call(check))
 
     def __del__(self):
+        lane_server = getattr(self, "_lane_server", None)
+        if lane_server is not None:
+            lane_server.close()
         async_engine = getattr(self, "_async_engine", None)
         if async_engine is not None:
             async_engine.stop()

@@ -19,6 +19,12 @@ logger = logging.getLogger("pagedkv.deploy")
 REPLICA_POLL_S = 1.0
 
 
+def replica_state(replica: dict) -> str | None:
+    """A replica's state ("RUNNING", ...) in the Serve controller's list."""
+    state = replica.get("state")
+    return getattr(state, "value", state)
+
+
 class ReplicaView:
     """The mixin's state, which the client fills: `_replicas` (the controller's list), `_loads` and `_stats`
     (replica id -> `Load` / stats dict, from outputs), `_app_name` and `_deployment_name`."""
@@ -41,10 +47,14 @@ class ReplicaView:
                 details = await controller.get_serve_instance_details.remote()
                 app = details["applications"][self._app_name]
                 self._replicas = app["deployments"][self._deployment_name]["replicas"]
+                self._replicas_changed()
             except Exception as error:  # noqa: BLE001 - /health shows the last snapshot; try again later
                 logger.debug("reading the replica list failed: %s", error)
                 controller = None
             await asyncio.sleep(REPLICA_POLL_S)
+
+    def _replicas_changed(self) -> None:
+        """Called after each poll of the list (on the watcher's loop)."""
 
     def health(self) -> list[dict]:
         """Per replica (as the Serve controller last reported them): id, node, state, alive, queues."""
@@ -52,10 +62,12 @@ class ReplicaView:
         for replica in list(self._replicas):
             key = replica["replica_id"]
             load = self._loads.get(key)
-            state = getattr(replica.get("state"), "value", replica.get("state"))
+            state = replica_state(replica)
             report.append({"replica": key, "node": replica.get("node_id"), "state": state, "alive": state == "RUNNING",
                            "waiting": load.num_waiting if load else 0, "running": load.num_running if load else 0,
-                           "free_blocks": load.num_free_blocks if load else 0})
+                           "free_blocks": load.num_free_blocks if load else 0,
+                           "lane": key in getattr(self, "_lanes", ()),
+                           "lane_requests": getattr(self, "_num_lane_sent", {}).get(key, 0)})
         return report
 
     def _live_keys(self) -> set[str]:

@@ -39,34 +39,21 @@ from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedkv.core.prefix_cache import BlockHash
-from pagedkv.distributed.router import DEFAULT_BALANCE_THRESHOLD, DEFAULT_MAX_REMEMBERED_BLOCKS, Router, RouterConfig
+from pagedkv.distributed.router import (DEFAULT_BALANCE_THRESHOLD, DEFAULT_MAX_REMEMBERED_BLOCKS, LoadedReplica, Router,
+                                       RouterConfig)
 
 #: The engine deployment's method whose calls carry a prompt (others go to the least-loaded replica).
 GENERATE_METHOD = "generate"
-#: The method whose calls name the replica they are for (an ingress's output stream from that replica).
-OUTPUTS_METHOD = "outputs"
 
 
-class _ReplicaView:
+class _ReplicaView(LoadedReplica):
     """One Ray Serve replica as the `Replica` protocol of the routing policy (see the module docstring)."""
 
     def __init__(self, replica: RunningReplica, block_size: int, num_unconsumed: int, cached: frozenset):
         stats = replica.routing_stats or {}
+        super().__init__(block_size, stats.get("num_waiting", 0) + num_unconsumed, stats.get("num_running", 0),
+                         stats.get("num_free_blocks", 0), cached)
         self.replica = replica
-        self.block_size = block_size
-        self.num_waiting = stats.get("num_waiting", 0) + num_unconsumed
-        self.num_running = stats.get("num_running", 0)
-        self.num_free_blocks = stats.get("num_free_blocks", 0)
-        self._cached = cached
-
-    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
-        count = 0
-        for key in block_hashes:
-            if key not in self._cached:
-                break
-            count += 1
-        return count
 
 
 class PagedKVRequestRouter(RequestRouter):
@@ -92,10 +79,11 @@ class PagedKVRequestRouter(RequestRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off, not spin, when all are full
             method = pending_request.metadata.call_method
-            if method == OUTPUTS_METHOD:
-                # Pinned to the replica it names; if that one is gone, any replica ends the stream at once.
-                pinned = [r for r in candidate_replicas if r.replica_id.unique_id == pending_request.kwargs.get(
-                    "replica")]
+            pin = pending_request.kwargs.get("replica")
+            if pin:
+                # Pinned to the replica it names (an output stream, a lane's address, a request its lane sent
+                # there); if that one is gone, any replica answers at once that it is not the one.
+                pinned = [r for r in candidate_replicas if r.replica_id.unique_id == pin]
                 return [pinned] if pinned else [candidate_replicas]
             if method == GENERATE_METHOD:
                 # The ingress names itself (its output streams are keyed by it); the count below follows it.

@@ -127,6 +127,27 @@ class SchedulerReplica:
         return len(cache.match(block_hashes)) if cache is not None else 0
 
 
+class LoadedReplica:
+    """A replica as a router sees it from afar: its queues as last reported (plus what was sent to it and not yet
+    taken, counted as waiting) and the set of prefix keys it is known to hold."""
+
+    def __init__(self, block_size: int, num_waiting: int, num_running: int, num_free_blocks: int,
+                 cached: frozenset | set):
+        self.block_size = block_size
+        self.num_waiting = num_waiting
+        self.num_running = num_running
+        self.num_free_blocks = num_free_blocks
+        self._cached = cached
+
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        count = 0
+        for key in block_hashes:
+            if key not in self._cached:
+                break
+            count += 1
+        return count
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Routing policy and the prefix policy's two refinements (see the module docstring).
@@ -318,6 +339,7 @@ def _after(key: Hashable, last: Hashable) -> bool:
 
 
 __all__: Sequence[str] = [
+    "LoadedReplica",
     "NoReplicaAvailableError",
     "Replica",
     "RouteDecision",

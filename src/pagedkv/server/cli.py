@@ -124,6 +124,9 @@ def build_parser(prog: str = "pagedkv serve") -> argparse.ArgumentParser:
     ray.add_argument("--ray-replica-on-loop", action="store_true",
                      help="drive each engine replica's engine process from the replica's event loop, without its "
                           "engine thread (docs/multi-node.md; not yet measured on a GPU)")
+    ray.add_argument("--ray-no-lanes", action="store_true",
+                     help="send requests to engine replicas only by Ray Serve calls, not also by a direct "
+                          "connection from the ingress (slower first tokens: docs/multi-node.md)")
     ray.add_argument("--direct-ingress", action="store_true",
                      help="when this command starts Ray: serve HTTP from the ingress replica itself on --port + 1 "
                           "(Ray Serve's direct ingress), without the proxy's hop; the proxy stays on --port")
@@ -244,7 +247,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv serve") -> int:
         raise ConfigError("spell out --ray in full (pagedkv serve ... --ray)")
     ray_only = [flag for flag, given in (("--direct-ingress", args.direct_ingress),
                                          ("--ray-separate-loops", args.ray_separate_loops),
-                                         ("--ray-replica-on-loop", args.ray_replica_on_loop)) if given]
+                                         ("--ray-replica-on-loop", args.ray_replica_on_loop),
+                                         ("--ray-no-lanes", args.ray_no_lanes)) if given]
     if ray_only:
         raise ConfigError(f"{ray_only[0]} is a Ray Serve setting: add --ray")
     sock = bind(args.host, args.port)  # a busy port fails now, not after the model has loaded
