@@ -202,6 +202,10 @@ low_load() {
   on "$1"
   phase "$1-low" 120 --dataset random --random-input-len "$LOW_IN" --random-output-len "$LOW_OUT" \
     --num-prompts "$LOW_PROMPTS" --max-concurrency 1 --vocab-size "$VOCAB"
+  # /health after the runs: per replica, whether the ingress had a lane to it and how many requests went in by it
+  $PY -c "import urllib.request; print(urllib.request.urlopen('${URLS[$1]}/health', timeout=5).read().decode())" \
+    > "$W/health_$1.json" 2>&1
+  say "$1 health: $(head -c 400 "$W/health_$1.json")"
 }
 
 if [ "${INTERLEAVE:-0}" = 1 ]; then

@@ -148,6 +148,28 @@ def test_thousands_of_writes_queued_without_a_poll_do_not_fill_the_pipes(store):
     assert all(done.is_set() for done in dones) and len(store.poll()) == 5000
 
 
+def test_a_writer_that_falls_behind_never_blocks_the_caller(store):
+    """With the writer stopped, thousands of writes (far past what the command pipe holds) are queued at once: the
+    sender thread, not the step loop, waits on the pipe; once the writer goes on, every one is written."""
+    import signal
+    import threading
+
+    store, _ = store
+    os.kill(store._process.pid, signal.SIGSTOP)
+    dones: list = []
+    try:
+        queueing = threading.Thread(target=lambda: dones.extend(
+            store.write_async(_key(i % 250) + bytes([i // 250]), None, None, block=i % 8) for i in range(5000)))
+        queueing.start()
+        queueing.join(timeout=60)  # a bound against a hang, not a timing: blocked on the pipe, it never returns
+        assert not queueing.is_alive() and len(dones) == 5000
+        assert store.poll() == []  # nothing written yet: the writer is stopped
+    finally:
+        os.kill(store._process.pid, signal.SIGCONT)
+    store.flush()
+    assert all(done.is_set() for done in dones) and len(store.poll()) == 5000
+
+
 def test_a_writer_process_that_dies_turns_the_disk_tier_off_and_nothing_hangs(store, caplog):
     store, _ = store
     first = store.write_async(_key(1), None, None, block=1)

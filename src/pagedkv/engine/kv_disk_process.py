@@ -5,7 +5,9 @@ each time they take it while the step loop runs Python, the loop waits: on a 2-c
 Python loop beside four threads writing 1.8 MB blocks ran 1.25-1.28x slower, beside one writer
 process 0.96-1.00x. Here the host pool lives in shared memory (`SharedHostPool`; registered
 with CUDA as pinned memory, so the copies into it stay asynchronous) and one child process
-(a fresh interpreter running this module: it imports no torch and holds no CUDA context) hashes and writes the blocks:
+(a fresh interpreter running this module: it imports no torch and holds no CUDA context) hashes and writes the
+blocks on `NUM_WRITE_THREADS` threads of its own (one thread alone fell behind the spills on an H200, and the
+engine's sends then blocked on a full pipe: 0.30x of GPU-only throughput, a 354 ms step):
 
     engine process                                   writer process
     write_async(key, block, ready_event)  -- FIFO -->  ("write", key, block, token)
@@ -14,7 +16,8 @@ with CUDA as pinned memory, so the copies into it stay asynchronous) and one chi
 
 Commands leave in order (a delete never overtakes the write of its key) and only once the
 device copy that fills their block has finished (`torch.cuda.Event.query`, checked at every
-poll, so the step loop never blocks on it; a wait for one write synchronizes its event). The
+poll, so the step loop never blocks on it; a wait for one write synchronizes its event), and a
+sender thread writes them to the pipe, so a writer that falls behind never blocks a step. The
 pipes are the only traffic: no thread of the engine process touches a block's bytes. Reads stay
 on the engine's reader threads (`kv_disk_io`), which share the pipe through a lock when a read
 must wait for a queued write of its key. A full disk or a directory that cannot be written
@@ -29,14 +32,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
 import weakref
+import zlib
+from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 
-from pagedkv.engine.kv_disk import DiskStore
+from pagedkv.engine.kv_disk import NUM_WRITE_THREADS, DiskStore
 
 logger = logging.getLogger("pagedkv")
 
@@ -145,13 +151,17 @@ class ProcessDiskStore(DiskStore):
 
     def __init__(self, root, fingerprint_hex: str, block_nbytes: int, pool: SharedHostPool):
         self._pool = pool
-        self._pending: list[tuple] = []  # commands not sent yet, in order: (event or None, message, done or None)
+        self._pending: deque[tuple] = deque()  # commands not sent yet, in order: (event or None, message, done or None)
         self._inflight: dict[int, tuple[bytes, _Done]] = {}  # token -> (key, done) sent, not reported
         self._next_token = 0
         self._send_lock = threading.RLock()  # the command pipe, the pending list and the tokens
         self._flushed: dict[int, threading.Event] = {}
         self._dead: str | None = None  # why the writer process is gone
         self._process = None
+        # Commands ready to go, in order; the sender thread writes them to the pipe, so a writer process that has
+        # fallen behind (its pipe full) never blocks the step loop.
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
         super().__init__(root, fingerprint_hex, block_nbytes, num_write_threads=0)
 
     def _start_writers(self, num_write_threads: int) -> None:
@@ -177,6 +187,20 @@ class ProcessDiskStore(DiskStore):
             raise RuntimeError(f"the disk writer process did not start (exit status {self._process_status()})")
         self._reader = threading.Thread(target=self._read_reports, name="pagedkv-kv-disk-reports", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_commands, name="pagedkv-kv-disk-commands", daemon=True)
+        self._sender.start()
+
+    def _send_commands(self) -> None:
+        """On the sender thread: write the queued commands to the pipe in order, until the stop (None)."""
+        while True:
+            message = self._outgoing.get()
+            try:
+                self._commands_out.send(message)
+            except (OSError, EOFError) as error:  # the writer process is gone
+                self._died(f"the disk writer process is gone ({error})")
+                return
+            if message is None:
+                return
 
     def _process_status(self):
         return self._process.poll() if self._process is not None else None
@@ -204,25 +228,22 @@ class ProcessDiskStore(DiskStore):
                 self._send_ready()
 
     def _send_ready(self, through: int = 0) -> None:
-        """Send the pending commands from the front: the first `through` of them whatever it takes (their copies
-        waited for), then those whose copies are done. Holds the send lock."""
-        try:
-            while self._pending and self._dead is None:
-                event, message, done = self._pending[0]
-                if event is not None and not event.query():
-                    if through <= 0:
-                        return
-                    event.synchronize()
-                self._pending.pop(0)
-                through -= 1
-                if message[0] == "write":
-                    token = self._next_token
-                    self._next_token += 1
-                    self._inflight[token] = (message[1], done)
-                    message = (*message, token)
-                self._commands_out.send(message)
-        except (OSError, EOFError) as error:  # the writer process is gone
-            self._died(f"the disk writer process is gone ({error})")
+        """Queue the pending commands for the sender thread from the front: the first `through` of them whatever it
+        takes (their copies waited for), then those whose copies are done. Holds the send lock."""
+        while self._pending and self._dead is None:
+            event, message, done = self._pending[0]
+            if event is not None and not event.query():
+                if through <= 0:
+                    return
+                event.synchronize()
+            self._pending.popleft()
+            through -= 1
+            if message[0] == "write":
+                token = self._next_token
+                self._next_token += 1
+                self._inflight[token] = (message[1], done)
+                message = (*message, token)
+            self._outgoing.put(message)
 
     def _send_through(self, done: _Done) -> None:
         """Send the commands up to `done`'s (a wait needs its write under way)."""
@@ -289,10 +310,7 @@ class ProcessDiskStore(DiskStore):
             token = self._next_token
             self._next_token += 1
             flushed = self._flushed[token] = threading.Event()
-            try:
-                self._commands_out.send(("flush", token))
-            except (OSError, EOFError) as error:
-                self._died(f"the disk writer process is gone ({error})")
+            self._outgoing.put(("flush", token))
         flushed.wait()
 
     def close(self) -> None:
@@ -305,8 +323,12 @@ class ProcessDiskStore(DiskStore):
 
     def _stop_process(self) -> None:
         process, self._process = self._process, None
-        with contextlib.suppress(OSError, EOFError):
-            self._commands_out.send(None)
+        if self._sender is not None and self._sender.is_alive():
+            self._outgoing.put(None)
+            self._sender.join(timeout=30)
+        else:
+            with contextlib.suppress(OSError, EOFError):
+                self._commands_out.send(None)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -353,7 +375,54 @@ def writer_main(commands, results, shm_name: str, nbytes: int, block_nbytes: int
         pass
     pool = np.ndarray((nbytes // block_nbytes, block_nbytes), dtype=np.uint8, buffer=shm.buf)
     store = DiskStore(root, fingerprint_hex, block_nbytes, num_write_threads=0)
-    reported = None
+    send_lock = threading.Lock()  # the writer threads share the reports pipe
+    reported: list[str] = []
+
+    def report(message) -> None:
+        with send_lock:
+            if store.disabled_reason is not None and not reported:
+                reported.append(store.disabled_reason)
+                results.send(("disabled", store.disabled_reason))
+            if message is not None:
+                results.send(message)
+
+    class Flush:
+        """A flush waits for every writer thread to reach it; the last one reports it."""
+
+        def __init__(self, token: int, count: int):
+            self.token, self.count, self.lock = token, count, threading.Lock()
+
+        def reached(self) -> None:
+            with self.lock:
+                self.count -= 1
+                last = self.count == 0
+            if last:
+                report(("flushed", self.token))
+
+    def work(jobs: queue.SimpleQueue) -> None:
+        # Several threads, as the engine's own writer threads: hashing and writing release this interpreter's lock
+        # (and this process shares no lock with the engine). A key's jobs all go to one thread, in order.
+        while (message := jobs.get()) is not None:
+            if isinstance(message, Flush):
+                message.reached()
+                continue
+            kind = message[0]
+            if kind == "write":
+                _, key, block, token = message
+                try:
+                    ok = store.write(key, pool[block])
+                except Exception as error:  # noqa: BLE001 - a write that fails is a block not cached
+                    logger.warning("KV disk tier: writing %s failed: %s", key.hex(), error)
+                    ok = False
+                report(("done", token, ok))
+            elif kind == "delete":
+                with contextlib.suppress(OSError):
+                    store.path(message[1]).unlink(missing_ok=True)
+
+    queues = [queue.SimpleQueue() for _ in range(NUM_WRITE_THREADS)]
+    threads = [threading.Thread(target=work, args=(jobs,), daemon=True) for jobs in queues]
+    for thread in threads:
+        thread.start()
     results.send(("ready",))
     try:
         while True:
@@ -363,30 +432,20 @@ def writer_main(commands, results, shm_name: str, nbytes: int, block_nbytes: int
                 return
             if message is None:
                 return
-            if store.disabled_reason is not None and reported is None:
-                reported = store.disabled_reason
-                results.send(("disabled", reported))
-            kind = message[0]
-            if kind == "write":
-                _, key, block, token = message
-                try:
-                    ok = store.write(key, pool[block])
-                except Exception as error:  # noqa: BLE001 - a write that fails is a block not cached
-                    logger.warning("KV disk tier: writing %s failed: %s", key.hex(), error)
-                    ok = False
-                if store.disabled_reason is not None and reported is None:
-                    reported = store.disabled_reason
-                    results.send(("disabled", reported))
-                results.send(("done", token, ok))
-            elif kind == "delete":
-                with contextlib.suppress(OSError):
-                    store.path(message[1]).unlink(missing_ok=True)
-            elif kind == "flush":
-                results.send(("flushed", message[1]))
+            if message[0] == "flush":
+                flush = Flush(message[1], len(queues))
+                for jobs in queues:
+                    jobs.put(flush)
+            else:
+                queues[zlib.crc32(message[1]) % len(queues)].put(message)
     finally:
+        for jobs in queues:
+            jobs.put(None)
+        for thread in threads:
+            thread.join()
+        report(None)
         del pool
         shm.close()
-
 
 if __name__ == "__main__":
     _in, _out, _name, _nbytes, _block, _root, _fingerprint = sys.argv[1:8]
