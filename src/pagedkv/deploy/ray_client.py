@@ -124,7 +124,7 @@ class RayEngineClient(ReplicaView):
     def __init__(self, handle, info: dict, tokenizer, policy: RoutingPolicy | str = RoutingPolicy.PREFIX,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, loop: asyncio.AbstractEventLoop | None = None,
                  grpc: bool = True, drive_on_loop: bool = False, lanes: bool = False,
-                 balance_threshold: int | None = DEFAULT_BALANCE_THRESHOLD):
+                 balance_threshold: int | None = DEFAULT_BALANCE_THRESHOLD, max_ongoing_requests: int = 1 << 30):
         from pagedkv.engine.scheduler import Scheduler
 
         self.tokenizer = tokenizer
@@ -163,6 +163,8 @@ class RayEngineClient(ReplicaView):
         self._num_sent: Counter[str] = Counter()
         self._published: dict[str, frozenset] = {}
         self._num_lane_sent: Counter[str] = Counter()  # replica -> requests that went in by its lane (/health)
+        self._lane_in_flight: Counter[str] = Counter()  # replica -> this client's requests there that came by lane
+        self._max_ongoing_requests = max_ongoing_requests
         # NOTE: in an ingress replica, the replica's own event loop (`loop`): Ray Serve binds a handle's calls to
         # the loop that makes them when its router shares the replica's loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0),
         # and it saves a thread hop each way. Otherwise (Serve's separate loops, tests) a loop on a thread of its own.
@@ -315,9 +317,12 @@ class RayEngineClient(ReplicaView):
             return None
         replica = self._route_by_lane(token_ids, block_hashes)
         lane = self._lanes.get(replica) if replica is not None else None
-        if lane is None or not lane.send(("add", live.wire_id, token_ids, params, block_hashes)):
+        if lane is None or self._lane_in_flight[replica] >= self._max_ongoing_requests:
+            return None  # that replica holds as many of this client's requests as Serve lets it: the call waits
+        if not lane.send(("add", live.wire_id, token_ids, params, block_hashes)):
             return None
         live.replica, live.lane = replica, lane
+        self._lane_in_flight[replica] += 1
         self._num_sent[replica] += 1
         self._num_lane_sent[replica] += 1
         self._channel(replica)
@@ -412,6 +417,8 @@ class RayEngineClient(ReplicaView):
         if self._live.get(live.wire_id) is live:  # (a new request may have taken an aborted one's id already)
             del self._live[live.wire_id]
             self._decoder.forget(live.wire_id)
+            if live.lane is not None:
+                self._lane_in_flight[live.lane.replica] -= 1
 
     async def _last_message(self, live: _Live) -> None:
         """Once a request's call has ended (its last message is queued at the replica): wait for that message on

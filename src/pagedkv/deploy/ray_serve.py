@@ -207,7 +207,7 @@ class Ingress:
 
     async def __init__(self, engine_handle, model: str | None, served_model_name: str, server_config: ServerConfig,
                    routing: str, max_attempts: int, handle_transport: str = "grpc", engine_thread: bool = True,
-                   lanes: bool = False, balance_threshold: int | None = None):
+                   lanes: bool = False, balance_threshold: int | None = None, max_ongoing_requests: int = 1 << 30):
         import asyncio
 
         from pagedkv.deploy.ray_client import RayEngineClient
@@ -225,7 +225,8 @@ class Ingress:
         loop = None if _router_in_separate_loop() else asyncio.get_running_loop()
         self._client = RayEngineClient(engine_handle, info, tokenizer, routing, max_attempts, loop=loop,
                                        grpc=handle_transport == "grpc", drive_on_loop=not engine_thread,
-                                       lanes=lanes, balance_threshold=balance_threshold)
+                                       lanes=lanes, balance_threshold=balance_threshold,
+                                       max_ongoing_requests=max_ongoing_requests)
         self._app = create_app(self._client, served_model_name, config=server_config)
         if isinstance(self._app.state.async_engine, LoopAsyncEngine) == engine_thread:  # never a silent fallback
             raise ConfigError(f"the ingress asked for {'an engine thread' if engine_thread else 'no engine thread'} "
@@ -266,7 +267,8 @@ def build_app(engine: EngineConfig = EngineConfig(), ray_config: RayServeConfig 
                                                          engine_thread=ray_config.replica_engine_thread)
     return ingress.bind(engines, engine.model, name, server_config, ray_config.routing.value,
                         ray_config.max_attempts, ray_config.handle_transport, ray_config.ingress_engine_thread,
-                        lanes=ray_config.lanes, balance_threshold=ray_config.balance_threshold)
+                        lanes=ray_config.lanes, balance_threshold=ray_config.balance_threshold,
+                        max_ongoing_requests=ray_config.max_ongoing_requests)
 
 
 def __getattr__(name: str):
