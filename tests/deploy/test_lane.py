@@ -150,13 +150,36 @@ def test_an_abort_by_lane_frees_the_blocks_and_a_closed_lane_takes_its_requests_
 def test_a_lane_with_a_wrong_token_is_refused_and_starts_nothing(replica):
     async def run():
         address = await replica.lane_address()
+        again = await asyncio.gather(replica.lane_address(), replica.lane_address())
+        assert again == [address, address]  # one server, however many ask at once
         forged = LaneAddress(address.host, address.port, b"0" * 16)
-        lane = await LaneClient.connect("local", forged, "intruder")
-        lane.send(("add", "forged", PROMPTS[0], GREEDY, None))
-        return [message async for message in lane.messages()]
+        with pytest.raises((LaneError, asyncio.IncompleteReadError, ConnectionError)):
+            await LaneClient.connect("local", forged, "intruder")
+        # A peer that sends a huge frame before any token is cut off after the fixed-size hello.
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(struct.pack("!I", 200 << 20) + b"x" * 4096)
+        assert await reader.read() == b""  # closed
+        writer.close()
 
-    assert on_loop(run()) == []  # closed at once
+    on_loop(run())
     assert "forged" not in replica._tasks and replica._num_started["intruder"] == 0
+
+
+def test_a_client_does_not_take_a_peer_without_the_token_for_its_replica():
+    """A process that took over a replica's port (and heard the client's hello) cannot answer it."""
+    async def run():
+        async def impostor(reader, writer):
+            await reader.readexactly(48)
+            writer.write(b"\0" * 32)
+            await writer.drain()
+
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(LaneError, match="is not replica"):
+            await LaneClient.connect("r1", LaneAddress("127.0.0.1", port, b"k" * 16), "s")
+        server.close()
+
+    on_loop(run())
 
 
 def test_a_frame_over_the_limit_is_an_error_not_an_allocation():

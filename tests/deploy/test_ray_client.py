@@ -427,7 +427,7 @@ def test_an_abort_in_the_same_turn_as_a_broken_stream_is_not_retried():
         client.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
         _drain(client)
         client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
-        assert _until(lambda: "a" in client._live and client._live["a"].replica == "r0")
+        assert _until(lambda: any(live.request_id == "a" and live.replica == "r0" for live in client._live.values()))
 
         future = client._requests.pop("a")  # what abort() does on the engine thread, then on the loop:
 

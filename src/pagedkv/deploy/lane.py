@@ -15,9 +15,13 @@ until the request ends: Ray Serve's count of ongoing requests (autoscaling, drai
 client's cancellation keep working as they do without lanes, and a lane that loses a request's
 message loses nothing, since the call carries the same request (the replica runs each id once).
 
-Frames are a 4-byte big-endian length and a pickle. The first frame a client sends is the
-replica's token (random, handed out only through a Serve call), read as raw bytes before anything
-is unpickled; a connection with a wrong token is closed. The second is the sender's name.
+Frames are a 4-byte big-endian length and a pickle. Both ends prove they hold the replica's
+token (random, handed out only through a Serve call) before either unpickles anything: the client
+sends a nonce and an HMAC of it under the token (a fixed-size raw read, so an unauthenticated peer
+cannot make the replica buffer more), the replica answers with another HMAC of the nonce, which a
+process that took over the replica's port cannot make. Then the client sends its sender's name.
+The token and the traffic are not encrypted: run lanes only on a network you trust as you trust
+Ray's own ports, or turn them off.
 """
 
 from __future__ import annotations
@@ -44,6 +48,25 @@ CONNECT_TIMEOUT_S = 5.0
 
 class LaneError(PagedKVError):
     """A lane's peer broke the protocol (a frame over `MAX_FRAME_BYTES`, a wrong token)."""
+
+
+_NONCE_BYTES = 16
+_MAC_BYTES = 32
+
+
+def _mac(token: bytes, nonce: bytes, side: bytes) -> bytes:
+    return hmac.new(token, side + nonce, "sha256").digest()
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """A peer that vanishes (its node lost, no FIN) is noticed within about half a minute, not TCP's 15 minutes."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 30_000)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 @dataclass(frozen=True)
@@ -109,9 +132,17 @@ class LaneServer:
         self._on_lane = on_lane
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: asyncio.Future | None = None
+        self._lanes: set[asyncio.StreamWriter] = set()  # accepted, open
         self.address: LaneAddress | None = None
 
     async def start(self, host: str | None = None) -> LaneAddress:
+        """Listen (once: later calls, concurrent ones too, get the same address)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start(host))
+        return await asyncio.shield(self._starting)
+
+    async def _start(self, host: str | None) -> LaneAddress:
         host = host or node_host()
         token = secrets.token_bytes(16)
         self._loop = asyncio.get_running_loop()
@@ -122,9 +153,11 @@ class LaneServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            token = await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S)
-            if token is None or not hmac.compare_digest(token, self.address.token):
+            hello = await asyncio.wait_for(reader.readexactly(_NONCE_BYTES + _MAC_BYTES), CONNECT_TIMEOUT_S)
+            nonce, mac = hello[:_NONCE_BYTES], hello[_NONCE_BYTES:]
+            if not hmac.compare_digest(mac, _mac(self.address.token, nonce, b"client")):
                 raise LaneError("a lane presented a wrong token")
+            writer.write(_mac(self.address.token, nonce, b"server"))
             sender = await asyncio.wait_for(read_message(reader), CONNECT_TIMEOUT_S)
             if not isinstance(sender, str):
                 raise LaneError(f"a lane named no sender (got {type(sender).__name__})")
@@ -133,21 +166,32 @@ class LaneServer:
             writer.close()
             return
         no_delay(writer)
-        await self._on_lane(sender, reader, writer)
+        keep_alive(writer)
+        self._lanes.add(writer)
+        try:
+            await self._on_lane(sender, reader, writer)
+        finally:
+            self._lanes.discard(writer)
 
     def close(self) -> None:
-        """Stop accepting lanes (from any thread)."""
+        """Stop accepting lanes and close the open ones (from any thread)."""
         server, self._server = self._server, None
         if server is None:
             return
+
+        def close_all():
+            server.close()
+            for writer in list(self._lanes):
+                writer.close()
+
         try:
             on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:
             on_loop = False
         if on_loop or self._loop.is_closed():
-            server.close()
+            close_all()
         else:
-            self._loop.call_soon_threadsafe(server.close)
+            self._loop.call_soon_threadsafe(close_all)
 
 
 class LaneClient:
@@ -162,8 +206,18 @@ class LaneClient:
     async def connect(cls, replica: str, address: LaneAddress, sender: str) -> "LaneClient":
         reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port),
                                                 CONNECT_TIMEOUT_S)
+        try:
+            nonce = secrets.token_bytes(_NONCE_BYTES)
+            writer.write(nonce + _mac(address.token, nonce, b"client"))
+            answer = await asyncio.wait_for(reader.readexactly(_MAC_BYTES), CONNECT_TIMEOUT_S)
+            if not hmac.compare_digest(answer, _mac(address.token, nonce, b"server")):
+                raise LaneError(f"the peer at {address.host}:{address.port} is not replica {replica}")
+        except BaseException:
+            writer.close()
+            raise
         no_delay(writer)
-        writer.write(frame(address.token) + pack(sender))
+        keep_alive(writer)
+        writer.write(pack(sender))
         return cls(replica, reader, writer)
 
     @property

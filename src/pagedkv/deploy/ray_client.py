@@ -78,6 +78,8 @@ logger = logging.getLogger("pagedkv.deploy")
 
 DEFAULT_MAX_ATTEMPTS = 3
 _RETRY_BACKOFF_S = 0.2
+#: How long asking a replica where its lane listens may take.
+LANE_OPEN_TIMEOUT_S = 10.0
 #: After a lane failed to open, the next try at that replica waits this long.
 LANE_RETRY_S = 10.0
 _WAKE = None  # put in the output queue to end a waiting step() early (a new command arrived)
@@ -158,6 +160,8 @@ class RayEngineClient(ReplicaView):
         self._use_lanes = lanes
         self._lanes: dict[str, LaneClient] = {}
         self._lane_readers: dict[str, asyncio.Task] = {}
+        self._lane_paused: dict[str, float] = {}  # replica -> when a call pinned there found it gone from Serve
+        self._lane_tasks: set[asyncio.Task] = set()  # lanes being opened (held here, so none is collected)
         self._lane_opening: dict[str, float] = {}  # replica -> when its lane was last tried (or is being opened)
         self._policy = Router([], RouterConfig(policy, balance_threshold), block_size=self._block_size)
         self._num_sent: Counter[str] = Counter()
@@ -271,7 +275,7 @@ class RayEngineClient(ReplicaView):
             for attempt in range(1, self._max_attempts + 1):
                 # NOTE: each attempt has an id of its own at the replicas. A retry may land on the replica that
                 # is still aborting the attempt before it, whose late messages must not pass for this one's.
-                live.wire_id = request_id if attempt == 1 else f"{request_id}#retry{attempt}-{uuid.uuid4().hex[:8]}"
+                live.wire_id = f"{request_id}#{attempt}-{uuid.uuid4().hex[:12]}"
                 live.replica = live.lost = live.lane = None
                 self._live[live.wire_id] = live
                 call = None
@@ -279,8 +283,13 @@ class RayEngineClient(ReplicaView):
                     pin = self._send_by_lane(live, token_ids, params, block_hashes)
                     call = self._handle.generate.remote(live.wire_id, token_ids, params, block_hashes=block_hashes,
                                                         sender=self._sender, **({"replica": pin} if pin else {}))
-                    async for replica in call:  # one item: the replica that took it (None: the lane's has it)
+                    async for replica in call:  # one item: the replica that took it (None: not the pinned one)
                         if replica is None:
+                            # Serve's router no longer has the lane's replica (draining, or gone): the lane's copy
+                            # has nothing keeping it there; before its first output it goes elsewhere.
+                            self._lane_paused[pin] = time.monotonic()  # Serve calls route for a while
+                            if not live.started:
+                                raise ReplicaStreamEndedError(f"replica {pin} left Ray Serve's routing")
                             continue
                         if pin is None:
                             live.replica = replica
@@ -334,6 +343,9 @@ class RayEngineClient(ReplicaView):
         running = [r["replica_id"] for r in self._replicas if replica_state(r) == "RUNNING"]
         if not running or any(key not in self._lanes for key in running):
             return None
+        now = time.monotonic()
+        if any(now - self._lane_paused.get(key, -math.inf) < LANE_RETRY_S for key in running):
+            return None  # Serve's router and this client's list disagree on a replica lately: let Serve route
         views = {}
         for key in running:
             load = self._loads.get(key)
@@ -355,6 +367,9 @@ class RayEngineClient(ReplicaView):
         if not self._use_lanes or self._closed:
             return
         now = time.monotonic()
+        listed = {replica["replica_id"] for replica in self._replicas}
+        for key in [key for key in self._lanes if key not in listed]:
+            self._lanes[key].close()  # that replica left the list: its reader ends, and what was in flight there
         for replica in self._replicas:
             key = replica["replica_id"]
             if replica_state(replica) != "RUNNING" or key in self._lanes:
@@ -363,24 +378,26 @@ class RayEngineClient(ReplicaView):
             if last is not None and now - last < LANE_RETRY_S:
                 continue
             self._lane_opening[key] = math.inf  # being opened
-            self._loop.create_task(self._open_lane(key))
+            task = self._loop.create_task(self._open_lane(key))
+            self._lane_tasks.add(task)
+            task.add_done_callback(self._lane_tasks.discard)
 
     async def _open_lane(self, replica: str) -> None:
         try:
-            address = await self._unary.lane_address.remote(replica=replica)
+            address = await asyncio.wait_for(self._unary.lane_address.remote(replica=replica), LANE_OPEN_TIMEOUT_S)
             if address is None:
                 raise ReplicaStreamEndedError(f"replica {replica} is gone")
             lane = await LaneClient.connect(replica, address, self._sender)
         except Exception as error:  # noqa: BLE001 - requests there go by Serve calls; tried again later
             logger.warning("no lane to replica %s (its requests go by Ray Serve calls): %s: %s", replica,
                            type(error).__name__, error)
-            self._lane_opening[replica] = time.monotonic()
             return
+        finally:
+            self._lane_opening[replica] = time.monotonic()
         if self._closed:
             lane.close()
             return
         self._lanes[replica] = lane
-        self._lane_opening.pop(replica, None)
         self._lane_readers[replica] = self._loop.create_task(self._read_lane(replica, lane))
         task = self._channels.get(replica)
         if task is None or task.done():  # nothing streams from there now: the lane carries its outputs from here on
@@ -407,11 +424,17 @@ class RayEngineClient(ReplicaView):
             if self._lane_readers.get(replica) is task:
                 del self._lane_readers[replica]
             self._lane_opening[replica] = time.monotonic()
-            if self._channels.get(replica) is task:
-                del self._channels[replica]
-                if num_items >= 0:
-                    logger.warning("the lane to replica %s ended: %s", replica, broke)
+            if num_items >= 0:
+                logger.warning("the lane to replica %s ended: %s", replica, broke)
+                if self._channels.get(replica) is task:
+                    del self._channels[replica]
                     self._ended(replica, broke, num_items)
+                # The requests that went in by it: the replica aborts those no Serve call joined yet.
+                why = f"the lane to replica {replica} ended before the request's last output ({broke})"
+                for live in list(self._live.values()):
+                    if live.lane is lane and not live.done.done() and live.lost is None:
+                        live.lost = why
+                        live.task.cancel()
 
     def _forget(self, live: _Live) -> None:
         if self._live.get(live.wire_id) is live:  # (a new request may have taken an aborted one's id already)

@@ -140,6 +140,14 @@ class Load:
     block_hashes: list | None = None  # the replica's published prefix keys, every HASHES_PERIOD_S per sender
 
 
+def _pump_ended(task: asyncio.Task, writer) -> None:
+    """A lane's output pump that failed closes its lane, so both ends take the lane-ended paths (not a silent
+    stop of that sender's outputs)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a lane's output pump failed: %r", task.exception())
+        writer.close()
+
+
 def replica_identity() -> tuple[str, str]:
     """(replica id, node id) of the Ray Serve replica this code runs in ("local" outside one)."""
     try:
@@ -202,6 +210,7 @@ class EngineReplica:
         self._num_started: Counter[str] = Counter()  # sender -> requests started here (by a call or a lane)
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> the task serving it here
         self._gone: OrderedDict[str, None] = OrderedDict()  # request ids ended here lately (see _end)
+        self._joined: set[str] = set()  # lane copies whose Serve call has come (it aborts them if cancelled)
         self._lane_server = LaneServer(self._on_lane)
         self._published: list = []  # the prefix keys of the latest routing stats
         self._hashes_sent_s: dict[str, float] = {}  # sender -> when its lane's items last carried them
@@ -234,6 +243,8 @@ class EngineReplica:
         if replica and replica != self._replica:
             yield None
             return
+        if request_id in self._tasks:
+            self._joined.add(request_id)  # its lane's copy: this call owns it from here on
         task = self._start(request_id, token_ids, params, block_hashes, sender)
         yield self._replica
         if task is None:  # it ran here already (its lane's copy), or its sender aborted it
@@ -276,6 +287,7 @@ class EngineReplica:
     def _end(self, request_id: str) -> None:
         """`request_id` is over here: a late copy of it (its lane's, or its call's) will not start it again."""
         self._tasks.pop(request_id, None)
+        self._joined.discard(request_id)
         self._gone[request_id] = None
         while len(self._gone) > MAX_REMEMBERED_ENDED:
             self._gone.popitem(last=False)
@@ -303,16 +315,21 @@ class EngineReplica:
         as `outputs` would, until the lane ends or another reader takes the sender's outbox over."""
         pump: asyncio.Task | None = None
         token = object()
+        started: set[str] = set()  # what this lane started here
         try:
             while (message := await read_message(reader)) is not None:
                 kind = message[0]
                 if kind == "add":
                     _, request_id, token_ids, params, block_hashes = message
+                    if request_id not in self._tasks and request_id not in self._gone:
+                        started.add(request_id)
                     self._start(request_id, token_ids, params, block_hashes, sender)
                 elif kind == "abort":
+                    started.discard(message[1])
                     self._abort(message[1])
                 elif kind == "attach" and (pump is None or pump.done()):
                     pump = asyncio.get_running_loop().create_task(self._pump(sender, token, writer))
+                    pump.add_done_callback(lambda task: _pump_ended(task, writer))
         except (ConnectionError, asyncio.IncompleteReadError, LaneError) as error:
             logger.warning("the lane of sender %s ended: %s: %s", sender, type(error).__name__, error)
         finally:
@@ -320,6 +337,11 @@ class EngineReplica:
                 pump.cancel()
             writer.close()
             self._reader_gone(sender, token)
+            # Its copies that no Serve call joined have nobody left to end them (a call queued in Serve's router,
+            # or sent to another replica, never will): abort them.
+            for request_id in started:
+                if request_id in self._tasks and request_id not in self._joined:
+                    self._abort(request_id)
 
     async def _pump(self, sender: str, token: object, writer: asyncio.StreamWriter) -> None:
         outbox = self._outbox(sender)
