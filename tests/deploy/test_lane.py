@@ -64,8 +64,10 @@ async def _collect(lane, ids):
 
 
 def _idle(replica) -> bool:
-    stats = replica._engine.latest_stats()
-    return not replica._tasks and not replica._engine.has_unfinished_requests() and stats is not None
+    """Nothing running or waiting, read as the replica reads its queues beside the engine thread (an engine
+    process's pipe has one reader, the engine thread: calling into the engine from here would race it)."""
+    num_waiting, num_running, _ = replica._queues()
+    return not replica._tasks and num_waiting == 0 and num_running == 0
 
 
 def test_requests_by_lane_run_once_and_their_outputs_come_back_on_it(replica):
