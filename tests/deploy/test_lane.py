@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("ray")
 
+from test_replica import read_outputs  # noqa: E402
+
 from pagedkv.deploy.lane import LaneAddress, LaneClient, LaneError, frame, read_frame  # noqa: E402
-from pagedkv.deploy.replica import EngineReplica, unpack_messages  # noqa: E402
-from pagedkv.distributed.output_deltas import DeltaDecoder  # noqa: E402
+from pagedkv.deploy.replica import EngineReplica  # noqa: E402
 from pagedkv.engine.config import EngineConfig  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.engine.sampling_params import SamplingParams  # noqa: E402
@@ -44,23 +45,7 @@ async def _connect(replica, sender="s"):
 
 
 async def _collect(lane, ids):
-    """Every message for `ids` from the lane until each ended: (finished outputs, failures, all output messages)."""
-    decoder, done, failed, seen = DeltaDecoder(), {}, {}, []
-    remaining = set(ids)
-    async for blob, load in lane.messages():
-        assert load.replica == "local"
-        for message in unpack_messages(blob):
-            if message[0] == "output":
-                seen.append(message[1][0])
-                output = decoder.decode(message[1])
-                if output.finished:
-                    done[output.request_id] = output
-                    remaining.discard(output.request_id)
-            else:
-                failed[message[1]] = message[2:]
-                remaining.discard(message[1])
-        if not remaining:
-            return done, failed, seen
+    return await read_outputs(lane.messages(), ids)
 
 
 def _idle(replica) -> bool:

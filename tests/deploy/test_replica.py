@@ -33,33 +33,39 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27]]
 
 
+async def read_outputs(items, ids) -> tuple[dict, dict, list]:
+    """Decode a replica's `(packed messages, load)` items (an `outputs` stream's or a lane's) until each of `ids`
+    ended: (finished outputs, failures, the request id of every output message), by id."""
+    decoder, done, failed, seen = DeltaDecoder(), {}, {}, []
+    remaining = set(ids)
+    async for blob, load in items:
+        assert load.replica == "local"
+        for message in unpack_messages(blob):
+            if message[0] == "output":
+                seen.append(message[1][0])
+                output = decoder.decode(message[1])
+                if output.finished:
+                    done[output.request_id] = output
+                    remaining.discard(output.request_id)
+            else:
+                failed[message[1]] = message[2:]
+                remaining.discard(message[1])
+        if not remaining:
+            break
+    return done, failed, seen
+
+
 async def _serve(replica: EngineReplica, calls: list[tuple[str, list[int], SamplingParams]], sender: str = "s"):
     """Each call through `generate`, every message through `outputs`; (finished outputs, failures) by id."""
-    decoder, done, failed = DeltaDecoder(), {}, {}
-    remaining = {request_id for request_id, _, _ in calls}
-
-    async def read():
-        async for blob, load in replica.outputs(sender):
-            assert load.replica == "local"
-            for message in unpack_messages(blob):
-                if message[0] == "output":
-                    output = decoder.decode(message[1])
-                    if output.finished:
-                        done[output.request_id] = output
-                        remaining.discard(output.request_id)
-                else:
-                    failed[message[1]] = message[2:]
-                    remaining.discard(message[1])
-            if not remaining:
-                return
+    ids = [request_id for request_id, _, _ in calls]
+    reader = asyncio.create_task(read_outputs(replica.outputs(sender), ids))
 
     async def call(request_id, tokens, params):
         items = [item async for item in replica.generate(request_id, tokens, params, sender=sender)]
         assert items == ["local"]  # one item, the replica's id, then the call ends with its request
 
-    reader = asyncio.create_task(read())
     await asyncio.gather(*(call(*c) for c in calls))
-    await asyncio.wait_for(reader, timeout=60)
+    done, failed, _ = await asyncio.wait_for(reader, timeout=60)
     return done, failed
 
 

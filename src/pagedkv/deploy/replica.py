@@ -243,9 +243,9 @@ class EngineReplica:
         if replica and replica != self._replica:
             yield None
             return
-        if request_id in self._tasks:
+        task, started = self._start(request_id, token_ids, params, block_hashes, sender)
+        if task is not None and not started:
             self._joined.add(request_id)  # its lane's copy: this call owns it from here on
-        task = self._start(request_id, token_ids, params, block_hashes, sender)
         yield self._replica
         if task is None:  # it ran here already (its lane's copy), or its sender aborted it
             return
@@ -256,11 +256,12 @@ class EngineReplica:
                 task.cancel()
 
     def _start(self, request_id: str, token_ids: list[int], params: SamplingParams, block_hashes, sender: str):
-        """The task serving `request_id` here: its running one if a lane or a call started it already, None if it
-        ran or was aborted here lately, else a new one (added to the engine before this returns)."""
+        """(the task serving `request_id` here, whether this call started it): its running one if a lane or a call
+        started it already, None if it ran or was aborted here lately, else a new one (added to the engine before
+        this returns)."""
         task = self._tasks.get(request_id)
         if task is not None or request_id in self._gone:
-            return task
+            return task, False
         self._num_started[sender] += 1
         outbox = self._outbox(sender)
         stream = OutboxStream(asyncio.get_running_loop(), outbox)
@@ -271,7 +272,7 @@ class EngineReplica:
         task = self._tasks[request_id] = asyncio.get_running_loop().create_task(
             self._serve_request(request_id, stream, outbox))
         outbox.requests.add(task)
-        return task
+        return task, True
 
     async def _serve_request(self, request_id: str, stream: OutboxStream, outbox: Outbox) -> None:
         try:
@@ -321,9 +322,8 @@ class EngineReplica:
                 kind = message[0]
                 if kind == "add":
                     _, request_id, token_ids, params, block_hashes = message
-                    if request_id not in self._tasks and request_id not in self._gone:
+                    if self._start(request_id, token_ids, params, block_hashes, sender)[1]:
                         started.add(request_id)
-                    self._start(request_id, token_ids, params, block_hashes, sender)
                 elif kind == "abort":
                     started.discard(message[1])
                     self._abort(message[1])
