@@ -27,7 +27,9 @@ share of the copy, but the pool is [2, L, N, B, Hkv, D]: one block's layer is tw
 so a per-layer copy is 2n small strided copies per layer, and its L waits would sit inside the
 decode graphs, which capture the whole model. Within the cap the whole wait is a few ms.)
 
-Disk reads and writes run on threads beside the steps (`kv_disk_io.py`).
+Disk reads and writes run on threads beside the steps (`kv_disk_io.py`). Between the pool's layout and a
+contiguous staging tensor, blocks move by one Triton kernel per direction (`pagedkv.kernels.block_moves`:
+torch's index_select + contiguous and index_copy_ ran at a fraction of the device's copy bandwidth).
 
 A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
 writes, so that its eviction later needs no copy (and no wait) at all.
@@ -51,6 +53,7 @@ import torch
 
 from pagedkv.engine.kv_disk import DiskStore
 from pagedkv.engine.kv_disk_io import DiskIO
+from pagedkv.kernels.block_moves import gather_blocks, scatter_blocks
 
 
 @dataclass
@@ -81,6 +84,45 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class _PinnedIds:
+    """Block ids copied to the device from a few pinned host buffers, taken in turn (pinning a fresh tensor
+    for every step cost more host time than the rest of the ids' path).
+
+    A buffer is written again only once the copy that read it last has run (its event: in practice long done,
+    as the buffers are taken in turn). The device buffer is read by the copy stream's kernels alone, in stream
+    order, so the next step's copy into it on the same stream waits for them."""
+
+    NUM_SLOTS = 4
+
+    def __init__(self, device: torch.device, stream):
+        self.device = device
+        self.stream = stream
+        self._host: list[torch.Tensor | None] = [None] * self.NUM_SLOTS
+        self._read: list = [None] * self.NUM_SLOTS  # each buffer's last copy to the device
+        self._next = 0
+        self._on_device = torch.empty(0, dtype=torch.int64, device=device)
+
+    def to_device(self, ids: list[int]) -> torch.Tensor:
+        """`ids` on the device (a view of the device buffer, valid on the copy stream until the next call)."""
+        n = len(ids)
+        slot, self._next = self._next, (self._next + 1) % self.NUM_SLOTS
+        if self._read[slot] is not None:
+            self._read[slot].synchronize()
+        host = self._host[slot]
+        if host is None or host.numel() < n:
+            host = self._host[slot] = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        host.numpy()[:n] = ids
+        with torch.cuda.stream(self.stream):
+            if self._on_device.numel() < n:  # allocated on the copy stream: the old one is freed in its order
+                self._on_device = torch.empty(max(n, 2 * self._on_device.numel(), 256), dtype=torch.int64,
+                                              device=self.device)
+            out = self._on_device[:n]
+            out.copy_(host[:n], non_blocking=True)
+            event = self._read[slot] = self._read[slot] or torch.cuda.Event()
+            event.record(self.stream)
+        return out
+
+
 class KVOffload:
     """A pinned host pool beside the device pool, its copy stream, and the optional disk store."""
 
@@ -105,6 +147,8 @@ class KVOffload:
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._restores_done = None  # event B of the last step that restored
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
+        self._free_events: list = []  # timing events whose copies finished and were accounted: recorded again
+        self._ids = _PinnedIds(self.device, self.stream) if self.is_cuda else None
         self.disk = disk
         self.stats = OffloadStats()
         self.io = DiskIO(disk, self._host_bytes, self.stats, tp)
@@ -171,10 +215,11 @@ class KVOffload:
         self.io.delete(step.disk_deletes)
 
     def _mark(self):
-        """A point in time: a CUDA event recorded on the copy stream, or perf_counter on the CPU."""
+        """A point in time: a CUDA event recorded on the copy stream (a finished one reused), or perf_counter on
+        the CPU."""
         if not self.is_cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
         event.record(self.stream)
         return event
 
@@ -206,20 +251,19 @@ class KVOffload:
                 seconds = start.elapsed_time(end) if resumed is None else (
                     start.elapsed_time(copied) + resumed.elapsed_time(end))
                 self._account(direction, nbytes, seconds / 1e3, copy_s)
+                self._free_events.extend({id(e): e for e in (start, copied, resumed, end) if e is not None}.values())
             else:
                 pending.append(timing)
         self._timings = pending
 
     def _device_ids(self, d2h, h2d, restore, pre_offload) -> list[torch.Tensor]:
         """The device block ids of each move (the first item of a device-to-host pair, the second of a
-        host-to-device one) as int64 tensors on the pool's device: one pinned tensor and one copy for all, on the
-        copy stream (nothing to copy for a step that moves no block: a move given no pairs reads no ids)."""
+        host-to-device one) as int64 tensors on the pool's device: one copy for all, on the copy stream (nothing to
+        copy for a step that moves no block: a move given no pairs reads no ids)."""
         lists = [[c[0] for c in d2h], [c[1] for c in h2d], [c[1] for c in restore], [c[0] for c in pre_offload]]
-        flat = torch.tensor([i for ids in lists for i in ids], dtype=torch.int64)
-        if self.is_cuda and flat.numel():
-            with torch.cuda.stream(self.stream):
-                flat = flat.pin_memory().to(self.device, non_blocking=True)
-        return list(flat.split([len(ids) for ids in lists]))
+        flat = [block for blocks in lists for block in blocks]
+        ids = self._ids.to_device(flat) if self.is_cuda and flat else torch.tensor(flat, dtype=torch.int64)
+        return list(ids.split([len(blocks) for blocks in lists]))
 
     def _d2h(self, copies, src) -> None:
         """(device block, host block) pairs in host-block order, `src` their device ids: gather on the device,
@@ -228,7 +272,7 @@ class KVOffload:
             return
         start = self._mark()
         dst = [c[1] for c in copies]
-        blocks = self._storage.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, 2, L, B, Hkv, D]
+        blocks = gather_blocks(self._storage, src)  # [n, 2, L, B, Hkv, D]
         for index, first, length in _runs(dst):
             self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
         self._done("d2h", len(copies) * self.block_nbytes, start)
@@ -252,7 +296,7 @@ class KVOffload:
         if before_scatter is not None:
             before_scatter()
             resumed = self._mark()
-        self._storage.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))  # [2, L, n, B, Hkv, D]
+        scatter_blocks(self._storage, dst, staged)
         self._done("h2d", len(copies) * self.block_nbytes, start, copied, resumed)
 
     # ------------------------------------------------------------------ the bookkeeping's side
@@ -295,7 +339,7 @@ class KVOffload:
         for start in range(0, len(from_device), chunk_blocks):
             chunk = from_device[start:start + chunk_blocks]
             ids = torch.tensor([block for _, block in chunk], dtype=torch.int64, device=self.device)
-            blocks = self._storage.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+            blocks = gather_blocks(self._storage, ids).cpu()
             data = blocks.view(torch.uint8).reshape(len(chunk), -1).numpy()
             for row, (key, _) in enumerate(chunk):
                 self.disk.write(key, data[row])
