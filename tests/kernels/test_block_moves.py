@@ -2,8 +2,9 @@
 
 The kernel copies bytes, so every comparison is bit-exact, on bytes: the pools are filled
 with random bytes (NaN patterns included, which a float comparison would not see equal).
-On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py); the interpreter has no
-bf16, but the kernel never loads a bf16 value (it copies int64 words), so bf16 runs here too.
+The tests run on the GPU where there is one (the compiled kernel), else on CPU under
+TRITON_INTERPRET=1 (tests/conftest.py). The interpreter has no bf16, but the kernel never loads
+a bf16 value (it copies integer words), so bf16 runs there too.
 """
 
 import pytest
@@ -19,7 +20,8 @@ from pagedkv.kernels.block_moves import (
     scatter_blocks_reference,
 )
 
-DTYPES = [torch.float16, torch.float32, torch.uint8, torch.bfloat16]  # uint8: an FP8 pool's bytes
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8]  # FP8 pools: either dtype
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 BACKENDS = ["triton", "torch"]
 
@@ -37,7 +39,7 @@ def random_pool(shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     num_layers, num_blocks, block_size, num_kv_heads, head_dim = shape
     generator = torch.Generator().manual_seed(seed)
     size = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim * dtype.itemsize)
-    return torch.randint(0, 256, size, dtype=torch.uint8, generator=generator).view(dtype)
+    return torch.randint(0, 256, size, dtype=torch.uint8, generator=generator).to(DEVICE).view(dtype)
 
 
 def random_staged(num_moves: int, shape, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
@@ -45,7 +47,11 @@ def random_staged(num_moves: int, shape, dtype: torch.dtype, seed: int = 1) -> t
     num_layers, _, block_size, num_kv_heads, head_dim = shape
     generator = torch.Generator().manual_seed(seed)
     size = (num_moves, 2, num_layers, block_size, num_kv_heads, head_dim * dtype.itemsize)
-    return torch.randint(0, 256, size, dtype=torch.uint8, generator=generator).view(dtype)
+    return torch.randint(0, 256, size, dtype=torch.uint8, generator=generator).to(DEVICE).view(dtype)
+
+
+def block_ids(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
 
 
 def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -67,7 +73,7 @@ def test_two_tiles_shape_spans_a_partial_second_tile():
 def test_gather_matches_reference(dtype, shape):
     storage = random_pool(shape, dtype)
     num_blocks = shape[1]
-    ids = torch.tensor([num_blocks - 1, 0, 2, num_blocks - 1, 1], dtype=torch.int64)  # unsorted, one repeated
+    ids = block_ids([num_blocks - 1, 0, 2, num_blocks - 1, 1])  # unsorted, one repeated
     before = storage.clone()
     staged = gather_blocks(storage, ids, backend="triton")
     assert_same_bytes(staged, gather_blocks_reference(storage, ids))
@@ -77,7 +83,7 @@ def test_gather_matches_reference(dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.uint8])
 def test_gather_single_block(dtype):
     storage = random_pool(SHAPES[0], dtype)
-    ids = torch.tensor([3], dtype=torch.int64)
+    ids = block_ids([3])
     staged = gather_blocks(storage, ids, backend="triton")
     assert_same_bytes(staged[0], storage[:, :, 3])
 
@@ -85,8 +91,8 @@ def test_gather_single_block(dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gather_fills_out(backend):
     storage = random_pool(SHAPES[0], torch.float32)
-    ids = torch.tensor([4, 6, 0], dtype=torch.int64)
-    out = torch.full((3, 2, *SHAPES[0][:1], *SHAPES[0][2:]), float("nan"))
+    ids = block_ids([4, 6, 0])
+    out = torch.full((3, 2, *SHAPES[0][:1], *SHAPES[0][2:]), float("nan"), device=DEVICE)
     returned = gather_blocks(storage, ids, out, backend=backend)
     assert returned is out
     assert_same_bytes(out, gather_blocks_reference(storage, ids))
@@ -97,7 +103,7 @@ def test_gather_fills_out(backend):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_scatter_matches_reference_and_leaves_other_blocks(dtype, shape):
     num_blocks = shape[1]
-    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))[:3]  # distinct, unsorted
+    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))[:3].to(DEVICE)  # distinct, unsorted
     staged = random_staged(3, shape, dtype)
     storage = random_pool(shape, dtype)
     original = storage.clone()
@@ -116,7 +122,7 @@ def test_scatter_single_block(dtype):
     storage = random_pool(SHAPES[0], dtype)
     original = storage.clone()
     staged = random_staged(1, SHAPES[0], dtype)
-    scatter_blocks(storage, torch.tensor([5], dtype=torch.int64), staged, backend="triton")
+    scatter_blocks(storage, block_ids([5]), staged, backend="triton")
     assert_same_bytes(storage[:, :, 5], staged[0])
     others = [b for b in range(SHAPES[0][1]) if b != 5]
     assert_same_bytes(storage[:, :, others], original[:, :, others])
@@ -125,8 +131,8 @@ def test_scatter_single_block(dtype):
 def test_gather_then_scatter_round_trips():
     """A block gathered from one place and scattered to another arrives whole (the offload's two halves)."""
     storage = random_pool(SHAPES[0], torch.float16)
-    staged = gather_blocks(storage, torch.tensor([1, 2], dtype=torch.int64), backend="triton")
-    scatter_blocks(storage, torch.tensor([6, 0], dtype=torch.int64), staged, backend="triton")
+    staged = gather_blocks(storage, block_ids([1, 2]), backend="triton")
+    scatter_blocks(storage, block_ids([6, 0]), staged, backend="triton")
     assert_same_bytes(storage[:, :, 6], storage[:, :, 1])
     assert_same_bytes(storage[:, :, 0], storage[:, :, 2])
 
@@ -136,7 +142,7 @@ def test_gather_then_scatter_round_trips():
 def test_empty_ids_move_nothing(backend):
     storage = random_pool(SHAPES[0], torch.float16)
     original = storage.clone()
-    ids = torch.empty(0, dtype=torch.int64)
+    ids = block_ids([])
     staged = gather_blocks(storage, ids, backend=backend)
     num_layers, _, block_size, num_kv_heads, head_dim = SHAPES[0]
     assert staged.shape == (0, 2, num_layers, block_size, num_kv_heads, head_dim)
@@ -148,8 +154,8 @@ def test_auto_runs_the_reference_on_cpu_unless_triton_is_forced(monkeypatch):
     """"auto" on CPU ignores TRITON_INTERPRET (as every kernel entry point does); PAGEDKV_KERNEL_BACKEND decides."""
     launches = []
     monkeypatch.setattr(block_moves, "_launch", lambda *args, **kwargs: launches.append(kwargs["to_pool"]))
-    storage = random_pool(SHAPES[0], torch.float16)
-    ids = torch.tensor([1], dtype=torch.int64)
+    storage = random_pool(SHAPES[0], torch.float16).cpu()
+    ids = torch.tensor([1])
     monkeypatch.delenv("PAGEDKV_KERNEL_BACKEND", raising=False)
     scatter_blocks(storage, ids, gather_blocks(storage, ids))
     assert launches == []
@@ -161,7 +167,7 @@ def test_auto_runs_the_reference_on_cpu_unless_triton_is_forced(monkeypatch):
 def _bad_calls():
     """(name, call, words the message must hold): each call breaks one rule of the contract."""
     storage = random_pool(SHAPES[0], torch.float16)
-    ids = torch.tensor([0, 1], dtype=torch.int64)
+    ids = block_ids([0, 1])
     staged = gather_blocks_reference(storage, ids)
     return [
         ("5-d storage", lambda: gather_blocks(storage[0], ids), r"\[2, L, N, B, Hkv, D\]"),
@@ -172,11 +178,11 @@ def _bad_calls():
         ("staged of 3 blocks", lambda: scatter_blocks(storage, ids, torch.cat([staged, staged[:1]])), r"\(3, 2"),
         ("staged fp32", lambda: scatter_blocks(storage, ids, staged.float()), "float32"),
         ("out of another layout", lambda: gather_blocks(storage, ids, staged.transpose(1, 2).contiguous()), "out"),
-        ("strided out", lambda: gather_blocks(storage, ids, torch.empty(2, 2, 3, 2, 4, 8).half().transpose(3, 4)),
+        ("strided out", lambda: gather_blocks(storage, ids, torch.empty(2, 2, 3, 2, 4, 8, device=DEVICE).half().transpose(3, 4)),
          "contiguous"),
-        ("id past the pool", lambda: gather_blocks(storage, torch.tensor([0, 7]), check_ids=True), "7 .* 7 blocks"),
-        ("negative id", lambda: scatter_blocks(storage, torch.tensor([-1, 0]), staged, check_ids=True), "-1"),
-        ("repeated scatter id", lambda: scatter_blocks(storage, torch.tensor([3, 3]), staged, check_ids=True),
+        ("id past the pool", lambda: gather_blocks(storage, block_ids([0, 7]), check_ids=True), "7 .* 7 blocks"),
+        ("negative id", lambda: scatter_blocks(storage, block_ids([-1, 0]), staged, check_ids=True), "-1"),
+        ("repeated scatter id", lambda: scatter_blocks(storage, block_ids([3, 3]), staged, check_ids=True),
          "3 is listed twice"),
     ]
 
@@ -195,7 +201,7 @@ def test_bad_input_leaves_storage_unchanged():
     original = storage.clone()
     staged = random_staged(2, SHAPES[0], torch.float16)
     with pytest.raises(KernelInputError):
-        scatter_blocks(storage, torch.tensor([2, 2]), staged, check_ids=True, backend="triton")
+        scatter_blocks(storage, block_ids([2, 2]), staged, check_ids=True, backend="triton")
     assert_same_bytes(storage, original)
 
 
@@ -205,10 +211,10 @@ def test_bad_input_leaves_storage_unchanged():
 def test_block_moves_on_gpu(dtype):
     """Qwen3-0.6B's block (L=28, B=16, Hkv=8, D=128: 32 KiB chunks in bf16), 39 blocks each way."""
     shape = (28, 64, 16, 8, 128)
-    storage = random_pool(shape, dtype).cuda()
-    ids = torch.randperm(shape[1], generator=torch.Generator().manual_seed(3))[:39].cuda()
+    storage = random_pool(shape, dtype)
+    ids = torch.randperm(shape[1], generator=torch.Generator().manual_seed(3))[:39].to(DEVICE)
     assert_same_bytes(gather_blocks(storage, ids), gather_blocks_reference(storage, ids))
-    staged = random_staged(39, shape, dtype).cuda()
+    staged = random_staged(39, shape, dtype)
     expected = storage.clone()
     scatter_blocks_reference(expected, ids, staged)
     scatter_blocks(storage, ids, staged)
