@@ -67,12 +67,12 @@ def run(name: str, shape: tuple[int, int, int, int]) -> list[dict]:
         staged = torch.randn((n, 2, num_layers, block_size, num_kv_heads, head_dim), dtype=torch.bfloat16,
                              device="cuda")
         out = torch.empty_like(staged)
-        same_gather = torch.equal(gather_blocks(storage, ids, out).view(torch.int16),
-                                  gather_blocks_reference(storage, ids).view(torch.int16))
+        same_gather = torch.equal(gather_blocks(storage, ids, out).view(torch.uint8),
+                                  gather_blocks_reference(storage, ids).view(torch.uint8))
         expected = storage.clone()
         scatter_blocks_reference(expected, ids, staged)
         scatter_blocks(storage, ids, staged)
-        same_scatter = torch.equal(storage.view(torch.int16), expected.view(torch.int16))
+        same_scatter = torch.equal(storage.view(torch.uint8), expected.view(torch.uint8))
         del expected
         flat_src, flat_dst = staged.view(-1), out.view(-1)
         cases = {

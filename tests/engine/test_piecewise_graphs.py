@@ -6,15 +6,17 @@ attention over the padded step, inside the one graph). On CPU nothing is capture
 replay is checked here against plain eager steps. The GPU tests at the end capture and replay.
 """
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 from helpers import tiny
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
+from pagedkv.engine.piecewise_graphs import PiecewiseGraphs, no_collection_during_capture, token_buckets
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]  # tiny-gemma3: layer groups (sliding windows)
 MODES = ["full", "piecewise"]
@@ -182,3 +184,30 @@ def test_graphs_capture_while_another_thread_waits_on_cuda_events(monkeypatch):
     assert runner.graphs and runner.piecewise.is_captured
     assert len(num_captures) > len(runner.graphs)  # the piecewise graphs' captures were held open too
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+
+
+def test_no_collection_during_capture_collects_first_and_restores_the_collector():
+    """Garbage left in cycles is collected before a capture, never inside it; the collector's state comes back,
+    an exception included, and a collector that was off stays off."""
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle: only the collector frees it
+    freed = weakref.ref(node)
+    del node
+    assert gc.isenabled()
+    with no_collection_during_capture():
+        assert freed() is None  # collected on the way in
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection_during_capture():
+        raise RuntimeError("a capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection_during_capture():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

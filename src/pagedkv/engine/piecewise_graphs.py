@@ -39,9 +39,11 @@ without a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,24 @@ logger = logging.getLogger("pagedkv")
 #: the capture fails there and invalidates the capture: another engine's disk writers in the same process
 #: (which wait on CUDA events) broke a second engine's graph capture that way.
 CAPTURE_ERROR_MODE = "thread_local"
+
+
+@contextlib.contextmanager
+def no_collection_during_capture() -> Iterator[None]:
+    """Collect garbage now, then keep Python's collector off until the captures are done.
+
+    A collection that ran inside a capture would free, on the capturing thread, whatever an earlier
+    engine left in reference cycles: pinned host blocks, CUDA events. Their release makes CUDA calls
+    that thread may not make while it captures, which invalidates the capture (an H200 run saw a
+    cuBLAS "internal error" in the first capture after an engine with KV tiers was dropped)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -228,6 +248,7 @@ class PiecewiseGraphs:
         self._begin()
 
     @torch.inference_mode()
+    @no_collection_during_capture()
     def _capture_all(self) -> None:
         start = time.perf_counter()
         device = self.input_ids.device

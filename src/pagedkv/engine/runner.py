@@ -35,7 +35,12 @@ import numpy as np
 import torch
 
 from pagedkv.engine.kv_offload import KVOffload
-from pagedkv.engine.piecewise_graphs import CAPTURE_ERROR_MODE, PiecewiseGraphs, token_buckets
+from pagedkv.engine.piecewise_graphs import (
+    CAPTURE_ERROR_MODE,
+    PiecewiseGraphs,
+    no_collection_during_capture,
+    token_buckets,
+)
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.step_input import StepInput
 from pagedkv.kernels import KVPool
@@ -272,6 +277,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
+    @no_collection_during_capture()
     def capture_graphs(self, sizes: list[int]) -> None:
         """Capture one decode graph per padded batch size (largest first, sharing one memory pool)."""
         start = time.perf_counter()
