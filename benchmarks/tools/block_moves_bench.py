@@ -56,6 +56,18 @@ def host_seconds(fn, calls: int = 200) -> float:
     return elapsed / calls
 
 
+def moves(storage, ids, staged, out) -> dict:
+    """The calls timed for one move of len(ids) blocks, by name."""
+    flat_src, flat_dst = staged.view(-1), out.view(-1)
+    return {
+        "gather triton": lambda: gather_blocks(storage, ids, out),
+        "gather torch": lambda: gather_blocks_reference(storage, ids),
+        "scatter triton": lambda: scatter_blocks(storage, ids, staged),
+        "scatter torch": lambda: scatter_blocks_reference(storage, ids, staged),
+        "contiguous copy": lambda: flat_dst.copy_(flat_src),
+    }
+
+
 def run(name: str, shape: tuple[int, int, int, int]) -> list[dict]:
     num_layers, block_size, num_kv_heads, head_dim = shape
     storage = torch.randn((2, num_layers, POOL_BLOCKS, block_size, num_kv_heads, head_dim), dtype=torch.bfloat16,
@@ -74,14 +86,7 @@ def run(name: str, shape: tuple[int, int, int, int]) -> list[dict]:
         scatter_blocks(storage, ids, staged)
         same_scatter = torch.equal(storage.view(torch.uint8), expected.view(torch.uint8))
         del expected
-        flat_src, flat_dst = staged.view(-1), out.view(-1)
-        cases = {
-            "gather triton": lambda: gather_blocks(storage, ids, out),
-            "gather torch": lambda: gather_blocks_reference(storage, ids),
-            "scatter triton": lambda: scatter_blocks(storage, ids, staged),
-            "scatter torch": lambda: scatter_blocks_reference(storage, ids, staged),
-            "contiguous copy": lambda: flat_dst.copy_(flat_src),
-        }
+        cases = moves(storage, ids, staged, out)
         row = {"model": name, "blocks": n, "block_bytes": block_nbytes, "same_gather": same_gather,
                "same_scatter": same_scatter}
         for case, fn in cases.items():

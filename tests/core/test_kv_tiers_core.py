@@ -356,3 +356,28 @@ def test_a_layer_group_manager_publishes_no_host_tier_keys():
     published = bm.recent_keys(10_000)
     assert published and set(published) <= set(bm.prefix_cache._block_of)
     assert not set(published) & set(bm.tiers.host._block_of)
+
+
+def test_a_restore_stops_at_a_block_the_gpu_still_holds():
+    """The GPU cache lost a prefix's head but holds a later block of its chain: the host tier restores the head
+    only, and the prompt computes from that block on (it is never restored over the GPU's copy)."""
+    bm = KVBlockManager(4, 4, num_offload_blocks=8)
+    prompt = list(range(13))  # 3 full blocks that could hit
+    _cache(bm, [prompt])
+    bm.begin_step()
+    bm.pre_spill()  # all three on the host too, still cached on the GPU
+    assert len(bm.take_tier_copies().pre_offload) == 3
+    keys = hash_blocks(prompt, 4)[:3]
+    bm.prefix_cache.on_released(bm.prefix_cache.match(keys)[2:])  # the chain's last block used most recently
+    bm.begin_step()
+    bm.admit(2, list(range(100, 109)))  # 3 blocks: the free one and the two least recently used, the head
+    bm.append_slots(2, 9)
+    assert bm.prefix_cache.match(keys) == [] and keys[2] in bm.prefix_cache
+    bm.free(2)
+    bm.begin_step()
+    assert bm.admit(3, prompt) == 8  # the head's two blocks restored; the third computes
+    copies = bm.take_tier_copies()
+    assert len(copies.restore + copies.restore_in_step) == 2
+    bm.free(3)
+    bm.begin_step()
+    bm.check_integrity()

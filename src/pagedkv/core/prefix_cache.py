@@ -98,6 +98,9 @@ class PrefixCache:
         """Cached blocks no sequence uses: reclaimable on demand."""
         return len(self._evictable)
 
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._block_of
+
     def match(self, keys: Sequence[BlockHash]) -> list[int]:
         """The blocks of the longest cached prefix of `keys` (no references taken)."""
         return cached_prefix(self._block_of, keys)
