@@ -170,18 +170,18 @@ class KVTiers:
         after the call: a call on the same candidates and host would do nothing."""
         if not self.cache_on_host:
             return True
-        for key, gpu_block in candidates:
-            if key in self.host or key in self._loading:
-                continue
-            if max_blocks <= 0 or self.host.allocator.num_free == 0:
-                return False
-            block = self.host.allocate(1)[0]  # a free one: nothing else reads or writes it in this step
-            self.host.insert(key, block)
-            self.copies.pre_offload.append(BlockCopy(gpu_block, block))
-            self.stats.offloaded_blocks += 1
-            self._queue_write(key, block)
-            max_blocks -= 1
-        return True
+        # Plain dict lookups: this runs at every step that changed the GPU cache's evictable blocks.
+        on_host, loading = self.host._block_of, self._loading
+        todo = [(key, gpu_block) for key, gpu_block in candidates if key not in on_host and key not in loading]
+        take = min(len(todo), max_blocks, self.host.allocator.num_free)
+        if take > 0:
+            # Free blocks only (take <= num_free: nothing is evicted): nothing else reads or writes them this step.
+            for (key, gpu_block), block in zip(todo, self.host.allocate(take)):
+                self.host.insert(key, block)
+                self.copies.pre_offload.append(BlockCopy(gpu_block, block))
+                self._queue_write(key, block)
+            self.stats.offloaded_blocks += take
+        return take == len(todo)
 
     def _queue_write(self, key: BlockHash, host_block: int) -> None:
         if self.disk is None or key in self.disk:

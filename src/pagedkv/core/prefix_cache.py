@@ -167,12 +167,8 @@ class PrefixCache:
 
     def next_evicted(self, limit: int) -> list[tuple[BlockHash, int]]:
         """(key, block) of up to `limit` evictable blocks, in the order `evict` would take them."""
-        found = []
-        for block_id in self._evictable:
-            if len(found) >= limit:
-                break
-            found.append((self._key_of[block_id], block_id))
-        return found
+        key_of = self._key_of
+        return [(key_of[block_id], block_id) for block_id in itertools.islice(self._evictable, limit)]
 
     def cached_blocks(self) -> list[tuple[BlockHash, int]]:
         """(key, block) of every cached block."""
