@@ -33,13 +33,14 @@ def tokenize_prompt(tokenizer, vocab_size: int | None, prompt) -> tuple[str | No
         if tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer: pass prompts as lists of token ids")
         return prompt, tokenizer(prompt)["input_ids"]
-    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
+    # Checked by the distinct types and the extremes (C loops): a per-token Python check cost ~15 ms for a
+    # 16K-token prompt on a 2-core CPU, all of it in the request's time to first token.
+    if not isinstance(prompt, (list, tuple)) or not all(issubclass(kind, int) and kind is not bool
+                                                       for kind in set(map(type, prompt))):
         raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-    if vocab_size is not None:
-        for token in prompt:
-            if not 0 <= token < vocab_size:
-                raise InvalidArgumentError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
+    if vocab_size is not None and prompt and not (min(prompt) >= 0 and max(prompt) < vocab_size):
+        token = next(t for t in prompt if not 0 <= t < vocab_size)
+        raise InvalidArgumentError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
     return None, list(prompt)
 
 
