@@ -381,3 +381,27 @@ def test_a_restore_stops_at_a_block_the_gpu_still_holds():
     bm.free(3)
     bm.begin_step()
     bm.check_integrity()
+
+
+def test_a_step_can_restore_a_block_it_spills_and_the_runner_sees_it():
+    """One step evicts a prompt's cached tail (spilled into a fresh host block) and then admits that prompt, whose
+    host hit is the block just spilled: the runner must fill it before it reads it (`reads_a_spill`)."""
+    from pagedkv.engine.kv_offload import reads_a_spill
+
+    bm = KVBlockManager(6, 4, num_offload_blocks=8)
+    first, second = list(range(13)), list(range(100, 113))
+    _cache(bm, [first, second])  # 6 full blocks cached, none on the host yet
+    bm.take_tier_copies()
+    bm.begin_step()
+    bm.admit(3, list(range(200, 209)))  # 3 blocks: evicts the first prompt's blocks (LRU), spilled
+    bm.append_slots(3, 9)
+    assert bm.admit(4, first) == 12  # its 3 blocks are back on the host already: restored in the same step
+    copies = bm.take_tier_copies()
+    restored = copies.restore + copies.restore_in_step
+    assert restored and reads_a_spill(restored, copies.offload)
+    assert not reads_a_spill(restored, [])
+    assert not reads_a_spill(restored, [c for c in copies.offload if c.dst not in {r.src for r in restored}])
+    bm.free(3)
+    bm.free(4)
+    bm.begin_step()
+    bm.check_integrity()

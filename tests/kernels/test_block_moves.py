@@ -173,6 +173,7 @@ def _bad_calls():
         ("5-d storage", lambda: gather_blocks(storage[0], ids), r"\[2, L, N, B, Hkv, D\]"),
         ("strided storage", lambda: gather_blocks(storage[:, :, ::2], ids[:1]), "contiguous"),
         ("int32 ids", lambda: gather_blocks(storage, ids.int()), "int32"),
+        ("strided ids", lambda: gather_blocks(storage, block_ids([0, 5, 1, 6])[::2]), "ids must be contiguous"),
         ("2-d ids", lambda: scatter_blocks(storage, ids[None], staged), r"\(1, 2\)"),
         ("ids elsewhere", lambda: gather_blocks(storage, ids.to("meta")), "meta"),
         ("staged of 3 blocks", lambda: scatter_blocks(storage, ids, torch.cat([staged, staged[:1]])), r"\(3, 2"),

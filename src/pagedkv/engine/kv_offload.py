@@ -10,6 +10,9 @@ copies run on a side CUDA stream, in an order that keeps every block valid:
     main stream   waits for A before this step's kernels (they may reuse spilled blocks, and read the
                   swapped-in and in-step restored ones), and for B only at the next step.
 
+A step whose in-step restore reads a host block that one of its spills fills (a key evicted and hit again in
+the same step) issues its spills first instead (`reads_a_spill`).
+
 Where a restored request computes is a cost question. A block of 16 tokens holds 1.84 MB of
 K/V in bf16 for Qwen3-0.6B (2.10 MB for Llama-3-8B), 33 us (38 us) at the ~55 GB/s of a pinned
 host -> device copy on an H200, against ~480 us to compute its 16 tokens in a Qwen3-0.6B
@@ -82,6 +85,19 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
             runs.append((start, ids[start], i - start))
             start = i
     return runs
+
+
+def reads_a_spill(h2d, d2h) -> bool:
+    """Whether a host -> device pair of `h2d` reads a host block that a device -> host pair of `d2h` fills.
+
+    It happens when one step evicts a cached block (a spill into a fresh host block) and a prompt admitted
+    later in the same step hits that key on the host. The in-step copies are staged from the host before
+    the spills are issued (beside the step before), which would read the host block before the spill
+    fills it: such a step issues its spills first."""
+    if not d2h or not h2d:
+        return False
+    filled = {host for _, host in d2h}
+    return any(host in filled for host, _ in h2d)
 
 
 class _PinnedIds:
@@ -201,7 +217,11 @@ class KVOffload:
                 self._d2h(d2h, ids[0])
 
             with torch.cuda.stream(self.stream):
-                self._h2d(h2d, ids[1], after_the_step_before)  # staged beside the step before (the module docstring)
+                if reads_a_spill(h2d, d2h):  # a restore of a block spilled in this step: the spill's copy goes first
+                    after_the_step_before()
+                    self._h2d(h2d, ids[1])
+                else:
+                    self._h2d(h2d, ids[1], after_the_step_before)  # staged beside the step before (see above)
                 spilled = ready = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:

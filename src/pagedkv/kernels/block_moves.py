@@ -13,15 +13,15 @@ which is all the Triton kernel does, one tile of a chunk per program.
 
 Why a kernel: torch's gather (`index_select` then `permute(...).contiguous()`) passes over the
 data twice, and its scatter (`index_copy_` through a permuted view) walks a strided view. On an
-H200, for 39 of Qwen3-0.6B's 1.84 MB bf16 blocks out of a pool of 2,000 (bytes read plus
-written, L2 flushed before each run):
+H200 (`benchmarks/tools/block_moves_bench.py`, benchmarks/results/kv_tiers_block_moves_7aaf22a: block
+bytes moved per second of device time, Qwen3-0.6B's 1.84 MB bf16 blocks, median of 25):
 
-    torch gather   214 us    670 GB/s        Triton gather    41 us   3.4 TB/s
-    torch scatter  124 us   1.2 TB/s         Triton scatter   42 us   3.4 TB/s
-    contiguous copy of the same bytes (`copy_`): 39 us, 3.7 TB/s
+    blocks   Triton gather   torch gather   Triton scatter   torch scatter   copy_ of the same bytes
+      39       1.03 TB/s       0.31 TB/s      0.97 TB/s        0.52 TB/s       1.58 TB/s
+     512       1.91 TB/s       0.36 TB/s      1.85 TB/s        0.63 TB/s       2.09 TB/s
 
-and 3.9-4.0 TB/s both ways for 256 blocks (`copy_`: 4.2 TB/s). A call costs ~18 us of host
-time (the metadata checks and a bound launch, `pagedkv.kernels.launch`).
+A call costs 27-50 us of host time there (the metadata checks and a bound launch,
+`pagedkv.kernels.launch`), about as much as torch's.
 
 The kernel copies bytes, not values: both tensors are reinterpreted as the widest integer
 (int64, int32, int16, uint8) whose size divides a chunk's bytes and both base addresses. An
@@ -148,6 +148,8 @@ def _check(storage: object, ids: object, staged: object | None, staged_name: str
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
         what = f"{ids.dtype} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise KernelInputError(f"ids must be a 1-D int64 tensor, got {what}")
+    if not ids.is_contiguous():
+        raise KernelInputError(f"ids must be contiguous (the kernel reads them in order), got stride {ids.stride()}")
     if ids.device != storage.device:
         raise KernelInputError(f"ids are on {ids.device}, but storage is on {storage.device}")
     if staged is None:
