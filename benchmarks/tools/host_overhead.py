@@ -13,7 +13,9 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.engine.outputs import STEP_PHASES
 
 
-class _Result:
+class InstantResult:
+    """A step's sampled tokens in place of the runner's output, ready at once: one token per sampling row."""
+
     def __init__(self, num_rows: int):
         self._tokens = [[7] for _ in range(num_rows)]
         self.device_tokens = None
@@ -23,6 +25,9 @@ class _Result:
 
     def token_ids(self):
         return self._tokens
+
+    def logprobs(self):
+        return None
 
 
 def main() -> None:
@@ -37,7 +42,8 @@ def main() -> None:
         engine.add_request(f"r{i}", [(i * 7 + j) % 400 + 3 for j in range(128)], params)
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    engine.runner.execute = lambda step, previous=None: _Result(len(step.sample_seqs)) if step.sample_seqs else None
+    engine.runner.execute = lambda step, previous=None: (InstantResult(len(step.sample_seqs))
+                                                         if step.sample_seqs else None)
     engine.step_timings = []
     start = time.perf_counter()
     for _ in range(steps):

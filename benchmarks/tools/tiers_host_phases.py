@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from host_overhead import InstantResult  # benchmarks/tools, this script's folder
 from pagedkv import LLM
 from pagedkv.bench.chat_tiers_run import run_chat
 from pagedkv.engine.outputs import STEP_PHASES
@@ -35,29 +36,15 @@ NUM_BLOCKS = 563
 NUM_HOST_BLOCKS = 16 * 2**30 // (1835008)
 
 
-class _Result:
-    """A step's sampled tokens, ready at once."""
-
-    def __init__(self, num_rows: int):
-        self._tokens = [[7] for _ in range(num_rows)]
-        self.device_tokens = None
-
-    def token_ids(self):
-        return self._tokens
-
-    def logprobs(self):
-        return None
-
-
 def stub_device(engine) -> None:
-    """The runner's forward pass replaced by `_Result`; the step's block moves and disk reads still run."""
+    """The runner's forward pass replaced by `InstantResult`; the step's block moves and disk reads still run."""
     runner = engine.runner
 
     def execute(step, previous_tokens=None):
         if runner.offload is not None:
             runner.offload.move(step)
             runner.offload.finish_loads(wait=True)
-        return _Result(len(step.sample_seqs)) if step.sample_seqs else None
+        return InstantResult(len(step.sample_seqs)) if step.sample_seqs else None
 
     runner.execute = execute
 
@@ -82,7 +69,8 @@ def run(label: str, options: dict, turns: list, profile: bool) -> dict:
     stats = llm.stats()
     steps = result["steps"]
     row = {"config": label, "num_steps": steps["num_steps"], "elapsed_s": result["elapsed_s"],
-           "host_hit_blocks": stats.get("kv_host_hit_blocks", 0), "offloaded_blocks": stats.get("kv_offloaded_blocks", 0),
+           "host_hit_blocks": stats.get("kv_host_hit_blocks", 0),
+           "offloaded_blocks": stats.get("kv_offloaded_blocks", 0),
            **{name: steps[name] for name in STEP_PHASES}}
     if profiler is not None:
         text = io.StringIO()

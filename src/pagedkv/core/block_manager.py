@@ -145,9 +145,8 @@ class KVBlockManager(PoolQueries):
     def _restore(self, seq_id: int, keys: list[BlockHash]) -> list[int]:
         """GPU blocks for the host-tier hits among `keys` (which continue the GPU hits), with their copies."""
         host_blocks = self.tiers.match_host(keys)
-        on_gpu = self.prefix_cache
         for index, key in enumerate(keys[:len(host_blocks)]):
-            if key in on_gpu:
+            if key in self.prefix_cache:
                 # the GPU lost an earlier block of this chain but holds this one: compute from here on
                 host_blocks = host_blocks[:index]
                 break

@@ -33,8 +33,8 @@ def tokenize_prompt(tokenizer, vocab_size: int | None, prompt) -> tuple[str | No
         if tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer: pass prompts as lists of token ids")
         return prompt, tokenizer(prompt)["input_ids"]
-    # Checked by the distinct types and the extremes (C loops): a per-token Python check cost ~15 ms for a
-    # 16K-token prompt on a 2-core CPU, all of it in the request's time to first token.
+    # Checked by the distinct types and the extremes (C loops): a per-token Python check cost 1.8 ms for a
+    # 16K-token prompt on a 2-core CPU (1.0 ms this way), all of it in the request's time to first token.
     if not isinstance(prompt, (list, tuple)) or not all(issubclass(kind, int) and kind is not bool
                                                        for kind in set(map(type, prompt))):
         raise InvalidArgumentError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
