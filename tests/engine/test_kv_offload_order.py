@@ -1,7 +1,9 @@
-"""`KVOffload.move`: a step that restores a block it also spills fills the host block before reading it back.
+"""`KVOffload.move`: the order of a step's copies keeps every block valid.
 
-On CUDA the in-step restores are staged from the host before the spills are issued (beside the step before), so
-this step must issue its spills first (`reads_a_spill`); on the CPU every copy runs in order anyway.
+On CUDA the step's kernels wait only for the on-device gather of the blocks it spills; their copies to the host run
+later on a stream of their own. So a restore in the same step reads the spilled blocks from the gathered tensor, and
+a restore in a later step waits for the copy that fills its host block. On the CPU every copy runs in order; the
+tests run there too, and on a GPU under `-m gpu`.
 """
 
 from types import SimpleNamespace
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from pagedkv.core.block_table import BlockCopy
-from pagedkv.engine.kv_offload import KVOffload
+from pagedkv.engine.kv_offload import KVOffload, _source_runs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -21,19 +23,70 @@ def _step(**copies):
     return SimpleNamespace(**{name: copies.get(name, []) for name in fields})
 
 
+def _offload(device, num_blocks=8, num_host_blocks=4, block_tokens=4):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    storage = torch.randn((2, 3, num_blocks, block_tokens, 2, 16), device=device)  # [2, L, N, B, Hkv, D]
+    offload = KVOffload(SimpleNamespace(device=storage.device, kv_storage=storage), num_host_blocks)
+    offload.host.zero_()
+    return storage, offload
+
+
+def test_source_runs_split_host_blocks_by_where_they_come_from():
+    # host blocks 3, 4 and 7 are filled by this step's spills, at rows 0, 1 and 2 of the gathered blocks
+    assert _source_runs([1, 2, 3, 4, 5, 7, 9], {3: 0, 4: 1, 7: 2}) == [
+        (0, 1, 2, False), (2, 0, 2, True), (4, 5, 1, False), (5, 2, 1, True), (6, 9, 1, False)]
+    assert _source_runs([3, 4], {}) == [(0, 3, 2, False)]
+    assert _source_runs([4, 3], {3: 0, 4: 1}) == [(0, 1, 1, True), (1, 0, 1, True)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["restore_in_step", "restore"])
 def test_a_block_spilled_and_restored_in_one_step_comes_back_whole(device, where):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    storage = torch.randn((2, 3, 8, 4, 2, 16), device=device)  # [2, L, N, B, Hkv, D]
-    offload = KVOffload(SimpleNamespace(device=storage.device, kv_storage=storage), 4)
-    offload.host.zero_()
+    storage, offload = _offload(device)
     spilled = storage[:, :, 2].clone()
-    # GPU block 2 spills into host block 1; host block 1 is restored into GPU block 5; another pair rides along.
-    offload.move(_step(offload=[BlockCopy(2, 1), BlockCopy(3, 0)], **{where: [BlockCopy(1, 5)]}))
+    # GPU block 2 spills into host block 1; host block 1 is restored into GPU block 5; another pair rides along,
+    # and host block 3 (not spilled in this step) is restored beside it.
+    offload.host[3] = storage[:, :, 7].clone().to(offload.host.device)
+    kept = storage[:, :, 7].clone()
+    offload.move(_step(offload=[BlockCopy(2, 1), BlockCopy(3, 0)], **{where: [BlockCopy(1, 5), BlockCopy(3, 6)]}))
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(storage[:, :, 5], spilled)
-    assert torch.equal(offload.host[1], spilled)
+    assert torch.equal(storage[:, :, 6], kept)
+    assert torch.equal(offload.host[1].to(device), spilled)
+    offload.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["restore_in_step", "restore"])
+def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where):
+    """Many blocks spill in one step (a long copy to the host), and the very next step, whose kernels may have
+    started before that copy ran, restores one of them and overwrites the spilled GPU blocks."""
+    storage, offload = _offload(device, num_blocks=66, num_host_blocks=64, block_tokens=256)
+    spilled = storage[:, :, :64].clone()
+    offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(64)]))
+    storage[:, :, :64] = -1.0  # the step's kernels reuse the spilled blocks (on the main stream, as they would)
+    offload.move(_step(**{where: [BlockCopy(0, 64), BlockCopy(63, 65)]}))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(storage[:, :, 64], spilled[:, :, 63])
+    assert torch.equal(storage[:, :, 65], spilled[:, :, 0])
+    assert torch.equal(offload.host.to(device).movedim(0, 2).flip(2), spilled)
+    offload.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_spill_in_the_step_after_a_restore_leaves_the_restored_block_whole(device):
+    """A restore beside a step reads a host block; the next step spills into that same host block (freed and
+    taken again): the restore must have read the block before the spill overwrote it."""
+    storage, offload = _offload(device, num_blocks=8, num_host_blocks=2, block_tokens=256)
+    old = storage[:, :, 1].clone()
+    offload.move(_step(offload=[BlockCopy(1, 0)]))
+    offload.move(_step(restore=[BlockCopy(0, 4)]))
+    offload.move(_step(offload=[BlockCopy(2, 0)]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(storage[:, :, 4], old)
+    assert torch.equal(offload.host[0].to(device), storage[:, :, 2])
     offload.close()

@@ -21,8 +21,9 @@ hash-chain lookup can never reach again. The host tier passes over blocks whose 
 others can be taken (`host_tier.py`): this module tells it which writes are queued and which have finished.
 
 A host block a copy of this step reads or fills (a restore, a swap-in, a spill, whose disk write reads it after the
-copies) is busy until the next step begins: the runner's copies of one step run device-to-host first, so reusing it
-for an offload in the same step would overwrite it before it is read. Blocks freed in a step go back to the free list
+copies) is busy until the next step begins: the runner's copies of one step act as if device-to-host ran first (a
+restore of a block spilled in the same step reads the spill), so reusing it for an offload in the same step would
+overwrite it before it is read. Blocks freed in a step go back to the free list
 at the next step for the same reason. The same host pool backs swap preemption: a swapped sequence owns host blocks,
 and may evict cached ones to get them.
 """
@@ -82,7 +83,7 @@ class DiskIndex:
 
 @dataclass
 class TierCopies:
-    """What the runner moves for one step: device-to-host first, then host-to-device."""
+    """What the runner moves for one step: device-to-host first, then host-to-device (as if: see the module)."""
 
     offload: list[BlockCopy] = field(default_factory=list)  # (GPU block, host block): spills
     pre_offload: list[BlockCopy] = field(default_factory=list)  # (GPU block, host block): ahead of eviction

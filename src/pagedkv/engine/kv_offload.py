@@ -1,17 +1,23 @@
 """The KV tiers' tensors: a pinned host pool of blocks, the copies in and out of it, and the disk tier.
 
 The scheduler decides what moves (`pagedkv.core.kv_tiers`); this module moves it. A step's
-copies run on a side CUDA stream, in an order that keeps every block valid:
+copies run on two side CUDA streams, in an order that keeps every block valid:
 
     copy stream   host -> staging tensor: swap-ins, in-step restores (nothing else uses it: beside the step before)
                   | wait for the main stream (the step before wrote the blocks the spills read, and may read
-                  | the blocks the scatter fills) | device -> host: swap-outs, spills | scatter the staged -> event A
-                  | host -> device: restores beside the step | device -> host: pre-spills              -> event B
+                  | the blocks the scatter fills) | gather: swap-outs, spills -> event G | scatter the staged
+                  -> event A | host -> device: restores beside the step | gather: pre-spills          -> event B
+    out stream    waits for G, then the gathered blocks -> host (and the pre-spills' after B)         -> event C
     main stream   waits for A before this step's kernels (they may reuse spilled blocks, and read the
                   swapped-in and in-step restored ones), and for B only at the next step.
 
-A step whose in-step restore reads a host block that one of its spills fills (a key evicted and hit again in
-the same step) issues its spills first instead (`reads_a_spill`).
+The kernels wait for the on-device gather of the blocks they may overwrite (~1 ms for a thousand blocks), never
+for those blocks' PCIe copies to the host (~35 ms for a thousand Qwen3-0.6B blocks, what a cold long prompt
+evicts in one step). The host copies run on a stream of their own: on the copy stream, the next step's restores
+and events would queue behind them. A restore in the step that spilled its host block reads the gathered tensor
+(the host copy may not have run yet); a later step's restore of a block whose host copy is still in flight waits
+for that copy's event C (per host block, only then). Disk reads into host blocks wait for event C too, and disk
+writes start after it.
 
 Where a restored request computes is a cost question. A block of 16 tokens holds 1.84 MB of
 K/V in bf16 for Qwen3-0.6B (2.10 MB for Llama-3-8B), 33 us (38 us) at the ~55 GB/s of a pinned
@@ -49,6 +55,7 @@ On the CPU the same functions run, synchronously, with no stream and no events.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -87,17 +94,21 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def reads_a_spill(h2d, d2h) -> bool:
-    """Whether a host -> device pair of `h2d` reads a host block that a device -> host pair of `d2h` fills.
-
-    It happens when one step evicts a cached block (a spill into a fresh host block) and a prompt admitted
-    later in the same step hits that key on the host. The in-step copies are staged from the host before
-    the spills are issued (beside the step before), which would read the host block before the spill
-    fills it: such a step issues its spills first."""
-    if not d2h or not h2d:
-        return False
-    filled = {host for _, host in d2h}
-    return any(host in filled for host, _ in h2d)
+def _source_runs(src: list[int], row_of: dict[int, int]) -> list[tuple[int, int, int, bool]]:
+    """(index into src, first row, length, from the gathered tensor) of each run of consecutive host blocks in
+    `src` that come from one place: the host pool (rows are host blocks), or, for the blocks in `row_of` (host
+    blocks this step's spills fill), the gathered tensor of those spills (rows of it)."""
+    runs = []
+    for index, first, length in _runs(src):
+        start = index
+        for i in range(index + 1, index + length + 1):
+            if i < index + length and (src[i] in row_of) == (src[start] in row_of) and (
+                    src[i] not in row_of or row_of[src[i]] == row_of[src[i - 1]] + 1):
+                continue
+            gathered = src[start] in row_of
+            runs.append((start, row_of[src[start]] if gathered else src[start], i - start, gathered))
+            start = i
+    return runs
 
 
 class _PinnedIds:
@@ -161,7 +172,9 @@ class KVOffload:
         self._host_bytes = self.host.view(torch.uint8).reshape(num_host_blocks, -1).numpy()  # [Nh, bytes]
         self.block_nbytes = self._host_bytes.shape[1]
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.out_stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # gathered blocks -> host
         self._restores_done = None  # event B of the last step that restored
+        self._copying_out: list[tuple] = []  # (event C, host blocks) of the steps whose copies to the host may run
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
         self._free_events: list = []  # timing events whose copies finished and were accounted: recorded again
         self._ids = _PinnedIds(self.device, self.stream) if self.is_cuda else None
@@ -187,9 +200,10 @@ class KVOffload:
             self.io.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
         if step.disk_loads:
             ready = None
-            if self.is_cuda:  # copies issued before this step may still read the host blocks these loads fill
+            if self.is_cuda:  # copies issued before this step may still read or fill the host blocks these loads fill
+                self.out_stream.wait_stream(self.stream)
                 ready = torch.cuda.Event()
-                ready.record(self.stream)
+                ready.record(self.out_stream)
             self.io.load(step.disk_loads, ready)
         d2h = list(step.swap_out) + list(step.offload)
         h2d = list(step.swap_in) + list(step.restore_in_step)  # one batched copy the step's kernels wait for
@@ -211,41 +225,53 @@ class KVOffload:
             self._d2h(pre_offload, ids[3])
         else:
             main = torch.cuda.current_stream(self.device)
+            # The spills' gathered blocks (set by the gather) and {host block: row of them}.
+            spills = [None, {host: row for row, (_, host) in enumerate(d2h)}]
 
             def after_the_step_before() -> None:
                 self.stream.wait_stream(main)
-                self._d2h(d2h, ids[0])
+                spills[0] = self._d2h(d2h, ids[0])
 
             with torch.cuda.stream(self.stream):
-                if reads_a_spill(h2d, d2h):  # a restore of a block spilled in this step: the spill's copy goes first
-                    after_the_step_before()
-                    self._h2d(h2d, ids[1])
-                else:
-                    self._h2d(h2d, ids[1], after_the_step_before)  # staged beside the step before (see above)
-                spilled = ready = torch.cuda.Event()
+                self._wait_copies_out(h2d, restore)
+                self._h2d(h2d, ids[1], after_the_step_before, spills)  # staged beside the step before (see above)
+                spilled = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
-                    self._h2d(restore, ids[2])
+                    self._h2d(restore, ids[2], spills=spills)
                     self._d2h(pre_offload, ids[3])
-                    ready = self._restores_done = torch.cuda.Event()
-                    ready.record(self.stream)
+                    self._restores_done = torch.cuda.Event()
+                    self._restores_done.record(self.stream)
             if d2h or h2d:
                 main.wait_event(spilled)  # outside any graph: the step's graphs are launched after this
+            if step.disk_writes:  # their host blocks are filled by copies to the host, this step's or earlier
+                ready = torch.cuda.Event()
+                ready.record(self.out_stream)
         self.io.write(step.disk_writes, ready)
         self.io.delete(step.disk_deletes)
 
-    def _mark(self):
-        """A point in time: a CUDA event recorded on the copy stream (a finished one reused), or perf_counter on
-        the CPU."""
+    def _wait_copies_out(self, *reads) -> None:
+        """Make the copy stream wait for the copies to the host still in flight that fill a host block of `reads`
+        ((host block, device block) pairs), and forget those that have finished."""
+        pending = [(event, blocks) for event, blocks in self._copying_out if not event.query()]
+        self._copying_out = pending
+        for event, blocks in pending:
+            if any(host in blocks for copies in reads for host, _ in copies):
+                self.stream.wait_event(event)
+
+    def _mark(self, stream=None):
+        """A point in time: a CUDA event recorded on `stream` (default the copy stream; a finished event reused),
+        or perf_counter on the CPU."""
         if not self.is_cuda:
             return time.perf_counter()
         event = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
-        event.record(self.stream)
+        event.record(stream or self.stream)
         return event
 
-    def _done(self, direction: str, nbytes: int, start, copied=None, resumed=None) -> None:
-        """Account a copy from `start` to now (`copied`: its host -> device part ended; `resumed`: scatter began)."""
-        end = self._mark()
+    def _done(self, direction: str, nbytes: int, start, copied=None, resumed=None, stream=None) -> None:
+        """Account a copy from `start` to now on `stream` (`copied`: its host -> device part ended; `resumed`:
+        scatter began)."""
+        end = self._mark(stream)
         if self.is_cuda:
             self._timings.append((direction, nbytes, start, copied, resumed, end))
         else:
@@ -285,22 +311,35 @@ class KVOffload:
         ids = self._ids.to_device(flat) if self.is_cuda and flat else torch.tensor(flat, dtype=torch.int64)
         return list(ids.split([len(blocks) for blocks in lists]))
 
-    def _d2h(self, copies, src) -> None:
+    def _d2h(self, copies, src):
         """(device block, host block) pairs in host-block order, `src` their device ids: gather on the device,
-        then one copy per run of host blocks."""
+        then one copy per run of host blocks (on CUDA on the out stream, after the gather). Returns the gathered
+        blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
         if not copies:
-            return
+            return None
         start = self._mark()
         dst = [c[1] for c in copies]
         blocks = gather_blocks(self._storage, src)  # [n, 2, L, B, Hkv, D]
-        for index, first, length in _runs(dst):
-            self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
-        self._done("d2h", len(copies) * self.block_nbytes, start)
+        out = self.out_stream
+        if out is not None:
+            out.wait_stream(self.stream)
+            blocks.record_stream(out)  # freed for reuse only once the out stream's copies have read it
+        with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
+            for index, first, length in _runs(dst):
+                self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
+            self._done("d2h", len(copies) * self.block_nbytes, start, stream=out)
+            if out is not None:
+                copied_out = torch.cuda.Event()
+                copied_out.record(out)
+                self._copying_out.append((copied_out, set(dst)))
+        return blocks
 
-    def _h2d(self, copies, dst, before_scatter=None) -> None:
+    def _h2d(self, copies, dst, before_scatter=None, spills=(None, {})) -> None:
         """(host block, device block) pairs in host-block order, `dst` their device ids: one copy per run of
         host blocks into a staging tensor, then `before_scatter()` if given (what must precede the scatter
-        on the copy stream), then one scatter."""
+        on the copy stream), then one scatter. A host block that this step's spills fill (`spills`: their
+        gathered blocks, which `before_scatter` may produce, and {host block: row of them}) is staged from the
+        gathered blocks instead, after `before_scatter`: its copy to the host may not have run yet."""
         if not copies:
             if before_scatter is not None:
                 before_scatter()
@@ -308,14 +347,18 @@ class KVOffload:
         src = [c[0] for c in copies]
         start = self._mark()
         staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
-        runs = _runs(src)
-        for index, first, length in runs:
-            staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
-        self.stats.h2d_num_copies += len(runs)
+        runs = _source_runs(src, spills[1]) if spills[1] else [(*run, False) for run in _runs(src)]
+        for index, first, length, gathered in runs:
+            if not gathered:
+                staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
+        self.stats.h2d_num_copies += sum(not gathered for *_, gathered in runs)
         copied = resumed = self._mark()
         if before_scatter is not None:
             before_scatter()
             resumed = self._mark()
+        for index, first, length, gathered in runs:
+            if gathered:
+                staged[index:index + length].copy_(spills[0][first:first + length])
         scatter_blocks(self._storage, dst, staged)
         self._done("h2d", len(copies) * self.block_nbytes, start, copied, resumed)
 
