@@ -60,12 +60,17 @@ def test_a_block_spilled_and_restored_in_one_step_comes_back_whole(device, where
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["restore_in_step", "restore"])
-def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where):
-    """Many blocks spill in one step (a long copy to the host), and the very next step, whose kernels may have
-    started before that copy ran, restores one of them and overwrites the spilled GPU blocks."""
+@pytest.mark.parametrize("held_back", [False, True])
+def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_back, monkeypatch):
+    """Many blocks spill in two steps (long copies to the host), and the very next step, whose kernels may have
+    started before those copies ran, restores two of them and overwrites the spilled GPU blocks; `held_back`:
+    with no bytes allowed in flight, so the second gather waits for the first step's copies."""
+    if held_back:
+        monkeypatch.setattr(KVOffload, "MAX_BYTES_COPYING_OUT", 0)
     storage, offload = _offload(device, num_blocks=66, num_host_blocks=64, block_tokens=256)
     spilled = storage[:, :, :64].clone()
-    offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(64)]))
+    offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(32)]))
+    offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(32, 64)]))
     storage[:, :, :64] = -1.0  # the step's kernels reuse the spilled blocks (on the main stream, as they would)
     offload.move(_step(**{where: [BlockCopy(0, 64), BlockCopy(63, 65)]}))
     if device == "cuda":

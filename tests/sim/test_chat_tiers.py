@@ -53,6 +53,15 @@ def test_a_host_tier_cuts_prefill_and_ttft_on_multi_turn_chat():
     assert tiered["ttft_mean_s"] < gpu_only["ttft_mean_s"]
 
 
+def test_a_spill_costs_its_step_the_gather_and_its_copy_to_the_host_only_past_the_step():
+    cost = CostModel(kv_bytes_per_token=1000, d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6, gather_bytes_per_s=1e9)
+    # 100 tokens spilled: 0.1 s to the host, 0.0001 s to gather
+    assert cost.tier_copy_s(1.0, offloaded_tokens=100, restored_tokens=0) == pytest.approx(1e-4)
+    assert cost.tier_copy_s(0.04, offloaded_tokens=100, restored_tokens=0) == pytest.approx(1e-4 + 0.06)
+    # restores beside the step and the copies to the host run on two streams: the longer one counts
+    assert cost.tier_copy_s(0.04, offloaded_tokens=100, restored_tokens=300) == pytest.approx(1e-4 + 0.26)
+
+
 def test_packaged_tier_bandwidths_are_labelled_placeholders_until_measured():
     cost = packaged_cost_model()
     assert cost.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2  # Qwen3-0.6B in bf16

@@ -151,7 +151,10 @@ class _PinnedIds:
 
 
 class KVOffload:
-    """A pinned host pool beside the device pool, its copy stream, and the optional disk store."""
+    """A pinned host pool beside the device pool, its copy streams, and the optional disk store."""
+
+    # Gathered blocks waiting for their copies to the host, beyond which a new gather waits (~36 ms of PCIe)
+    MAX_BYTES_COPYING_OUT = 2 << 30
 
     def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None, shared_host=None):
         self.pool = pool
@@ -174,7 +177,7 @@ class KVOffload:
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.out_stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # gathered blocks -> host
         self._restores_done = None  # event B of the last step that restored
-        self._copying_out: list[tuple] = []  # (event C, host blocks) of the steps whose copies to the host may run
+        self._copying_out: list[tuple] = []  # (event C, host blocks, bytes) of copies to the host maybe in flight
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
         self._free_events: list = []  # timing events whose copies finished and were accounted: recorded again
         self._ids = _PinnedIds(self.device, self.stream) if self.is_cuda else None
@@ -253,11 +256,22 @@ class KVOffload:
     def _wait_copies_out(self, *reads) -> None:
         """Make the copy stream wait for the copies to the host still in flight that fill a host block of `reads`
         ((host block, device block) pairs), and forget those that have finished."""
-        pending = [(event, blocks) for event, blocks in self._copying_out if not event.query()]
-        self._copying_out = pending
-        for event, blocks in pending:
+        self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
+        for event, blocks, _ in self._copying_out:
             if any(host in blocks for copies in reads for host, _ in copies):
                 self.stream.wait_event(event)
+
+    def _hold_back_copies_out(self) -> None:
+        """Make the copy stream (so the gather about to run, and the step that waits for it) wait for the oldest
+        copies to the host still in flight while they hold more than `MAX_BYTES_COPYING_OUT` of gathered blocks:
+        spills are made no faster than prefills compute KV, far below PCIe, but a burst must not pile up device
+        memory without bound."""
+        self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
+        held = sum(nbytes for *_, nbytes in self._copying_out)
+        while held > self.MAX_BYTES_COPYING_OUT:
+            event, _, nbytes = self._copying_out.pop(0)  # after this wait, stream order covers its host blocks
+            self.stream.wait_event(event)
+            held -= nbytes
 
     def _mark(self, stream=None):
         """A point in time: a CUDA event recorded on `stream` (default the copy stream; a finished event reused),
@@ -317,10 +331,12 @@ class KVOffload:
         blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
         if not copies:
             return None
+        out = self.out_stream
+        if out is not None:
+            self._hold_back_copies_out()
         start = self._mark()
         dst = [c[1] for c in copies]
         blocks = gather_blocks(self._storage, src)  # [n, 2, L, B, Hkv, D]
-        out = self.out_stream
         if out is not None:
             out.wait_stream(self.stream)
             blocks.record_stream(out)  # freed for reuse only once the out stream's copies have read it
@@ -331,7 +347,7 @@ class KVOffload:
             if out is not None:
                 copied_out = torch.cuda.Event()
                 copied_out.record(out)
-                self._copying_out.append((copied_out, set(dst)))
+                self._copying_out.append((copied_out, set(dst), len(copies) * self.block_nbytes))
         return blocks
 
     def _h2d(self, copies, dst, before_scatter=None, spills=(None, {})) -> None:

@@ -25,15 +25,18 @@ uncalibrated constants below, of a plausible order for a ~0.6B model (Qwen3-0.6B
 `c_swap` is not fitted (engine step measurements carry no swaps); a cost-model file may
 set it.
 
-KV tiers add what their copies cost, from pinned copy bandwidths and the KV bytes per token:
-a spill (device -> host) is waited for by the step that reuses the block, so it adds
-`offloaded_tokens * kv_bytes_per_token / d2h_bytes_per_s`; a restore (host -> device) before
+KV tiers add what their copies cost, from pinned copy bandwidths, the on-device gather rate and
+the KV bytes per token: the step that reuses a spilled block waits only for its gather on the
+device (`offloaded_tokens * kv_bytes_per_token / gather_bytes_per_s`), and its copy to the host
+(device -> host) runs beside the steps on a stream of its own; a restore (host -> device) before
 the step's kernels (its request computes in the step) adds its whole copy, one beside the step
-only what it takes beyond the step's own time. A file's
-`"kv_tiers"` object sets them (the packaged file's say whether they were measured):
+only what it takes beyond the step's own time. The copies to the host are charged the same way,
+beyond the step's time (a conservative model: no step waits for them until they fall behind by
+more than the runner's cap on bytes in flight). A file's `"kv_tiers"` object sets them (the
+packaged file's say whether they were measured):
 
-    "kv_tiers": {"h2d_bytes_per_s": 5.0e10, "d2h_bytes_per_s": 5.0e10, "disk_read_bytes_per_s": 3.0e9,
-                 "kv_bytes_per_token": 114688, "measured": false, "note": "..."}
+    "kv_tiers": {"h2d_bytes_per_s": 5.0e10, "d2h_bytes_per_s": 5.0e10, "gather_bytes_per_s": 1.4e12,
+                 "disk_read_bytes_per_s": 3.0e9, "kv_bytes_per_token": 114688, "measured": false, "note": "..."}
 
 Cost-model file (`cost_model.json`, written by `pagedkv bench engine` into its --out):
 
@@ -100,12 +103,14 @@ class CostModel:
     # KV tiers (see the module docstring): pinned copy bandwidths and what one token's KV weighs
     h2d_bytes_per_s: float = 50e9
     d2h_bytes_per_s: float = 50e9
+    gather_bytes_per_s: float = 1.4e12  # spilled blocks gathered on the device (the step waits for this only)
     disk_read_bytes_per_s: float = 3e9
     kv_bytes_per_token: float = 114_688
     tiers_measured: bool = False  # whether the bandwidths above were measured (else placeholders)
 
     def __post_init__(self):
-        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "disk_read_bytes_per_s", "kv_bytes_per_token"):
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "gather_bytes_per_s", "disk_read_bytes_per_s",
+                     "kv_bytes_per_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"cost model {name} must be a finite number > 0, got {value!r}")
@@ -123,12 +128,15 @@ class CostModel:
 
     def tier_copy_s(self, step_s: float, offloaded_tokens: int, restored_tokens: int, disk_tokens: int = 0,
                     pre_spilled_tokens: int = 0, restored_in_step_tokens: int = 0) -> float:
-        """What a step's KV-tier copies add to its `step_s`: spills, in-step restores and disk reads in full;
-        restores and pre-spills beside the step (one copy stream) only beyond it."""
+        """What a step's KV-tier copies add to its `step_s`: the spills' gathers, in-step restores and disk reads
+        in full; restores beside the step (the copy stream) and copies to the host (the out stream) only beyond
+        it."""
         kv = self.kv_bytes_per_token
-        restore_s = restored_tokens * kv / self.h2d_bytes_per_s + pre_spilled_tokens * kv / self.d2h_bytes_per_s
-        return (offloaded_tokens * kv / self.d2h_bytes_per_s + disk_tokens * kv / self.disk_read_bytes_per_s
-                + restored_in_step_tokens * kv / self.h2d_bytes_per_s + max(0.0, restore_s - step_s))
+        restore_s = restored_tokens * kv / self.h2d_bytes_per_s + pre_spilled_tokens * kv / self.gather_bytes_per_s
+        copy_out_s = (offloaded_tokens + pre_spilled_tokens) * kv / self.d2h_bytes_per_s
+        return (offloaded_tokens * kv / self.gather_bytes_per_s + disk_tokens * kv / self.disk_read_bytes_per_s
+                + restored_in_step_tokens * kv / self.h2d_bytes_per_s
+                + max(0.0, restore_s - step_s, copy_out_s - step_s))
 
     def with_kv_bytes(self, ratio: float, what: str) -> CostModel:
         """This model for a KV cache of `ratio` times the bytes per token (FP8 over bf16: 0.5).
@@ -229,8 +237,9 @@ def _tier_fields(section, path) -> dict:
         return {}
     if not isinstance(section, dict):
         raise ConfigError(f"cost model {path}: 'kv_tiers' must be an object, got {type(section).__name__}")
-    fields = {name: section[name] for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "disk_read_bytes_per_s",
-                                               "kv_bytes_per_token") if section.get(name) is not None}
+    fields = {name: section[name] for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "gather_bytes_per_s",
+                                               "disk_read_bytes_per_s", "kv_bytes_per_token")
+              if section.get(name) is not None}
     fields["tiers_measured"] = section.get("measured") is True
     return fields
 
