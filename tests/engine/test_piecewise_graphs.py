@@ -211,3 +211,26 @@ def test_no_collection_during_capture_collects_first_and_restores_the_collector(
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_overlapping_captures_keep_the_collector_off_until_the_last_ends():
+    """Two captures on two threads (two engines in one process): the first to end must not turn the collector
+    back on while the other still captures."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def second():
+        first_in.wait()
+        with no_collection_during_capture():
+            second_in.set()
+            first_out.wait()
+            seen.append(gc.isenabled())
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with no_collection_during_capture():
+        first_in.set()
+        second_in.wait()
+    first_out.set()
+    thread.join()
+    assert seen == [False] and gc.isenabled()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -66,15 +67,27 @@ def no_collection_during_capture() -> Iterator[None]:
     A collection that ran inside a capture would free, on the capturing thread, whatever an earlier
     engine left in reference cycles: pinned host blocks, CUDA events. Their release makes CUDA calls
     that thread may not make while it captures, which invalidates the capture (an H200 run saw a
-    cuBLAS "internal error" in the first capture after an engine with KV tiers was dropped)."""
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    cuBLAS "internal error" in the first capture after an engine with KV tiers was dropped).
+
+    Nested or concurrent captures (two engines capturing on two threads) share one count: the collector
+    comes back on, if it was on, only when the last of them is done."""
+    with _capture_lock:
+        if _capturing[0] == 0:
+            _capturing[1] = gc.isenabled()
+            gc.collect()
+            gc.disable()
+        _capturing[0] += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _capture_lock:
+            _capturing[0] -= 1
+            if _capturing[0] == 0 and _capturing[1]:
+                gc.enable()
+
+
+_capture_lock = threading.Lock()
+_capturing = [0, False]  # captures running, and whether the collector was on before the first
 
 
 def token_buckets(max_tokens: int) -> list[int]:
