@@ -17,6 +17,15 @@ from pagedkv.engine.kv_offload import KVOffload, _source_runs
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.fixture(params=["copy stream", "out stream"], autouse=True)
+def copies_out_on(request, monkeypatch):
+    """Every test runs with its copies to the host on each CUDA stream: batches below `OUT_STREAM_MIN_BLOCKS` stay
+    on the copy stream (the tests' batches are small), and with a minimum of one block every batch goes out."""
+    if request.param == "out stream":
+        monkeypatch.setattr(KVOffload, "OUT_STREAM_MIN_BLOCKS", 1)
+    return request.param
+
+
 def _step(**copies):
     fields = ("persist", "persist_host", "disk_loads", "swap_out", "offload", "swap_in", "restore_in_step",
               "restore", "pre_offload", "disk_writes", "disk_deletes")
@@ -32,6 +41,14 @@ def _offload(device, num_blocks=8, num_host_blocks=4, block_tokens=4):
     return storage, offload
 
 
+@pytest.mark.parametrize("copies_out_on", ["copy stream"], indirect=True)
+def test_the_simulator_splits_spills_between_the_streams_where_the_runner_does():
+    from pagedkv.sim.cost_model import OUT_STREAM_MIN_TOKENS
+
+    assert OUT_STREAM_MIN_TOKENS == KVOffload.OUT_STREAM_MIN_BLOCKS * 16  # the default block size
+
+
+@pytest.mark.parametrize("copies_out_on", ["copy stream"], indirect=True)
 def test_source_runs_split_host_blocks_by_where_they_come_from():
     # host blocks 3, 4 and 7 are filled by this step's spills, at rows 0, 1 and 2 of the gathered blocks
     assert _source_runs([1, 2, 3, 4, 5, 7, 9], {3: 0, 4: 1, 7: 2}) == [
@@ -78,6 +95,21 @@ def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_ba
     assert torch.equal(storage[:, :, 64], spilled[:, :, 63])
     assert torch.equal(storage[:, :, 65], spilled[:, :, 0])
     assert torch.equal(offload.host.to(device).movedim(0, 2).flip(2), spilled)
+    offload.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_spill_into_a_host_block_still_being_filled_by_the_out_stream_lands_last(device, monkeypatch):
+    """A large batch goes out on the out stream; the next step spills a single block, on the copy stream, into
+    one of the same host blocks (freed and taken again): the later spill's bytes must be the ones that stay."""
+    monkeypatch.setattr(KVOffload, "OUT_STREAM_MIN_BLOCKS", 8)
+    storage, offload = _offload(device, num_blocks=16, num_host_blocks=8, block_tokens=256)
+    offload.move(_step(offload=[BlockCopy(block, block) for block in range(8)]))
+    offload.move(_step(offload=[BlockCopy(9, 3)]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(offload.host[3].to(device), storage[:, :, 9])
+    assert torch.equal(offload.host[4].to(device), storage[:, :, 4])
     offload.close()
 
 

@@ -8,6 +8,8 @@ copies run on two side CUDA streams, in an order that keeps every block valid:
                   | the blocks the scatter fills) | gather: swap-outs, spills -> event G | scatter the staged
                   -> event A | host -> device: restores beside the step | gather: pre-spills          -> event B
     out stream    waits for G, then the gathered blocks -> host (and the pre-spills' after B)         -> event C
+                  (a batch of fewer than `OUT_STREAM_MIN_BLOCKS` blocks goes to the host on the copy stream
+                  instead, right after its gather, before event A or B)
     main stream   waits for A before this step's kernels (they may reuse spilled blocks, and read the
                   swapped-in and in-step restored ones), and for B only at the next step.
 
@@ -15,9 +17,14 @@ The kernels wait for the on-device gather of the blocks they may overwrite (~1 m
 for those blocks' PCIe copies to the host (~35 ms for a thousand Qwen3-0.6B blocks, what a cold long prompt
 evicts in one step). The host copies run on a stream of their own: on the copy stream, the next step's restores
 and events would queue behind them. A restore in the step that spilled its host block reads the gathered tensor
-(the host copy may not have run yet); a later step's restore of a block whose host copy is still in flight waits
-for that copy's event C (per host block, only then). Disk reads into host blocks wait for event C too, and disk
-writes start after it.
+(the host copy may not have run yet); a later step's copy that reads or fills a host block whose copy out is still
+in flight waits for that copy's event C (per host block, only then). Disk reads into host blocks wait for event C
+too, and disk writes start after it.
+
+Small batches stay on the copy stream, their copies before the step's kernels as they were: on the H200, the
+multi-turn chat with 1,024-token prefixes (spills of tens of blocks per step) lost 21% of its throughput with
+every batch on the out stream (the step loop blocked in its launch phase, ~1.1 ms more per step; cause not yet
+found), while at 16K-token prefixes the out stream took the warm turns' TTFT P99 from 94.6 to 63.4 ms.
 
 Where a restored request computes is a cost question. A block of 16 tokens holds 1.84 MB of
 K/V in bf16 for Qwen3-0.6B (2.10 MB for Llama-3-8B), 33 us (38 us) at the ~55 GB/s of a pinned
@@ -155,6 +162,9 @@ class KVOffload:
 
     # Gathered blocks waiting for their copies to the host, beyond which a new gather waits (~36 ms of PCIe)
     MAX_BYTES_COPYING_OUT = 2 << 30
+    # The fewest blocks a batch of copies to the host takes to the out stream (a token budget's worth at the
+    # defaults; smaller batches go on the copy stream, see the module docstring)
+    OUT_STREAM_MIN_BLOCKS = 128
 
     def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None, shared_host=None):
         self.pool = pool
@@ -236,7 +246,10 @@ class KVOffload:
                 spills[0] = self._d2h(d2h, ids[0])
 
             with torch.cuda.stream(self.stream):
-                self._wait_copies_out(h2d, restore)
+                if self._copying_out:  # what this step's copies read, and fill on the copy stream (small batches)
+                    small = self.OUT_STREAM_MIN_BLOCKS
+                    filled = [c for batch in (d2h, pre_offload) if len(batch) < small for c in batch]
+                    self._wait_copies_out([c[0] for c in h2d + restore] + [c[1] for c in filled])
                 self._h2d(h2d, ids[1], after_the_step_before, spills)  # staged beside the step before (see above)
                 spilled = torch.cuda.Event()
                 spilled.record(self.stream)
@@ -247,19 +260,22 @@ class KVOffload:
                     self._restores_done.record(self.stream)
             if d2h or h2d:
                 main.wait_event(spilled)  # outside any graph: the step's graphs are launched after this
-            if step.disk_writes:  # their host blocks are filled by copies to the host, this step's or earlier
+            if step.disk_writes:  # their host blocks are filled by copies to the host (either stream), now or before
+                self.out_stream.wait_stream(self.stream)
                 ready = torch.cuda.Event()
                 ready.record(self.out_stream)
         self.io.write(step.disk_writes, ready)
         self.io.delete(step.disk_deletes)
 
-    def _wait_copies_out(self, *reads) -> None:
-        """Make the copy stream wait for the copies to the host still in flight that fill a host block of `reads`
-        ((host block, device block) pairs), and forget those that have finished."""
+    def _wait_copies_out(self, host_blocks: list[int]) -> None:
+        """Make the copy stream wait for the copies to the host still in flight (on the out stream) that fill one
+        of `host_blocks` (what this step's copies read or fill on the copy stream), and forget those that have
+        finished."""
         self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
-        for event, blocks, _ in self._copying_out:
-            if any(host in blocks for copies in reads for host, _ in copies):
-                self.stream.wait_event(event)
+        if host_blocks:
+            for event, filling, _ in self._copying_out:
+                if any(host in filling for host in host_blocks):
+                    self.stream.wait_event(event)
 
     def _hold_back_copies_out(self) -> None:
         """Make the copy stream (so the gather about to run, and the step that waits for it) wait for the oldest
@@ -327,11 +343,11 @@ class KVOffload:
 
     def _d2h(self, copies, src):
         """(device block, host block) pairs in host-block order, `src` their device ids: gather on the device,
-        then one copy per run of host blocks (on CUDA on the out stream, after the gather). Returns the gathered
-        blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
+        then one copy per run of host blocks (on CUDA on the out stream after the gather, for a batch of at least
+        `OUT_STREAM_MIN_BLOCKS`). Returns the gathered blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
         if not copies:
             return None
-        out = self.out_stream
+        out = self.out_stream if len(copies) >= self.OUT_STREAM_MIN_BLOCKS else None
         if out is not None:
             self._hold_back_copies_out()
         start = self._mark()

@@ -74,6 +74,11 @@ PACKAGED_COST_MODEL = "cost_model_h200.json"
 _FITTED = ("c0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_s_per_token")
 
 
+#: The fewest spilled tokens whose copies to the host run beside the steps (`KVOffload.OUT_STREAM_MIN_BLOCKS`, 128
+#: blocks, at the default block size of 16); fewer are copied before the step's kernels.
+OUT_STREAM_MIN_TOKENS = 128 * 16
+
+
 @dataclass(frozen=True)
 class StepMeasurement:
     """One measured engine step: its shape and its wall time."""
@@ -128,13 +133,17 @@ class CostModel:
 
     def tier_copy_s(self, step_s: float, offloaded_tokens: int, restored_tokens: int, disk_tokens: int = 0,
                     pre_spilled_tokens: int = 0, restored_in_step_tokens: int = 0) -> float:
-        """What a step's KV-tier copies add to its `step_s`: the spills' gathers, in-step restores and disk reads
-        in full; restores beside the step (the copy stream) and copies to the host (the out stream) only beyond
-        it."""
+        """What a step's KV-tier copies add to its `step_s`, as the runner orders them (`KVOffload`): disk reads
+        and in-step restores in full; spills of fewer than `OUT_STREAM_MIN_TOKENS` in full (their copies to the
+        host precede the kernels), larger ones their gather in full and their copy to the host (the out stream)
+        only beyond the step; restores and small pre-spills beside the step (the copy stream) only beyond it."""
         kv = self.kv_bytes_per_token
-        restore_s = restored_tokens * kv / self.h2d_bytes_per_s + pre_spilled_tokens * kv / self.gather_bytes_per_s
-        copy_out_s = (offloaded_tokens + pre_spilled_tokens) * kv / self.d2h_bytes_per_s
-        return (offloaded_tokens * kv / self.gather_bytes_per_s + disk_tokens * kv / self.disk_read_bytes_per_s
+        spill_out, pre_spill_out = (n >= OUT_STREAM_MIN_TOKENS for n in (offloaded_tokens, pre_spilled_tokens))
+        spill_s = offloaded_tokens * kv / (self.gather_bytes_per_s if spill_out else self.d2h_bytes_per_s)
+        restore_s = restored_tokens * kv / self.h2d_bytes_per_s + pre_spilled_tokens * kv / (
+            self.gather_bytes_per_s if pre_spill_out else self.d2h_bytes_per_s)
+        copy_out_s = (offloaded_tokens * spill_out + pre_spilled_tokens * pre_spill_out) * kv / self.d2h_bytes_per_s
+        return (spill_s + disk_tokens * kv / self.disk_read_bytes_per_s
                 + restored_in_step_tokens * kv / self.h2d_bytes_per_s
                 + max(0.0, restore_s - step_s, copy_out_s - step_s))
 
