@@ -31,6 +31,27 @@ def test_a_held_write_waits_until_released(tmp_path):
     store.close()
 
 
+def test_a_write_whose_copies_end_during_a_hold_waits_for_its_release(tmp_path):
+    """The writer took the job while the writes ran, then waited for its buffer's copies (`ready`, a CUDA
+    event's synchronize); they end while the engine holds the writes: the write must wait for the release, not
+    run beside the step loop's Python."""
+    store = _store(tmp_path)
+    copied, waiting = threading.Event(), threading.Event()
+
+    def ready():
+        waiting.set()
+        copied.wait()
+
+    done = store.write_async(b"k" * 32, np.arange(64, dtype=np.uint8), ready)
+    assert waiting.wait(10)  # the writer is past the hold's gate, in ready()
+    store.hold_writes()
+    copied.set()
+    assert not done.wait(0.2) and not store.path(b"k" * 32).exists()
+    store.release_writes()
+    assert done.wait(10) and store.path(b"k" * 32).exists()
+    store.close()
+
+
 @pytest.mark.parametrize("wait", ["flush", "load", "close"])
 def test_every_wait_for_a_held_write_releases_it(tmp_path, wait):
     store = _store(tmp_path)

@@ -253,9 +253,9 @@ class DiskStore:
                 jobs.task_done()
                 return
             kind, key, data, ready, done = job
-            self._may_write.wait()
             try:
                 if kind == "delete":
+                    self._may_write.wait()
                     try:
                         self.path(key).unlink(missing_ok=True)
                     except OSError as error:
@@ -263,8 +263,9 @@ class DiskStore:
                     continue
                 ok = False
                 try:
-                    if ready is not None:
-                        ready()
+                    if ready is not None:  # the copies that fill the buffer (a CUDA event), waited for before the
+                        ready()  # hold: a write whose copies end while the engine holds the writes starts after it
+                    self._may_write.wait()
                     ok = self.write(key, data)
                 except Exception as error:  # noqa: BLE001 - a write that fails is a block not cached
                     logger.warning("KV disk tier: writing %s failed: %s", key.hex(), error)
