@@ -43,7 +43,7 @@ def test_a_write_whose_copies_end_during_a_hold_waits_for_its_release(tmp_path):
         copied.wait()
 
     done = store.write_async(b"k" * 32, np.arange(64, dtype=np.uint8), ready)
-    assert waiting.wait(10)  # the writer is past the hold's gate, in ready()
+    assert waiting.wait(10)  # the writer took the job and waits in ready()
     store.hold_writes()
     copied.set()
     assert not done.wait(0.2) and not store.path(b"k" * 32).exists()

@@ -6,6 +6,7 @@ a restore in a later step waits for the copy that fills its host block. On the C
 tests run there too, and on a GPU under `-m gpu`.
 """
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,12 +18,26 @@ from pagedkv.engine.kv_offload import KVOffload, _source_runs
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+#: GPU cycles the out stream sleeps before each batch's copies to the host (~0.25 s on an H200), so that a copy
+#: that should wait for them and does not reads or writes its host block first, every time.
+OUT_STREAM_SLEEP_CYCLES = 500_000_000
+
+
 @pytest.fixture(params=["copy stream", "out stream"], autouse=True)
 def copies_out_on(request, monkeypatch):
     """Every test runs with its copies to the host on each CUDA stream: batches below `OUT_STREAM_MIN_BLOCKS` stay
-    on the copy stream (the tests' batches are small), and with a minimum of one block every batch goes out."""
+    on the copy stream (the tests' batches are small), and with a minimum of one block every batch goes out,
+    behind a sleep on the out stream (on CUDA)."""
     if request.param == "out stream":
         monkeypatch.setattr(KVOffload, "OUT_STREAM_MIN_BLOCKS", 1)
+    hold_back = KVOffload._hold_back_copies_out
+
+    def slow_copies_out(self, nbytes):  # runs just before each out-stream batch's gather
+        with torch.cuda.stream(self.out_stream):
+            torch.cuda._sleep(OUT_STREAM_SLEEP_CYCLES)
+        hold_back(self, nbytes)
+
+    monkeypatch.setattr(KVOffload, "_hold_back_copies_out", slow_copies_out)
     return request.param
 
 
@@ -78,7 +93,7 @@ def test_a_block_spilled_and_restored_in_one_step_comes_back_whole(device, where
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["restore_in_step", "restore"])
 @pytest.mark.parametrize("held_back", [False, True])
-def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_back, monkeypatch):
+def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_back, monkeypatch, copies_out_on):
     """Many blocks spill in two steps (long copies to the host), and the very next step, whose kernels may have
     started before those copies ran, restores two of them and overwrites the spilled GPU blocks; `held_back`:
     with no bytes allowed in flight, so the second gather waits for the first step's copies."""
@@ -88,6 +103,10 @@ def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_ba
     spilled = storage[:, :, :64].clone()
     offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(32)]))
     offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(32, 64)]))
+    if device == "cuda" and copies_out_on == "out stream":
+        time.sleep(0.05)  # the gathers are long done; the copies out sleep behind OUT_STREAM_SLEEP_CYCLES
+        # held back, the second gather (on the copy stream) waits for the first batch's copies out
+        assert offload.stream.query() is not held_back
     storage[:, :, :64] = -1.0  # the step's kernels reuse the spilled blocks (on the main stream, as they would)
     offload.move(_step(**{where: [BlockCopy(0, 64), BlockCopy(63, 65)]}))
     if device == "cuda":

@@ -70,7 +70,8 @@ class HostTier:
         return [self._key_of[block] for block in itertools.islice(reversed(self._lru), limit)]
 
     def begin_step(self) -> None:
-        """A new step: last step's copies are ordered before this one's, so busy and freed blocks come back."""
+        """A new step: busy and freed blocks come back (the runner orders this step's copies after last step's
+        that read or fill the same host blocks: `KVOffload`)."""
         self._busy.clear()
         if self._release_later:
             self.allocator.free(self._release_later)

@@ -7,7 +7,7 @@ copies run on two side CUDA streams, in an order that keeps every block valid:
                   | wait for the main stream (the step before wrote the blocks the spills read, and may read
                   | the blocks the scatter fills) | gather: swap-outs, spills -> event G | scatter the staged
                   -> event A | host -> device: restores beside the step | gather: pre-spills          -> event B
-    out stream    waits for G, then the gathered blocks -> host (and the pre-spills' after B)         -> event C
+    out stream    waits for G, then the gathered blocks -> host (the pre-spills' after their gather)   -> event C
                   (a batch of fewer than `OUT_STREAM_MIN_BLOCKS` blocks goes to the host on the copy stream
                   instead, right after its gather, before event A or B)
     main stream   waits for A before this step's kernels (they may reuse spilled blocks, and read the
@@ -18,8 +18,10 @@ for those blocks' PCIe copies to the host (~35 ms for a thousand Qwen3-0.6B bloc
 evicts in one step). The host copies run on a stream of their own: on the copy stream, the next step's restores
 and events would queue behind them. A restore in the step that spilled its host block reads the gathered tensor
 (the host copy may not have run yet); a later step's copy that reads or fills a host block whose copy out is still
-in flight waits for that copy's event C (per host block, only then). Disk reads into host blocks wait for event C
-too, and disk writes start after it.
+in flight waits for that copy's event C (per host block, only then: before event A for the copies A covers, after
+it for those beside the step). A disk read into host blocks, or a disk write out of them, waits for the copy stream
+and for the events C that fill those blocks. Gathered blocks waiting for their copies out are capped
+(`MAX_BYTES_COPYING_OUT`: a gather past it waits for the oldest copies first).
 
 Small batches stay on the copy stream, their copies before the step's kernels as they were: on the H200, the
 multi-turn chat with 1,024-token prefixes (spills of tens of blocks per step) lost 21% of its throughput with
@@ -118,6 +120,21 @@ def _source_runs(src: list[int], row_of: dict[int, int]) -> list[tuple[int, int,
     return runs
 
 
+class _Ready:
+    """What a disk reader or writer waits for before it touches its host blocks: a few CUDA events (blocking ones,
+    so that a waiting thread sleeps instead of spinning a core), queried or waited for together."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def query(self) -> bool:
+        return all(event.query() for event in self.events)
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
+
+
 class _PinnedIds:
     """Block ids copied to the device from a few pinned host buffers, taken in turn (pinning a fresh tensor
     for every step cost more host time than the rest of the ids' path).
@@ -187,7 +204,8 @@ class KVOffload:
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.out_stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # gathered blocks -> host
         self._restores_done = None  # event B of the last step that restored
-        self._copying_out: list[tuple] = []  # (event C, host blocks, bytes) of copies to the host maybe in flight
+        # (event C, host blocks, bytes, gathered blocks) of the copies to the host that may be in flight
+        self._copying_out: list[tuple] = []
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
         self._free_events: list = []  # timing events whose copies finished and were accounted: recorded again
         self._ids = _PinnedIds(self.device, self.stream) if self.is_cuda else None
@@ -211,13 +229,8 @@ class KVOffload:
         self._collect_timings()
         if not self.io.reports:
             self.io.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
-        if step.disk_loads:
-            ready = None
-            if self.is_cuda:  # copies issued before this step may still read or fill the host blocks these loads fill
-                self.out_stream.wait_stream(self.stream)
-                ready = torch.cuda.Event()
-                ready.record(self.out_stream)
-            self.io.load(step.disk_loads, ready)
+        if step.disk_loads:  # copies issued before this step may still read or fill the host blocks these fill
+            self.io.load(step.disk_loads, self._ready([block for _, block in step.disk_loads]))
         d2h = list(step.swap_out) + list(step.offload)
         h2d = list(step.swap_in) + list(step.restore_in_step)  # one batched copy the step's kernels wait for
         beside = step.restore or step.pre_offload  # copies the next step waits for, not this one
@@ -245,49 +258,69 @@ class KVOffload:
                 self.stream.wait_stream(main)
                 spills[0] = self._d2h(d2h, ids[0])
 
+            small = self.OUT_STREAM_MIN_BLOCKS
             with torch.cuda.stream(self.stream):
-                if self._copying_out:  # what this step's copies read, and fill on the copy stream (small batches)
-                    small = self.OUT_STREAM_MIN_BLOCKS
-                    filled = [c for batch in (d2h, pre_offload) if len(batch) < small for c in batch]
-                    self._wait_copies_out([c[0] for c in h2d + restore] + [c[1] for c in filled])
+                # What the copies before event A read, and fill on the copy stream (a small batch): ordered after
+                # the copies to the host still in flight that fill the same host blocks; the same for the copies
+                # beside the step, after event A (so that A never waits for them).
+                if self._copying_out:
+                    self._wait_copies_out([c[0] for c in h2d] + ([c[1] for c in d2h] if len(d2h) < small else []))
                 self._h2d(h2d, ids[1], after_the_step_before, spills)  # staged beside the step before (see above)
                 spilled = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
+                    if self._copying_out:
+                        self._wait_copies_out([c[0] for c in restore]
+                                              + ([c[1] for c in pre_offload] if len(pre_offload) < small else []))
                     self._h2d(restore, ids[2], spills=spills)
                     self._d2h(pre_offload, ids[3])
                     self._restores_done = torch.cuda.Event()
                     self._restores_done.record(self.stream)
             if d2h or h2d:
                 main.wait_event(spilled)  # outside any graph: the step's graphs are launched after this
-            if step.disk_writes:  # their host blocks are filled by copies to the host (either stream), now or before
-                self.out_stream.wait_stream(self.stream)
-                ready = torch.cuda.Event()
-                ready.record(self.out_stream)
+            if step.disk_writes:  # their host blocks are filled by this step's copies to the host or earlier ones
+                ready = self._ready([block for _, block in step.disk_writes])
         self.io.write(step.disk_writes, ready)
         self.io.delete(step.disk_deletes)
 
+    def _pending_copies_out(self) -> list[tuple]:
+        """The copies to the host that may still be in flight (those found done are let go, their gathered blocks
+        with them)."""
+        self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
+        return self._copying_out
+
     def _wait_copies_out(self, host_blocks: list[int]) -> None:
         """Make the copy stream wait for the copies to the host still in flight (on the out stream) that fill one
-        of `host_blocks` (what this step's copies read or fill on the copy stream), and forget those that have
-        finished."""
-        self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
+        of `host_blocks`."""
         if host_blocks:
-            for event, filling, _ in self._copying_out:
+            for event, filling, *_ in self._pending_copies_out():
                 if any(host in filling for host in host_blocks):
                     self.stream.wait_event(event)
 
-    def _hold_back_copies_out(self) -> None:
+    def _ready(self, host_blocks: list[int]) -> _Ready | None:
+        """What a disk thread that reads or fills `host_blocks` waits for: the copies issued so far on the copy
+        stream, and the copies to the host in flight that fill one of them (not the whole out stream)."""
+        if not self.is_cuda:
+            return None
+        issued = torch.cuda.Event(blocking=True)
+        issued.record(self.stream)
+        events = [issued]
+        if self._copying_out:
+            wanted = set(host_blocks)
+            events += [event for event, filling, *_ in self._pending_copies_out() if not filling.isdisjoint(wanted)]
+        return _Ready(events)
+
+    def _hold_back_copies_out(self, nbytes: int) -> None:
         """Make the copy stream (so the gather about to run, and the step that waits for it) wait for the oldest
-        copies to the host still in flight while they hold more than `MAX_BYTES_COPYING_OUT` of gathered blocks:
-        spills are made no faster than prefills compute KV, far below PCIe, but a burst must not pile up device
-        memory without bound."""
-        self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
-        held = sum(nbytes for *_, nbytes in self._copying_out)
-        while held > self.MAX_BYTES_COPYING_OUT:
-            event, _, nbytes = self._copying_out.pop(0)  # after this wait, stream order covers its host blocks
+        copies to the host still in flight while they and the `nbytes` about to be gathered hold more than
+        `MAX_BYTES_COPYING_OUT` of gathered blocks: spills are made no faster than prefills compute KV, far below
+        PCIe, but a burst must not pile up device memory without bound."""
+        pending = self._pending_copies_out()
+        held = sum(entry[2] for entry in pending)
+        while pending and held + nbytes > self.MAX_BYTES_COPYING_OUT:
+            event, _, freed, _ = pending.pop(0)  # after this wait, stream order covers its blocks
             self.stream.wait_event(event)
-            held -= nbytes
+            held -= freed
 
     def _mark(self, stream=None):
         """A point in time: a CUDA event recorded on `stream` (default the copy stream; a finished event reused),
@@ -347,23 +380,26 @@ class KVOffload:
         `OUT_STREAM_MIN_BLOCKS`). Returns the gathered blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
         if not copies:
             return None
+        nbytes = len(copies) * self.block_nbytes
         out = self.out_stream if len(copies) >= self.OUT_STREAM_MIN_BLOCKS else None
         if out is not None:
-            self._hold_back_copies_out()
-        start = self._mark()
+            self._hold_back_copies_out(nbytes)
+        start = self._mark() if out is None else None
         dst = [c[1] for c in copies]
         blocks = gather_blocks(self._storage, src)  # [n, 2, L, B, Hkv, D]
         if out is not None:
             out.wait_stream(self.stream)
-            blocks.record_stream(out)  # freed for reuse only once the out stream's copies have read it
+            start = self._mark(out)  # the copy's own time, not the gather's or the queue's before it
         with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
             for index, first, length in _runs(dst):
                 self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
-            self._done("d2h", len(copies) * self.block_nbytes, start, stream=out)
+            self._done("d2h", nbytes, start, stream=out)
             if out is not None:
-                copied_out = torch.cuda.Event()
+                copied_out = torch.cuda.Event(blocking=True)
                 copied_out.record(out)
-                self._copying_out.append((copied_out, set(dst), len(copies) * self.block_nbytes))
+                # `blocks` (allocated on the copy stream) is kept until its copies are done, then let go: no
+                # `record_stream`, whose allocator events kept its memory from reuse on the copy stream longer.
+                self._copying_out.append((copied_out, set(dst), nbytes, blocks))
         return blocks
 
     def _h2d(self, copies, dst, before_scatter=None, spills=(None, {})) -> None:

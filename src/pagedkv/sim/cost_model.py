@@ -75,7 +75,8 @@ _FITTED = ("c0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_s_per_token")
 
 
 #: The fewest spilled tokens whose copies to the host run beside the steps (`KVOffload.OUT_STREAM_MIN_BLOCKS`, 128
-#: blocks, at the default block size of 16); fewer are copied before the step's kernels.
+#: blocks, at the default block size of 16; the runner counts a step's swap-outs and spills together, this model
+#: its spills); fewer are copied before the step's kernels.
 OUT_STREAM_MIN_TOKENS = 128 * 16
 
 
