@@ -66,6 +66,20 @@ def test_double_free_and_bad_ids_change_nothing():
     allocator.check_integrity()
 
 
+@pytest.mark.parametrize("bad", [True, 1.0, -1, 4, "1", None])
+def test_a_bad_id_among_good_ones_is_named_and_changes_nothing(bad):
+    """Lists of ids are checked as a whole first (types, extremes, duplicates, counts); a bad one among them is
+    still named, and neither a free nor a share changes anything."""
+    allocator = BlockAllocator(4)
+    blocks = allocator.allocate(3)
+    before = snapshot(allocator)
+    for call in (allocator.free, allocator.incref):
+        with pytest.raises(InvalidBlockError, match=repr(bad) if isinstance(bad, (str, type(None))) else str(bad)):
+            call([blocks[0], blocks[1], bad])
+    assert snapshot(allocator) == before
+    allocator.check_integrity()
+
+
 @pytest.mark.parametrize("bad", [0, -3, 1.5, "2", True, None])
 def test_bad_counts_are_typed_errors(bad):
     with pytest.raises(InvalidArgumentError):

@@ -127,12 +127,14 @@ class BlockAllocator:
         """Add one owner to each block (sharing). Every block must be allocated; else nothing changes."""
         block_ids = list(block_ids)
         with self._lock:
+            ref_counts = self._ref_counts
+            if not self._all_in_range(block_ids) or 0 in map(ref_counts.__getitem__, block_ids):
+                for block_id in block_ids:  # find the first bad id, for its error
+                    self._check_in_range(block_id)
+                    if ref_counts[block_id] == 0:
+                        raise InvalidBlockError(f"Cannot share block {block_id}: it is free")
             for block_id in block_ids:
-                self._check_in_range(block_id)
-                if self._ref_counts[block_id] == 0:
-                    raise InvalidBlockError(f"Cannot share block {block_id}: it is free")
-            for block_id in block_ids:
-                self._ref_counts[block_id] += 1
+                ref_counts[block_id] += 1
 
     def free(self, block_ids: Sequence[int]) -> list[int]:
         """Drop one owner from each block; blocks whose count reaches 0 return to the free list.
@@ -207,7 +209,16 @@ class BlockAllocator:
         if not 0 <= block_id < self.num_blocks:
             raise InvalidBlockError(f"Block id {block_id} is outside the pool [0, {self.num_blocks})")
 
+    def _all_in_range(self, block_ids: Sequence[int]) -> bool:
+        """Whether every id is an int (not a bool) inside the pool: by their distinct types and extremes, not a
+        Python check per id (the per-id checks run only to name a bad one)."""
+        return not block_ids or (set(map(type, block_ids)) == {int} and min(block_ids) >= 0
+                                 and max(block_ids) < self.num_blocks)
+
     def _validate_free(self, block_ids: Sequence[int]) -> None:
+        if (self._all_in_range(block_ids) and len(set(block_ids)) == len(block_ids)
+                and 0 not in map(self._ref_counts.__getitem__, block_ids)):
+            return
         seen: set[int] = set()
         for block_id in block_ids:
             self._check_in_range(block_id)
