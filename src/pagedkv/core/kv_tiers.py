@@ -203,13 +203,11 @@ class KVTiers:
         self.host.touch(host_blocks)
         self.host.mark_busy(host_blocks)
         copies = self.copies.restore_in_step if in_step else self.copies.restore
-        for host_block, gpu_block in zip(host_blocks, gpu_blocks):
-            copies.append(BlockCopy(host_block, gpu_block))
-            if host_block in self._from_disk:
-                self._from_disk.discard(host_block)
-                self.stats.disk_hit_blocks += 1
-            else:
-                self.stats.host_hit_blocks += 1
+        copies.extend(map(BlockCopy, host_blocks, gpu_blocks))
+        from_disk = self._from_disk.intersection(host_blocks) if self._from_disk else ()
+        self._from_disk.difference_update(from_disk)
+        self.stats.disk_hit_blocks += len(from_disk)
+        self.stats.host_hit_blocks += len(host_blocks) - len(from_disk)
         self.stats.restored_blocks += len(host_blocks)
 
     def prefetch(self, keys: Sequence[BlockHash]) -> bool:
