@@ -227,6 +227,8 @@ class KVOffload:
             torch.cuda.current_stream(self.device).wait_event(self._restores_done)
             self._restores_done = None
         self._collect_timings()
+        if self._copying_out:  # let go of the gathered blocks of finished copies out, moves this step or not
+            self._pending_copies_out()
         if not self.io.reports:
             self.io.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
         if step.disk_loads:  # copies issued before this step may still read or fill the host blocks these fill
