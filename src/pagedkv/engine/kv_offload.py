@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.core.kv_tiers import OUT_STREAM_MIN_BLOCKS
 from pagedkv.engine.kv_disk import DiskStore
 from pagedkv.engine.kv_disk_io import DiskIO
 from pagedkv.kernels.block_moves import gather_blocks, scatter_blocks
@@ -106,18 +107,18 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 def _source_runs(src: list[int], row_of: dict[int, int]) -> list[tuple[int, int, int, bool]]:
     """(index into src, first row, length, from the gathered tensor) of each run of consecutive host blocks in
     `src` that come from one place: the host pool (rows are host blocks), or, for the blocks in `row_of` (host
-    blocks this step's spills fill), the gathered tensor of those spills (rows of it)."""
-    runs = []
-    for index, first, length in _runs(src):
-        start = index
-        for i in range(index + 1, index + length + 1):
-            if i < index + length and (src[i] in row_of) == (src[start] in row_of) and (
-                    src[i] not in row_of or row_of[src[i]] == row_of[src[i - 1]] + 1):
-                continue
-            gathered = src[start] in row_of
-            runs.append((start, row_of[src[start]] if gathered else src[start], i - start, gathered))
-            start = i
-    return runs
+    blocks this step's spills fill), the gathered tensor of those spills. The spills are gathered in host-block
+    order, so consecutive host blocks in `row_of` sit on consecutive rows."""
+    runs: list[list] = []
+    previous = None
+    for index, host in enumerate(src):
+        gathered = host in row_of
+        if runs and host == previous + 1 and gathered == runs[-1][3]:
+            runs[-1][2] += 1
+        else:
+            runs.append([index, row_of[host] if gathered else host, 1, gathered])
+        previous = host
+    return [tuple(run) for run in runs]
 
 
 class _Ready:
@@ -179,9 +180,7 @@ class KVOffload:
 
     # Gathered blocks waiting for their copies to the host, beyond which a new gather waits (~36 ms of PCIe)
     MAX_BYTES_COPYING_OUT = 2 << 30
-    # The fewest blocks a batch of copies to the host takes to the out stream (a token budget's worth at the
-    # defaults; smaller batches go on the copy stream, see the module docstring)
-    OUT_STREAM_MIN_BLOCKS = 128
+    OUT_STREAM_MIN_BLOCKS = OUT_STREAM_MIN_BLOCKS  # smaller batches go on the copy stream (the module docstring)
 
     def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None, shared_host=None):
         self.pool = pool
@@ -227,8 +226,8 @@ class KVOffload:
             torch.cuda.current_stream(self.device).wait_event(self._restores_done)
             self._restores_done = None
         self._collect_timings()
-        if self._copying_out:  # let go of the gathered blocks of finished copies out, moves this step or not
-            self._pending_copies_out()
+        if self._copying_out:  # let go of finished copies out (their gathered blocks with them), once a step
+            self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
         if not self.io.reports:
             self.io.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
         if step.disk_loads:  # copies issued before this step may still read or fill the host blocks these fill
@@ -271,8 +270,8 @@ class KVOffload:
                 spilled = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
-                    if self._copying_out:
-                        self._wait_copies_out([c[0] for c in restore]
+                    if self._copying_out:  # (blocks this step spills are read from the gathered tensor: no wait)
+                        self._wait_copies_out([c[0] for c in restore if c[0] not in spills[1]]
                                               + ([c[1] for c in pre_offload] if len(pre_offload) < small else []))
                     self._h2d(restore, ids[2], spills=spills)
                     self._d2h(pre_offload, ids[3])
@@ -285,17 +284,11 @@ class KVOffload:
         self.io.write(step.disk_writes, ready)
         self.io.delete(step.disk_deletes)
 
-    def _pending_copies_out(self) -> list[tuple]:
-        """The copies to the host that may still be in flight (those found done are let go, their gathered blocks
-        with them)."""
-        self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
-        return self._copying_out
-
     def _wait_copies_out(self, host_blocks: list[int]) -> None:
         """Make the copy stream wait for the copies to the host still in flight (on the out stream) that fill one
         of `host_blocks`."""
         if host_blocks:
-            for event, filling, *_ in self._pending_copies_out():
+            for event, filling, *_ in self._copying_out:
                 if any(host in filling for host in host_blocks):
                     self.stream.wait_event(event)
 
@@ -309,7 +302,7 @@ class KVOffload:
         events = [issued]
         if self._copying_out:
             wanted = set(host_blocks)
-            events += [event for event, filling, *_ in self._pending_copies_out() if not filling.isdisjoint(wanted)]
+            events += [event for event, filling, *_ in self._copying_out if not filling.isdisjoint(wanted)]
         return _Ready(events)
 
     def _hold_back_copies_out(self, nbytes: int) -> None:
@@ -317,7 +310,7 @@ class KVOffload:
         copies to the host still in flight while they and the `nbytes` about to be gathered hold more than
         `MAX_BYTES_COPYING_OUT` of gathered blocks: spills are made no faster than prefills compute KV, far below
         PCIe, but a burst must not pile up device memory without bound."""
-        pending = self._pending_copies_out()
+        pending = self._copying_out
         held = sum(entry[2] for entry in pending)
         while pending and held + nbytes > self.MAX_BYTES_COPYING_OUT:
             event, _, freed, _ = pending.pop(0)  # after this wait, stream order covers its blocks
@@ -417,7 +410,7 @@ class KVOffload:
         src = [c[0] for c in copies]
         start = self._mark()
         staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
-        runs = _source_runs(src, spills[1]) if spills[1] else [(*run, False) for run in _runs(src)]
+        runs = _source_runs(src, spills[1])
         for index, first, length, gathered in runs:
             if not gathered:
                 staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)

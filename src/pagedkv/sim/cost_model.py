@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+from pagedkv.core.kv_tiers import OUT_STREAM_MIN_BLOCKS
 from pagedkv.errors import ConfigError, InvalidArgumentError
 
 #: The calibrated cost model inside the package (see the module docstring).
@@ -74,10 +75,10 @@ PACKAGED_COST_MODEL = "cost_model_h200.json"
 _FITTED = ("c0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_s_per_token")
 
 
-#: The fewest spilled tokens whose copies to the host run beside the steps (`KVOffload.OUT_STREAM_MIN_BLOCKS`, 128
-#: blocks, at the default block size of 16; the runner counts a step's swap-outs and spills together, this model
-#: its spills); fewer are copied before the step's kernels.
-OUT_STREAM_MIN_TOKENS = 128 * 16
+#: The fewest spilled tokens whose copies to the host run beside the steps (`OUT_STREAM_MIN_BLOCKS` at the default
+#: block size of 16; the runner counts a step's swap-outs and spills together, this model its spills); fewer are
+#: copied before the step's kernels.
+OUT_STREAM_MIN_TOKENS = OUT_STREAM_MIN_BLOCKS * 16
 
 
 @dataclass(frozen=True)
