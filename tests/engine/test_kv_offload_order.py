@@ -23,22 +23,17 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 OUT_STREAM_SLEEP_CYCLES = 500_000_000
 
 
-@pytest.fixture(params=["copy stream", "out stream"], autouse=True)
-def copies_out_on(request, monkeypatch):
-    """Every test runs with its copies to the host on each CUDA stream: batches below `OUT_STREAM_MIN_BLOCKS` stay
-    on the copy stream (the tests' batches are small), and with a minimum of one block every batch goes out,
-    behind a sleep on the out stream (on CUDA)."""
-    if request.param == "out stream":
-        monkeypatch.setattr(KVOffload, "OUT_STREAM_MIN_BLOCKS", 1)
+@pytest.fixture(autouse=True)
+def slow_copies_out(monkeypatch):
+    """On CUDA every batch of copies to the host waits behind a sleep on the out stream."""
     hold_back = KVOffload._hold_back_copies_out
 
-    def slow_copies_out(self, nbytes):  # runs just before each out-stream batch's gather
+    def slow(self, nbytes):  # runs just before each batch's gather
         with torch.cuda.stream(self.out_stream):
             torch.cuda._sleep(OUT_STREAM_SLEEP_CYCLES)
         hold_back(self, nbytes)
 
-    monkeypatch.setattr(KVOffload, "_hold_back_copies_out", slow_copies_out)
-    return request.param
+    monkeypatch.setattr(KVOffload, "_hold_back_copies_out", slow)
 
 
 def _step(**copies):
@@ -56,14 +51,6 @@ def _offload(device, num_blocks=8, num_host_blocks=4, block_tokens=4):
     return storage, offload
 
 
-@pytest.mark.parametrize("copies_out_on", ["copy stream"], indirect=True)
-def test_the_simulator_splits_spills_between_the_streams_where_the_runner_does():
-    from pagedkv.sim.cost_model import OUT_STREAM_MIN_TOKENS
-
-    assert OUT_STREAM_MIN_TOKENS == KVOffload.OUT_STREAM_MIN_BLOCKS * 16  # the default block size
-
-
-@pytest.mark.parametrize("copies_out_on", ["copy stream"], indirect=True)
 def test_source_runs_split_host_blocks_by_where_they_come_from():
     # host blocks 3, 4 and 7 are filled by this step's spills, at rows 0, 1 and 2 of the gathered blocks
     assert _source_runs([1, 2, 3, 4, 5, 7, 9], {3: 0, 4: 1, 7: 2}) == [
@@ -93,7 +80,7 @@ def test_a_block_spilled_and_restored_in_one_step_comes_back_whole(device, where
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["restore_in_step", "restore"])
 @pytest.mark.parametrize("held_back", [False, True])
-def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_back, monkeypatch, copies_out_on):
+def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_back, monkeypatch):
     """Many blocks spill in two steps (long copies to the host), and the very next step, whose kernels may have
     started before those copies ran, restores two of them and overwrites the spilled GPU blocks; `held_back`:
     with no bytes allowed in flight, so the second gather waits for the first step's copies."""
@@ -103,7 +90,7 @@ def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_ba
     spilled = storage[:, :, :64].clone()
     offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(32)]))
     offload.move(_step(offload=[BlockCopy(block, 63 - block) for block in range(32, 64)]))
-    if device == "cuda" and copies_out_on == "out stream":
+    if device == "cuda":
         time.sleep(0.05)  # the gathers are long done; the copies out sleep behind OUT_STREAM_SLEEP_CYCLES
         # held back, the second gather (on the copy stream) waits for the first batch's copies out
         assert offload.stream.query() is not held_back
@@ -118,10 +105,9 @@ def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_ba
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_small_spill_into_a_host_block_still_being_filled_by_the_out_stream_lands_last(device, monkeypatch):
-    """A large batch goes out on the out stream; the next step spills a single block, on the copy stream, into
-    one of the same host blocks (freed and taken again): the later spill's bytes must be the ones that stay."""
-    monkeypatch.setattr(KVOffload, "OUT_STREAM_MIN_BLOCKS", 8)
+def test_a_spill_into_a_host_block_still_being_filled_by_an_earlier_copy_out_lands_last(device):
+    """A batch goes out; the next step spills a single block into one of the same host blocks (freed and taken
+    again): the later spill's bytes must be the ones that stay."""
     storage, offload = _offload(device, num_blocks=16, num_host_blocks=8, block_tokens=256)
     offload.move(_step(offload=[BlockCopy(block, block) for block in range(8)]))
     offload.move(_step(offload=[BlockCopy(9, 3)]))

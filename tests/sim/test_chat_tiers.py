@@ -8,7 +8,7 @@ import pytest
 from pagedkv.cli import main
 from pagedkv.engine.scheduler_types import SchedulerConfig
 from pagedkv.sim.chat_tiers import Conversations, MultiTurnChat, simulate_chat, tier_blocks
-from pagedkv.sim.cost_model import OUT_STREAM_MIN_TOKENS, CostModel, packaged_cost_model
+from pagedkv.sim.cost_model import CostModel, packaged_cost_model
 
 CHAT = MultiTurnChat(num_system_prompts=4, num_conversations=12, num_turns=3, num_concurrent=12,
                      system_prompt_tokens=256, min_user_tokens=8, max_user_tokens=16, min_output_tokens=4,
@@ -53,16 +53,18 @@ def test_a_host_tier_cuts_prefill_and_ttft_on_multi_turn_chat():
     assert tiered["ttft_mean_s"] < gpu_only["ttft_mean_s"]
 
 
-def test_a_large_spill_costs_its_step_the_gather_and_its_copy_to_the_host_only_past_the_step():
+def test_a_spill_costs_its_step_the_gather_and_its_copy_to_the_host_only_past_the_step():
     cost = CostModel(kv_bytes_per_token=1000, d2h_bytes_per_s=1e8, h2d_bytes_per_s=1e8, gather_bytes_per_s=1e10)
-    large, small = OUT_STREAM_MIN_TOKENS, OUT_STREAM_MIN_TOKENS - 16
-    out_s, gather_s = large * 1e-5, large * 1e-7  # 2,048 tokens: 20.48 ms to the host, 0.2 ms to gather
-    assert cost.tier_copy_s(1.0, offloaded_tokens=large, restored_tokens=0) == pytest.approx(gather_s)
-    assert cost.tier_copy_s(0.01, offloaded_tokens=large, restored_tokens=0) == pytest.approx(gather_s + out_s - 0.01)
+    tokens = 2048
+    out_s, gather_s = tokens * 1e-5, tokens * 1e-7  # 20.48 ms to the host, 0.2 ms to gather
+    assert cost.tier_copy_s(1.0, offloaded_tokens=tokens, restored_tokens=0) == pytest.approx(gather_s)
+    assert cost.tier_copy_s(0.01, offloaded_tokens=tokens, restored_tokens=0) == pytest.approx(gather_s + out_s - 0.01)
     # restores beside the step and the copies to the host run on two streams: the longer one counts
-    assert cost.tier_copy_s(0.01, offloaded_tokens=large, restored_tokens=3000) == pytest.approx(gather_s + 0.02)
-    # a small batch is copied to the host before the step's kernels, in full
-    assert cost.tier_copy_s(1.0, offloaded_tokens=small, restored_tokens=0) == pytest.approx(small * 1e-5)
+    assert cost.tier_copy_s(0.01, offloaded_tokens=tokens, restored_tokens=3000) == pytest.approx(gather_s + 0.02)
+    # a pre-spill is gathered beside the step (the copy stream) and copied out on the out stream: all past the step
+    assert cost.tier_copy_s(1.0, offloaded_tokens=0, restored_tokens=0, pre_spilled_tokens=tokens) == 0.0
+    assert cost.tier_copy_s(0.01, offloaded_tokens=0, restored_tokens=0, pre_spilled_tokens=tokens) == (
+        pytest.approx(out_s - 0.01))
 
 
 def test_packaged_tier_bandwidths_are_labelled_placeholders_until_measured():

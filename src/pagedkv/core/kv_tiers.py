@@ -40,11 +40,6 @@ from pagedkv.core.host_tier import HostTier
 from pagedkv.core.prefix_cache import BlockHash
 from pagedkv.errors import require_positive_int
 
-#: The fewest blocks one step copies to the host that the runner copies beside the steps (`KVOffload`: the
-#: step's kernels wait only for their gather on the device); fewer are copied before the kernels. The simulator
-#: prices spills the same way.
-OUT_STREAM_MIN_BLOCKS = 128
-
 
 class DiskIndex:
     """Which keys have a file on disk, LRU, under a cap in blocks (files all have one block's size)."""

@@ -8,8 +8,6 @@ copies run on two side CUDA streams, in an order that keeps every block valid:
                   | the blocks the scatter fills) | gather: swap-outs, spills -> event G | scatter the staged
                   -> event A | host -> device: restores beside the step | gather: pre-spills          -> event B
     out stream    waits for G, then the gathered blocks -> host (the pre-spills' after their gather)   -> event C
-                  (a batch of fewer than `OUT_STREAM_MIN_BLOCKS` blocks goes to the host on the copy stream
-                  instead, right after its gather, before event A or B)
     main stream   waits for A before this step's kernels (they may reuse spilled blocks, and read the
                   swapped-in and in-step restored ones), and for B only at the next step.
 
@@ -23,10 +21,9 @@ it for those beside the step). A disk read into host blocks, or a disk write out
 and for the events C that fill those blocks. Gathered blocks waiting for their copies out are capped
 (`MAX_BYTES_COPYING_OUT`: a gather past it waits for the oldest copies first).
 
-Small batches stay on the copy stream, their copies before the step's kernels as they were: on the H200, the
-multi-turn chat with 1,024-token prefixes (spills of tens of blocks per step) lost 21% of its throughput with
-every batch on the out stream (the step loop blocked in its launch phase, ~1.1 ms more per step; cause not yet
-found), while at 16K-token prefixes the out stream took the warm turns' TTFT P99 from 94.6 to 63.4 ms.
+On the H200 the out stream took the warm turns' TTFT P99 of a multi-turn chat with 16K-token prefixes from 94.6 to
+63.4 ms, and costs the chat with 1K-token prefixes (spills of tens of blocks per step) nothing measurable against
+small batches copied on the copy stream before the kernels (`benchmarks/results/kv_tiers_ab_5463ea4`).
 
 Where a restored request computes is a cost question. A block of 16 tokens holds 1.84 MB of
 K/V in bf16 for Qwen3-0.6B (2.10 MB for Llama-3-8B), 33 us (38 us) at the ~55 GB/s of a pinned
@@ -70,7 +67,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.core.kv_tiers import OUT_STREAM_MIN_BLOCKS
 from pagedkv.engine.kv_disk import DiskStore
 from pagedkv.engine.kv_disk_io import DiskIO
 from pagedkv.kernels.block_moves import gather_blocks, scatter_blocks
@@ -180,7 +176,6 @@ class KVOffload:
 
     # Gathered blocks waiting for their copies to the host, beyond which a new gather waits (~36 ms of PCIe)
     MAX_BYTES_COPYING_OUT = 2 << 30
-    OUT_STREAM_MIN_BLOCKS = OUT_STREAM_MIN_BLOCKS  # smaller batches go on the copy stream (the module docstring)
 
     def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None, shared_host=None):
         self.pool = pool
@@ -259,20 +254,18 @@ class KVOffload:
                 self.stream.wait_stream(main)
                 spills[0] = self._d2h(d2h, ids[0])
 
-            small = self.OUT_STREAM_MIN_BLOCKS
             with torch.cuda.stream(self.stream):
-                # What the copies before event A read, and fill on the copy stream (a small batch): ordered after
-                # the copies to the host still in flight that fill the same host blocks; the same for the copies
-                # beside the step, after event A (so that A never waits for them).
+                # The host blocks the copies before event A read: ordered after the copies to the host still in
+                # flight that fill them; the same for the restores beside the step, after event A (so that A never
+                # waits for them). (The copies to the host themselves all run in order on the out stream.)
                 if self._copying_out:
-                    self._wait_copies_out([c[0] for c in h2d] + ([c[1] for c in d2h] if len(d2h) < small else []))
+                    self._wait_copies_out([c[0] for c in h2d])
                 self._h2d(h2d, ids[1], after_the_step_before, spills)  # staged beside the step before (see above)
                 spilled = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
                     if self._copying_out:  # (blocks this step spills are read from the gathered tensor: no wait)
-                        self._wait_copies_out([c[0] for c in restore if c[0] not in spills[1]]
-                                              + ([c[1] for c in pre_offload] if len(pre_offload) < small else []))
+                        self._wait_copies_out([c[0] for c in restore if c[0] not in spills[1]])
                     self._h2d(restore, ids[2], spills=spills)
                     self._d2h(pre_offload, ids[3])
                     self._restores_done = torch.cuda.Event()
@@ -371,12 +364,12 @@ class KVOffload:
 
     def _d2h(self, copies, src):
         """(device block, host block) pairs in host-block order, `src` their device ids: gather on the device,
-        then one copy per run of host blocks (on CUDA on the out stream after the gather, for a batch of at least
-        `OUT_STREAM_MIN_BLOCKS`). Returns the gathered blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
+        then one copy per run of host blocks (on CUDA on the out stream, after the gather). Returns the gathered
+        blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
         if not copies:
             return None
         nbytes = len(copies) * self.block_nbytes
-        out = self.out_stream if len(copies) >= self.OUT_STREAM_MIN_BLOCKS else None
+        out = self.out_stream
         if out is not None:
             self._hold_back_copies_out(nbytes)
         start = self._mark() if out is None else None

@@ -66,19 +66,12 @@ from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from pagedkv.core.kv_tiers import OUT_STREAM_MIN_BLOCKS
 from pagedkv.errors import ConfigError, InvalidArgumentError
 
 #: The calibrated cost model inside the package (see the module docstring).
 PACKAGED_COST_MODEL = "cost_model_h200.json"
 
 _FITTED = ("c0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_s_per_token")
-
-
-#: The fewest spilled tokens whose copies to the host run beside the steps (`OUT_STREAM_MIN_BLOCKS` at the default
-#: block size of 16; the runner counts a step's swap-outs and spills together, this model its spills); fewer are
-#: copied before the step's kernels.
-OUT_STREAM_MIN_TOKENS = OUT_STREAM_MIN_BLOCKS * 16
 
 
 @dataclass(frozen=True)
@@ -135,16 +128,14 @@ class CostModel:
 
     def tier_copy_s(self, step_s: float, offloaded_tokens: int, restored_tokens: int, disk_tokens: int = 0,
                     pre_spilled_tokens: int = 0, restored_in_step_tokens: int = 0) -> float:
-        """What a step's KV-tier copies add to its `step_s`, as the runner orders them (`KVOffload`): disk reads
-        and in-step restores in full; spills of fewer than `OUT_STREAM_MIN_TOKENS` in full (their copies to the
-        host precede the kernels), larger ones their gather in full and their copy to the host (the out stream)
-        only beyond the step; restores and small pre-spills beside the step (the copy stream) only beyond it."""
+        """What a step's KV-tier copies add to its `step_s`, as the runner orders them (`KVOffload`): disk reads,
+        in-step restores and the spills' gather on the device in full; restores and the pre-spills' gather beside
+        the step (the copy stream), and every copy to the host (the out stream), only beyond the step."""
         kv = self.kv_bytes_per_token
-        spill_out, pre_spill_out = (n >= OUT_STREAM_MIN_TOKENS for n in (offloaded_tokens, pre_spilled_tokens))
-        spill_s = offloaded_tokens * kv / (self.gather_bytes_per_s if spill_out else self.d2h_bytes_per_s)
-        restore_s = restored_tokens * kv / self.h2d_bytes_per_s + pre_spilled_tokens * kv / (
-            self.gather_bytes_per_s if pre_spill_out else self.d2h_bytes_per_s)
-        copy_out_s = (offloaded_tokens * spill_out + pre_spilled_tokens * pre_spill_out) * kv / self.d2h_bytes_per_s
+        spill_s = offloaded_tokens * kv / self.gather_bytes_per_s
+        restore_s = (restored_tokens * kv / self.h2d_bytes_per_s
+                     + pre_spilled_tokens * kv / self.gather_bytes_per_s)
+        copy_out_s = (offloaded_tokens + pre_spilled_tokens) * kv / self.d2h_bytes_per_s
         return (spill_s + disk_tokens * kv / self.disk_read_bytes_per_s
                 + restored_in_step_tokens * kv / self.h2d_bytes_per_s
                 + max(0.0, restore_s - step_s, copy_out_s - step_s))
