@@ -402,3 +402,68 @@ def test_a_step_can_restore_a_block_it_spills_and_the_runner_sees_it():
     bm.free(4)
     bm.begin_step()
     bm.check_integrity()
+
+
+def test_a_prefix_hit_on_the_host_keeps_its_disk_files_ahead_of_colder_writes():
+    """The disk's LRU follows use, not write time: a prefix written to disk first and hit on the host since keeps
+    its files when colder blocks' writes fill the disk; a prefix nobody used since loses them."""
+    bm = KVBlockManager(8, 4, num_offload_blocks=16, disk_capacity_blocks=6)
+    first, second = list(range(13)), list(range(100, 113))  # 3 full blocks could hit, each
+    _spill_two_prefixes(bm, first, second)  # first's blocks spill (and are written) before second's
+    first_keys, second_keys = hash_blocks(first, 4)[:3], hash_blocks(second, 4)[:3]
+    assert all(key in bm.tiers.disk for key in first_keys + second_keys)
+    bm.begin_step()
+    assert bm.admit(4, first) == 12  # a host hit
+    bm.free(4)
+    _cache(bm, [list(range(200, 213))])  # a third prefix, then a prompt that takes the whole pool: it spills
+    bm.begin_step()
+    filler = list(range(500, 500 + 4 * bm.num_blocks - 1))
+    bm.admit(3, filler)
+    bm.append_slots(3, len(filler))
+    assert len(bm.take_tier_copies().disk_writes) == 3  # the third prefix's (the first's are on disk already)
+    assert all(key in bm.tiers.disk for key in first_keys)
+    assert not any(key in bm.tiers.disk for key in second_keys)
+    bm.free(3)
+    bm.begin_step()
+    bm.check_integrity()
+
+
+def test_a_layer_group_prefix_hit_keeps_its_disk_files_ahead_of_colder_writes():
+    """The same with layer groups: the hit's blocks of each group (the full group's prefix, the sliding groups'
+    windows) become the disk's newest files, newer than those written after them."""
+    bm = _layer_group_manager()
+    prompt, other = list(range(21)), list(range(100, 121))  # 5 blocks could hit, each
+    keys = hash_blocks(prompt, 4)[:5]
+    for g in range(len(bm.groups)):  # every block of every group on the host, and on disk
+        for key in keys:
+            bm.tiers.host.insert(group_key(key, g), bm.tiers.host.allocate(1)[0])
+            bm.tiers.disk.add(group_key(key, g))
+    later = [group_key(key, g) for key in hash_blocks(other, 4)[:5] for g in range(len(bm.groups))]
+    for key in later:  # written after them
+        bm.tiers.disk.add(key)
+    bm.begin_step()
+    assert bm.admit(1, prompt) == 20
+    hit = {group_key(keys[i], g) for g, group in enumerate(bm.groups) for i in range(group.first_live_block(20, 4), 5)}
+    order = list(bm.tiers.disk._lru)
+    assert min(order.index(key) for key in hit) > max(order.index(key) for key in later)
+    bm.free(1)
+    bm.begin_step()
+    bm.check_integrity()
+
+
+def test_a_shutdown_keeps_the_most_recently_used_blocks_of_every_tier_on_disk():
+    """Host blocks in their LRU order, then the GPU's, newer than what only the disk has; at most the cap, so no
+    write is evicted by the next one; keys on disk already are kept, not written again."""
+    tiers = KVTiers(8, disk_capacity_blocks=4)
+    p, q, r = _keys(3, seed=0), _keys(3, seed=100), _keys(2, seed=200)
+    for gpu_block, key in enumerate(p[::-1] + q[::-1]):  # spilled tail first, as the GPU cache evicts
+        tiers.on_gpu_evict(key, gpu_block)
+    writes = tiers.take_copies().disk_writes
+    tiers.finish_writes([(key, True) for key, _ in writes])
+    assert set(tiers.disk._lru) == {p[0], *q}  # the cap kept the last four written
+    tiers.host.touch(tiers.match_host(p))  # p used on the host since: newer than q
+    tiers.begin_step()
+    from_gpu, from_host = tiers.persist([(r[1], 0), (r[0], 1)])  # the GPU's, least recently used first
+    assert [key for key, _ in from_gpu] == [r[1], r[0]] and [key for key, _ in from_host] == [p[1]]
+    assert set(tiers.disk._lru) == {p[0], p[1], r[0], r[1]}  # a whole prefix head and the working set
+    assert set(tiers.take_copies().disk_deletes) == set(q)

@@ -133,6 +133,7 @@ class KVBlockManager(PoolQueries):
         table.extend_shared(hits)
         if self.tiers is not None and self.prefix_cache is not None:
             self.tiers.stats.gpu_hit_blocks += len(hits)
+            self.tiers.prefix_used(keys[:max_hit_blocks])
             restored = self._restore(seq_id, keys[len(hits):max_hit_blocks])
             table.extend_shared(restored)
             hits = hits + restored

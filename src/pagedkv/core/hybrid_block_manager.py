@@ -40,7 +40,7 @@ from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
 from pagedkv.core.group_swap import GroupSwap
 from pagedkv.core.group_tables import count_table_owners, held_blocks
-from pagedkv.core.group_tiers import GroupHit, GroupTiers, eviction_hook
+from pagedkv.core.group_tiers import GroupHit, GroupTiers, eviction_hook, group_key
 from pagedkv.core.kv_groups import KVLayout
 from pagedkv.core.kv_tiers import KVTiers
 from pagedkv.core.pool_queries import PRE_SPILL_BLOCKS, PoolQueries
@@ -168,6 +168,9 @@ class HybridBlockManager(GroupSwap, PoolQueries):
                 self._restoring_seqs.add(seq_id)  # another request's restore fills these this step
             if self.tiers is not None:
                 self.tiers.stats.gpu_hit_blocks += sum(len(hit.gpu_hits) for hit in hits)
+                if self.tiers.disk is not None:  # each group's blocks of the hit, block by block
+                    self.tiers.prefix_used([group_key(keys[i], g) for i in range(num_hit)
+                                            for g, hit in enumerate(hits) if i >= hit.first])
                 self._restore(seq_id, keys, hits)
         tables = []
         for group, hit in zip(self.groups, hits):

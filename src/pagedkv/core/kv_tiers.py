@@ -17,7 +17,10 @@ evictions into free host blocks beside the step (`pre_spill`).
 
 Eviction inside a tier is LRU over keys, and a prefix's tail goes before its head: a prefix touched as a whole is
 queued tail first, so its head ends up most recently used. Evicting a head first would strand the tail, which a
-hash-chain lookup can never reach again. The host tier passes over blocks whose disk write is still queued while
+hash-chain lookup can never reach again. The disk's LRU follows use on every tier, not write time: a prompt's
+prefix touches its files as it is admitted (`prefix_used`), so a system prompt that stays hot on the GPU or the
+host keeps its files while colder blocks' writes evict colder files, and a shutdown writes the most recently used
+blocks of the host and the GPU (`persist`). The host tier passes over blocks whose disk write is still queued while
 others can be taken (`host_tier.py`): this module tells it which writes are queued and which have finished.
 
 A host block a copy of this step reads or fills (a restore, a swap-in, a spill, whose disk write reads it after the
@@ -67,10 +70,15 @@ class DiskIndex:
         return evicted
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
-        """Mark a prefix's keys used, tail first (see the module docstring)."""
-        for key in reversed(keys):
-            if key in self._lru:
-                self._lru.move_to_end(key)
+        """Mark a prefix's keys used (those indexed), tail first (see the module docstring)."""
+        self.touch_in_order(keys[::-1])
+
+    def touch_in_order(self, keys: Sequence[BlockHash]) -> None:
+        """Mark keys used (those indexed), each newer than the one before it."""
+        lru = self._lru
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
 
     def remove(self, key: BlockHash) -> None:
         """Forget `key` (its file is gone, torn or unreadable)."""
@@ -197,6 +205,13 @@ class KVTiers:
         """Host blocks of the longest prefix of `keys` (which continue a GPU hit) cached on the host."""
         return self.host.match(keys) if self.cache_on_host else []
 
+    def prefix_used(self, keys: Sequence[BlockHash]) -> None:
+        """A prompt's prefix `keys` are hit (on the GPU or the host) or wanted: the disk tier's LRU follows use, not
+        write time, so that a prefix hot on the GPU or the host keeps its files (what a restart reads), while the
+        writes of colder blocks evict files of colder prefixes. Call before the admission's evictions spill."""
+        if self.disk is not None and keys:
+            self.disk.touch(keys)
+
     def restore(self, host_blocks: Sequence[int], gpu_blocks: Sequence[int], *, in_step: bool = False) -> None:
         """Copy host hits into freshly allocated GPU blocks (this step's batched host-to-device copy): before the
         step's kernels (`in_step`: the request computes in this step) or beside them (it computes in the next)."""
@@ -288,13 +303,24 @@ class KVTiers:
         self.disk_disabled_reason = reason
 
     def persist(self, gpu_cached: Sequence[tuple[BlockHash, int]]) -> tuple[list, list]:
-        """What a shutdown writes so a restart finds it: ((key, GPU block), (key, host block)) not on disk yet."""
+        """What a shutdown writes so a restart finds it: ((key, GPU block), (key, host block)) not on disk yet.
+
+        `gpu_cached`: the GPU cache's blocks, least recently used first. The disk keeps the most recently used
+        keys of the three tiers, up to its cap: the host tier's in its LRU order, then the GPU's (the working
+        set), all counted newer than keys only the disk has. Keys already on disk are touched, not written again,
+        and keys that later ones would evict at once are neither."""
         if self.disk is None:
             return [], []
-        from_gpu = [(key, block) for key, block in gpu_cached if key not in self.disk and key not in self.host]
-        from_host = [(key, block) for block, key in self.host._key_of.items() if key not in self.disk]
-        for key, _ in from_gpu + from_host:
-            self.copies.disk_deletes.extend(self.disk.add(key))
+        host = self.host
+        newest = [(host._key_of[block], block, False) for block in host._lru]
+        newest += [(key, block, True) for key, block in gpu_cached if key not in host]
+        newest = newest[len(newest) - self.disk.capacity_blocks:] if len(newest) > self.disk.capacity_blocks else newest
+        self.disk.touch_in_order([key for key, _, _ in newest if key in self.disk])
+        from_gpu, from_host = [], []
+        for key, block, on_gpu in newest:
+            if key not in self.disk:
+                self.copies.disk_deletes.extend(self.disk.add(key))
+                (from_gpu if on_gpu else from_host).append((key, block))
         return from_gpu, from_host
 
     # ------------------------------------------------------------------ swap

@@ -171,8 +171,11 @@ class PrefixCache:
         return [(key_of[block_id], block_id) for block_id in itertools.islice(self._evictable, limit)]
 
     def cached_blocks(self) -> list[tuple[BlockHash, int]]:
-        """(key, block) of every cached block."""
-        return list(self._block_of.items())
+        """(key, block) of every cached block, least recently used first: the evictable ones in eviction order,
+        then those sequences use (the latest cached first, so that a prefix's head comes after its tail)."""
+        key_of = self._key_of
+        in_use = [(key, block) for key, block in reversed(self._block_of.items()) if block not in self._evictable]
+        return [(key_of[block], block) for block in self._evictable] + in_use
 
     def check_integrity(self) -> None:
         """Assert the two maps agree and evictable blocks are referenced by the cache alone."""
