@@ -19,7 +19,7 @@
 # after the restart the share of distinct prompt blocks read from disk (>= 90%) and not computed, with the first
 # request's TTFT. The "same prompts in every configuration" line compares the prompts each run actually sent.
 # The measured H2D/D2H figures go into src/pagedkv/sim/data/cost_model_h200.json's "kv_tiers".
-# Disk: up to 12 GiB per model in DIR (the tier's cap in this run), removed after each model.
+# Disk: up to 12 GiB per model in DIR, or HOST_MEMORY if larger (the tier's cap in this run), removed after each model.
 # Environment: MODELS (default qwen3-0.6b,llama3-8b), HOST_MEMORY (default 16GiB), DIR (the disk tier's
 # directory; default a fresh one under $TMPDIR), PYTHON.
 # CPU smoke (about 20 s): SMOKE=1 OUT=/tmp/kvt bash benchmarks/tools/kv_tiers.sh

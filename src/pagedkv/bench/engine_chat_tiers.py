@@ -65,7 +65,8 @@ from pagedkv.sim.chat_tiers import MultiTurnChat
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
 SIZES = {"qwen3-0.6b": (128, 64, 3, 1024, 4), "llama3-8b": (96, 48, 3, 1024, 4)}
 SMOKE_SIZE = (12, 6, 2, 48, 2)
-#: The disk tier's size cap in this benchmark (the H200 machine's disk is 64 GiB).
+#: The disk tier's size cap in this benchmark, or the host tier's size if larger (a disk tier smaller than the host
+#: tier could not keep what the host holds; the H200 machine's disk is 64 GiB).
 DISK_CAP_BYTES = 12 * 2**30
 #: The host-to-device bandwidth a CPU smoke run prices copies at (the H200's, pinned; nothing is measured).
 SMOKE_H2D_BYTES_PER_S = 55e9
@@ -228,7 +229,7 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
                   max_model_len=workload.max_conversation_tokens, max_num_batched_tokens=4096,
                   mixed_step_graphs=args.mixed_step_graphs)
     # The disk tier's cap keeps a run inside a small disk; LRU keeps what the restart replays (the latest turns).
-    disk_bytes = 64 * 2**20 if smoke else DISK_CAP_BYTES
+    disk_bytes = 64 * 2**20 if smoke else max(DISK_CAP_BYTES, host_bytes)
     tiered = dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir), kv_offload_disk_bytes=disk_bytes)
     configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}), (TIERED, tiered)]
     if args.host_tier_only:  # the same host tier without the disk tier: what the disk writers cost the steps
