@@ -15,7 +15,8 @@
 # then, each beside its target: TTFT vs GPU-only (>= 3x) next to the most a restore can win for one turn (its
 # prefill against copying its prefix plus its message's prefill, measured in the run), output tok/s (>= 1x), the H2D
 # copy rate against the pinned bandwidth measured in the same run (>= 80%), per configuration the steps' host
-# seconds by phase (schedule, build, launch, wait for the device, update) with the slowest step and its shape, and
+# seconds by phase (schedule, build, launch, wait for the device, update) with the slowest step and its shape, the
+# warm turns' mean TTFT split into the same phases of the steps between submission and first token, and
 # after the restart the share of distinct prompt blocks read from disk (>= 90%) and not computed, with the first
 # request's TTFT. The "same prompts in every configuration" line compares the prompts each run actually sent.
 # The measured H2D/D2H figures go into src/pagedkv/sim/data/cost_model_h200.json's "kv_tiers".

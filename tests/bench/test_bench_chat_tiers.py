@@ -60,3 +60,24 @@ def test_turns_that_reuse_a_system_prompt_are_reported_apart_from_its_first_use(
     # one step to a first token, 21 for the two first uses: they set the P99 of all turns, not of the reusing ones
     assert run["ttft_reuse_p50_s"] == run["ttft_reuse_p99_s"] == 1.0
     assert run["ttft_p99_s"] > 20.0
+    parts = run["ttft_reuse_parts"]  # one step call each, which the stub does not time
+    assert parts["num_turns"] == 6 and parts["steps"] == 1.0
+    assert parts["untimed_s"] == parts["ttft_s"] == 1.0 and parts["between_steps_s"] == 0.0
+
+
+def test_a_turns_ttft_parts_add_up_to_its_ttft():
+    from pagedkv.bench.chat_tiers_run import ttft_parts
+    from pagedkv.engine.outputs import StepTiming
+
+    timings = [StepTiming(None, 0.001, 0.002, 0.003, 0.010, 0.004)]  # 20 ms of the second call's 25
+    # submitted at t=0; call 0 (an unrelated earlier call) is skipped; call 1, 5 ms, restores only (no timing);
+    # call 2, 25 ms, computes; 2 ms between them and 3 ms before the first
+    calls = [(-1.0, -0.5, 0, 0), (0.003, 0.008, 0, 0), (0.010, 0.035, 0, 1)]
+    parts = ttft_parts([(0.035, 1, 2)], calls, timings)
+    assert parts["steps"] == 2 and parts["num_turns"] == 1
+    assert abs(parts["untimed_s"] - 0.010) < 1e-12  # the restoring call's 5 ms and 5 ms of the other's
+    assert abs(parts["between_steps_s"] - 0.005) < 1e-12
+    total = sum(parts[key] for key in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s", "untimed_s",
+                                       "between_steps_s"))
+    assert abs(total - parts["ttft_s"]) < 1e-12 and parts["wait_s"] == 0.010
+    assert ttft_parts([], calls, timings) is None

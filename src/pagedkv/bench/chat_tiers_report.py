@@ -82,6 +82,14 @@ def step_line(steps: dict) -> str:
     return text
 
 
+def parts_line(parts: dict) -> str:
+    """`chat_tiers_run.ttft_parts` in words (means over the turns, ms)."""
+    return (f"mean {_ms(parts['ttft_s'])} ms over {parts['num_turns']} turns = {parts['steps']:.1f} step calls: "
+            f"schedule {_ms(parts['schedule_s'])}, build {_ms(parts['build_s'])}, launch {_ms(parts['launch_s'])}, "
+            f"wait {_ms(parts['wait_s'])}, update {_ms(parts['update_s'])}, in steps with nothing to compute "
+            f"{_ms(parts['untimed_s'])}, between the calls {_ms(parts['between_steps_s'])}")
+
+
 def _verdict(value: float | None, target: float) -> str:
     return "-" if value is None else ("met" if value >= target else "missed")
 
@@ -126,6 +134,9 @@ def _summary(model: dict) -> list[str]:
     for label, row in model["configs"].items():
         if "steps" in row:
             lines.append(f"- Steps, {label}: {step_line(row['steps'])}")
+    for label, row in model["configs"].items():
+        if row.get("ttft_reuse_parts"):
+            lines.append(f"- Warm turns' TTFT by part, {label}: {parts_line(row['ttft_reuse_parts'])}")
     if "warm_up_s" in model:
         lines.append(f"- Before the configurations, the whole workload of another seed ran once through the tiers "
                      f"({model['warm_up_s']:.1f} s), so that Triton's compiles stay out of the measured runs")

@@ -45,6 +45,9 @@ def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16, f
     gc.callbacks.append(gc_watch)
     start = time.perf_counter()
     in_flight = 0
+    calls: list[tuple[float, float, int, int]] = []  # per engine.step(): begin, end, its step timings [from, to)
+    first_call: dict[str, int] = {}  # request id -> the first step call after its submission
+    token_call: dict[str, int] = {}  # request id -> the step call that returned its first token
     while due or engine.has_unfinished_requests():
         while due and in_flight < max_in_flight and (due[0][1] == 0 or (due[0][0], due[0][1] - 1) in answered):
             conversation, turn, prompt, answer_len = due.popleft()
@@ -56,15 +59,19 @@ def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16, f
                 reuses.add(request_id)
             systems_sent.add(system)
             submitted[request_id] = time.perf_counter()
+            first_call[request_id] = len(calls)
             engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=answer_len,
                                                                   ignore_eos=True))
             in_flight += 1
+        begin, timed = time.perf_counter(), len(engine.step_timings)
         outputs = engine.step()
         now = time.perf_counter()
+        calls.append((begin, now, timed, len(engine.step_timings)))
         for output in outputs:
             tokens = output.outputs[0].token_ids
             if output.request_id not in ttft and tokens:
                 ttft[output.request_id] = now - submitted[output.request_id]
+                token_call[output.request_id] = len(calls) - 1
             if output.finished:
                 in_flight -= 1
                 num_output_tokens += len(tokens)
@@ -81,8 +88,37 @@ def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16, f
             "ttft_p99_s": percentile(values, 99), "ttft_mean_s": sum(values) / len(values),
             "num_reuse_requests": len(reusing), "ttft_reuse_p50_s": percentile(reusing, 50) if reusing else None,
             "ttft_reuse_p99_s": percentile(reusing, 99) if reusing else None,
-            "steps": step_summary(timings), "gc_collections": gc_watch.collections,
+            "steps": step_summary(timings),
+            "ttft_reuse_parts": ttft_parts([(ttft[r], first_call[r], token_call[r]) for r in ttft if r in reuses],
+                                           calls, timings),
+            "gc_collections": gc_watch.collections,
             "gc_max_pause_s": max((end - begin for begin, end in gc_watch.pauses), default=0.0), "prompts": prompts}
+
+
+def ttft_parts(turns: list[tuple[float, int, int]], calls: list[tuple[float, float, int, int]],
+               timings: list) -> dict | None:
+    """Where the TTFT of `turns` ((TTFT, first step call after submission, call that returned the first token))
+    went, as means over them in seconds: the step calls in between (`steps`, how many) by phase, the part of those
+    calls no step timing covers (steps with nothing to compute, such as one that only restores: `untimed_s`), and
+    the time between the calls (`between_steps_s`: submitting, the loop's own work). The parts add up to `ttft_s`."""
+    if not turns:
+        return None
+    sums = dict.fromkeys(("ttft_s", "steps", *STEP_PHASES, "untimed_s", "between_steps_s"), 0.0)
+    for value, first, last in turns:
+        sums["ttft_s"] += value
+        sums["steps"] += last - first + 1
+        wall = timed = 0.0
+        for begin, end, lo, hi in calls[first:last + 1]:
+            wall += end - begin
+            for timing in timings[lo:hi]:
+                if timing is None:
+                    continue
+                for phase in STEP_PHASES:
+                    sums[phase] += getattr(timing, phase)
+                timed += timing.total_s
+        sums["untimed_s"] += wall - timed
+        sums["between_steps_s"] += value - wall
+    return {"num_turns": len(turns), **{key: total / len(turns) for key, total in sums.items()}}
 
 
 def step_summary(timings: list, num_slowest: int = 3) -> dict:
