@@ -467,3 +467,36 @@ def test_a_shutdown_keeps_the_most_recently_used_blocks_of_every_tier_on_disk():
     assert [key for key, _ in from_gpu] == [r[1], r[0]] and [key for key, _ in from_host] == [p[1]]
     assert set(tiers.disk._lru) == {p[0], p[1], r[0], r[1]}  # a whole prefix head and the working set
     assert set(tiers.take_copies().disk_deletes) == set(q)
+
+
+def test_layer_group_blocks_to_persist_interleave_the_groups_from_their_newest_blocks():
+    """A shutdown cuts the list to the disk's cap from its newest end: every group's newest blocks must be there
+    (a hit needs all groups), not only the last group's whole cache."""
+    from types import SimpleNamespace
+
+    from pagedkv.core.group_tiers import GroupTiers
+
+    a, b = _keys(2, seed=0), _keys(6, seed=100)  # each cache's blocks, least recently used first
+    caches = [SimpleNamespace(cached_blocks=lambda keys=keys: [(key, i) for i, key in enumerate(keys)])
+              for keys in (a, b)]
+    listed = GroupTiers([None, None], caches, None, 4).cached_blocks()
+    assert len(listed) == 8 and listed[-4:] == [(group_key(b[4], 1), 4), (group_key(a[0], 0), 0),
+                                                (group_key(b[5], 1), 5), (group_key(a[1], 0), 1)]
+
+
+def test_an_admission_touches_its_prefix_on_disk_before_its_own_evictions_write():
+    """The restore's GPU blocks evict a cached block, whose spill's write evicts the disk's least recently used
+    file: that must not be one of the prefix being admitted (written first, but used now)."""
+    bm = KVBlockManager(8, 4, num_offload_blocks=16, disk_capacity_blocks=6)
+    first, second = list(range(13)), list(range(100, 113))
+    _spill_two_prefixes(bm, first, second)  # 6 files: first's the oldest
+    bm.take_tier_copies()
+    _cache(bm, [list(range(200, 213)), list(range(300, 313))])  # 6 of the 8 GPU blocks cached, 2 free
+    bm.take_tier_copies()
+    bm.begin_step()
+    assert bm.admit(4, first) == 12  # 3 restored blocks: one cached GPU block is evicted, spilled and written
+    assert len(bm.take_tier_copies().disk_writes) == 1
+    assert all(key in bm.tiers.disk for key in hash_blocks(first, 4)[:3])
+    bm.free(4)
+    bm.begin_step()
+    bm.check_integrity()

@@ -12,6 +12,7 @@ import torch
 from fuzz_requests import random_lifecycles
 from helpers import tiny
 from pagedkv import LLM, SamplingParams
+from pagedkv.core.prefix_cache import hash_blocks
 from pagedkv.errors import ConfigError
 from pagedkv.engine.config import EngineConfig
 
@@ -123,14 +124,32 @@ def test_restart_serves_every_prompt_block_from_disk(tmp_path):
     first = _disk_llm(tmp_path)
     assert _tokens(first.generate(prompts, GREEDY)) == expected
     first.engine.shutdown()
+    order = first.engine.scheduler.block_manager.tiers.disk.keys()
     second = _disk_llm(tmp_path)
-    assert second.engine.scheduler.block_manager.tiers.disk.num_blocks > 0
+    # the restart indexes the files in the LRU order the first engine's disk tier kept (not in write order)
+    assert second.engine.scheduler.block_manager.tiers.disk.keys() == order and order
     assert _tokens(_one_by_one(second, prompts, GREEDY)) == expected
     stats = second.stats()
     # The first prompt of each head loads its blocks from disk; its sibling then shares them on the GPU.
     assert stats["kv_disk_hit_blocks"] + stats["kv_gpu_hit_blocks"] == _hittable_blocks(prompts)
     assert stats["kv_disk_hit_blocks"] == _hittable_blocks(prompts[:2]) and stats["kv_disk_load_misses"] == 0
     second.engine.check_integrity()
+
+
+def test_a_restart_indexes_the_disk_in_the_lru_order_the_tiers_kept(tmp_path):
+    """A file hit since it was written counts as recent after a restart too (a shutdown sets the files'
+    modification times in the disk tier's LRU order), not as old as its write."""
+    prompts = _chat_prompts(num_heads=3, per_head=1, head_len=24)
+    first = _disk_llm(tmp_path, num_blocks=16)
+    for prompt in prompts:  # each evicts the one before it: its blocks spill, and are written
+        first.generate([prompt], GREEDY)
+    first.generate([prompts[0]], GREEDY)  # the first prompt again: its files, written first, are used last
+    first.engine.shutdown()
+    order = first.engine.scheduler.block_manager.tiers.disk.keys()
+    keys = [hash_blocks(p, BLOCK)[:(len(p) - 1) // BLOCK] for p in prompts]
+    assert min(order.index(key) for key in keys[0]) > max(order.index(key) for key in keys[1])
+    second = _disk_llm(tmp_path, num_blocks=16)
+    assert second.engine.scheduler.block_manager.tiers.disk.keys() == order
 
 
 def test_disk_reads_run_on_reader_threads_and_are_collected_after_the_launch(tmp_path):

@@ -37,8 +37,8 @@ def slow_copies_out(monkeypatch):
 
 
 def _step(**copies):
-    fields = ("persist", "persist_host", "disk_loads", "swap_out", "offload", "swap_in", "restore_in_step",
-              "restore", "pre_offload", "disk_writes", "disk_deletes")
+    fields = ("persist", "persist_host", "persist_order", "disk_loads", "swap_out", "offload", "swap_in",
+              "restore_in_step", "restore", "pre_offload", "disk_writes", "disk_deletes")
     return SimpleNamespace(**{name: copies.get(name, []) for name in fields})
 
 

@@ -21,6 +21,7 @@ looked up in any tier: the prompt never reads them, so a tier need not keep them
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Sequence
@@ -31,8 +32,10 @@ from pagedkv.core.kv_tiers import KVTiers
 from pagedkv.core.prefix_cache import BlockHash, PrefixCache
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def group_key(key: BlockHash, group: int) -> BlockHash:
-    """The tiers' key of `group`'s block under hash-chain `key`: the group is part of it."""
+    """The tiers' key of `group`'s block under hash-chain `key`: the group is part of it (memoized: an admission
+    looks up every group's key of each of its hit blocks, ~1 us of sha256 each, a few ms for a long prompt)."""
     return hashlib.sha256(b"pagedkv-layer-group" + group.to_bytes(4, "little") + key).digest()
 
 
@@ -139,5 +142,10 @@ class GroupTiers:
         return list(itertools.islice(mixed, limit))
 
     def cached_blocks(self) -> list[tuple[BlockHash, int]]:
-        """(tier key, GPU block) of every block every group's GPU cache holds (what a shutdown writes)."""
-        return [(group_key(key, g), block) for g, cache in enumerate(self.caches) for key, block in cache.cached_blocks()]
+        """(tier key, GPU block) of every block every group's GPU cache holds, least recently used first (what a
+        shutdown writes): the groups interleaved from their most recent blocks back, so that a cut to the disk's
+        cap keeps every group's newest blocks (a hit needs all of them), not one group's whole cache."""
+        newest_first = [[(group_key(key, g), block) for key, block in reversed(cache.cached_blocks())]
+                        for g, cache in enumerate(self.caches)]
+        mixed = [item for row in itertools.zip_longest(*newest_first) for item in row if item is not None]
+        return mixed[::-1]

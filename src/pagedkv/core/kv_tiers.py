@@ -60,6 +60,10 @@ class DiskIndex:
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._lru
 
+    def keys(self) -> list[BlockHash]:
+        """Every indexed key, least recently used first."""
+        return list(self._lru)
+
     def add(self, key: BlockHash) -> list[BlockHash]:
         """Index `key` (most recently used); returns the keys evicted to stay under the cap."""
         self._lru[key] = None
@@ -306,15 +310,18 @@ class KVTiers:
         """What a shutdown writes so a restart finds it: ((key, GPU block), (key, host block)) not on disk yet.
 
         `gpu_cached`: the GPU cache's blocks, least recently used first. The disk keeps the most recently used
-        keys of the three tiers, up to its cap: the host tier's in its LRU order, then the GPU's (the working
-        set), all counted newer than keys only the disk has. Keys already on disk are touched, not written again,
-        and keys that later ones would evict at once are neither."""
+        keys of the three tiers, up to its cap: those only the host holds in its LRU order, then the GPU's in
+        its order (the working set; written from the host where it has them too), all counted newer than keys
+        only the disk has. Keys already on disk are touched, not written again, and keys that later ones would
+        evict at once are neither."""
         if self.disk is None:
             return [], []
         host = self.host
-        newest = [(host._key_of[block], block, False) for block in host._lru]
-        newest += [(key, block, True) for key, block in gpu_cached if key not in host]
-        newest = newest[len(newest) - self.disk.capacity_blocks:] if len(newest) > self.disk.capacity_blocks else newest
+        on_gpu = {key for key, _ in gpu_cached}
+        newest = [(key, block, False) for block in host._lru if (key := host._key_of[block]) not in on_gpu]
+        newest += [(key, host._block_of[key], False) if key in host else (key, block, True)
+                   for key, block in gpu_cached]
+        newest = newest[-self.disk.capacity_blocks:]  # (earlier ones would be evicted by later ones)
         self.disk.touch_in_order([key for key, _, _ in newest if key in self.disk])
         from_gpu, from_host = [], []
         for key, block, on_gpu in newest:

@@ -355,7 +355,9 @@ class LLMEngine:
             self._in_flight = None
         bm = self.scheduler.block_manager
         from_device, from_host = bm.persist()
+        disk = bm.tiers.disk if bm.tiers is not None else None
         step = StepInput(persist=from_device, persist_host=from_host,
+                         persist_order=disk.keys() if disk is not None else [],  # the disk's LRU, for a restart
                          disk_deletes=bm.take_tier_copies().disk_deletes)  # deletes: what the size cap evicted
         if self.executor is not None:  # every rank writes its own shard of the same blocks
             if self.executor.dead_worker() is not None:

@@ -215,8 +215,8 @@ class KVOffload:
     # ------------------------------------------------------------------ one step
     def move(self, step) -> None:
         """Run a step's block moves (see the module docstring); returns once the main stream is ordered after them."""
-        if step.persist or step.persist_host:
-            self.persist(step.persist, step.persist_host)
+        if step.persist or step.persist_host or step.persist_order:
+            self.persist(step.persist, step.persist_host, step.persist_order)
         if self._restores_done is not None:
             torch.cuda.current_stream(self.device).wait_event(self._restores_done)
             self._restores_done = None
@@ -448,8 +448,9 @@ class KVOffload:
             kv_disk_write_waits=o.disk_write_waits, kv_disk_write_wait_seconds=o.disk_write_wait_seconds,
         )
 
-    def persist(self, from_device, from_host, chunk_blocks: int = 64) -> None:
-        """Write cached blocks to disk now, so a restart finds them ((key, device block) and (key, host block))."""
+    def persist(self, from_device, from_host, order=(), chunk_blocks: int = 64) -> None:
+        """Write cached blocks to disk now, so a restart finds them ((key, device block) and (key, host block)),
+        then give the files the disk tier's LRU `order` (least recently used first) for the restart's index."""
         if self.disk is None:
             return
         if self.is_cuda:
@@ -465,6 +466,7 @@ class KVOffload:
         for key, block in from_host:
             self.disk.write(key, self._host_bytes[block])
         self.disk.flush()
+        self.disk.set_order(order)
 
     def close(self) -> None:
         """Finish queued disk work (and free a shared host pool, once no copy into or out of it is in flight)."""

@@ -63,6 +63,7 @@ class StepInput:
     # shutdown: write these cached blocks to disk now, (key, GPU block) and (key, host block), on every rank
     persist: list[tuple[bytes, int]] = field(default_factory=list)
     persist_host: list[tuple[bytes, int]] = field(default_factory=list)
+    persist_order: list[bytes] = field(default_factory=list)  # then: every disk key, least recently used first
     group_slot_mapping: list[list[int]] = field(default_factory=list)  # [num_groups - 1][num_tokens], groups 1..
 
     def for_workers(self) -> StepInput:
