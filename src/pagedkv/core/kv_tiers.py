@@ -317,8 +317,8 @@ class KVTiers:
         if self.disk is None:
             return [], []
         host = self.host
-        on_gpu = {key for key, _ in gpu_cached}
-        newest = [(key, block, False) for block in host._lru if (key := host._key_of[block]) not in on_gpu]
+        gpu_keys = {key for key, _ in gpu_cached}
+        newest = [(key, block, False) for block in host._lru if (key := host._key_of[block]) not in gpu_keys]
         newest += [(key, host._block_of[key], False) if key in host else (key, block, True)
                    for key, block in gpu_cached]
         newest = newest[-self.disk.capacity_blocks:]  # (earlier ones would be evicted by later ones)
