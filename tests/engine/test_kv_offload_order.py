@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedkv.core.block_table import BlockCopy
+from pagedkv.engine.kv_disk import DiskStore
 from pagedkv.engine.kv_offload import KVOffload, _source_runs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -42,11 +43,12 @@ def _step(**copies):
     return SimpleNamespace(**{name: copies.get(name, []) for name in fields})
 
 
-def _offload(device, num_blocks=8, num_host_blocks=4, block_tokens=4):
+def _offload(device, num_blocks=8, num_host_blocks=4, block_tokens=4, disk_dir=None):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     storage = torch.randn((2, 3, num_blocks, block_tokens, 2, 16), device=device)  # [2, L, N, B, Hkv, D]
-    offload = KVOffload(SimpleNamespace(device=storage.device, kv_storage=storage), num_host_blocks)
+    disk = None if disk_dir is None else DiskStore(disk_dir, "ab" * 32, storage[:, :, 0].numel() * 4)
+    offload = KVOffload(SimpleNamespace(device=storage.device, kv_storage=storage), num_host_blocks, disk=disk)
     offload.host.zero_()
     return storage, offload
 
@@ -131,4 +133,18 @@ def test_a_spill_in_the_step_after_a_restore_leaves_the_restored_block_whole(dev
         torch.cuda.synchronize()
     assert torch.equal(storage[:, :, 4], old)
     assert torch.equal(offload.host[0].to(device), storage[:, :, 2])
+    offload.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_disk_write_of_a_spilled_block_reads_it_after_its_copy_to_the_host(device, tmp_path):
+    """A spill and its block's disk write in one step: the writer thread must wait for the copy to the host (on
+    CUDA behind its sleep on the out stream), or the file holds the host block's old bytes (zeros)."""
+    storage, offload = _offload(device, num_blocks=8, num_host_blocks=4, block_tokens=256, disk_dir=tmp_path)
+    key = b"k" * 32
+    offload.move(_step(offload=[BlockCopy(2, 1), BlockCopy(5, 3)], disk_writes=[(key, 1)]))
+    offload.disk.flush()
+    out = torch.empty_like(storage[:, :, 2], device="cpu")
+    assert offload.disk.load(key, out.view(torch.uint8).numpy())
+    assert torch.equal(out, storage[:, :, 2].cpu())
     offload.close()
