@@ -64,7 +64,10 @@ def test_a_spill_costs_its_step_the_gather_and_its_copy_to_the_host_only_past_th
     # a pre-spill is gathered beside the step (the copy stream) and copied out on the out stream: all past the step
     assert cost.tier_copy_s(1.0, offloaded_tokens=0, restored_tokens=0, pre_spilled_tokens=tokens) == 0.0
     assert cost.tier_copy_s(0.01, offloaded_tokens=0, restored_tokens=0, pre_spilled_tokens=tokens) == (
-        pytest.approx(out_s - 0.01))
+        pytest.approx(gather_s + out_s - 0.01))
+    # ... after the step's restores on the copy stream: its copy out waits for them, then for its gather
+    assert cost.tier_copy_s(0.01, offloaded_tokens=0, restored_tokens=3000, pre_spilled_tokens=tokens) == (
+        pytest.approx(0.03 + gather_s + out_s - 0.01))
 
 
 def test_packaged_tier_bandwidths_are_labelled_placeholders_until_measured():

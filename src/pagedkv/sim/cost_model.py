@@ -129,16 +129,19 @@ class CostModel:
     def tier_copy_s(self, step_s: float, offloaded_tokens: int, restored_tokens: int, disk_tokens: int = 0,
                     pre_spilled_tokens: int = 0, restored_in_step_tokens: int = 0) -> float:
         """What a step's KV-tier copies add to its `step_s`, as the runner orders them (`KVOffload`): disk reads,
-        in-step restores and the spills' gather on the device in full; restores and the pre-spills' gather beside
-        the step (the copy stream), and every copy to the host (the out stream), only beyond the step."""
+        in-step restores and the spills' gather on the device in full; beside the step, only what runs past it:
+        the copy stream's restores then pre-spill gather, and the out stream's copies to the host, the spills'
+        first, the pre-spills' once their gather (after the restores) is done."""
         kv = self.kv_bytes_per_token
         spill_s = offloaded_tokens * kv / self.gather_bytes_per_s
-        restore_s = (restored_tokens * kv / self.h2d_bytes_per_s
-                     + pre_spilled_tokens * kv / self.gather_bytes_per_s)
-        copy_out_s = (offloaded_tokens + pre_spilled_tokens) * kv / self.d2h_bytes_per_s
+        copy_stream_s = (restored_tokens * kv / self.h2d_bytes_per_s
+                         + pre_spilled_tokens * kv / self.gather_bytes_per_s)
+        out_stream_s = offloaded_tokens * kv / self.d2h_bytes_per_s
+        if pre_spilled_tokens:
+            out_stream_s = max(out_stream_s, copy_stream_s) + pre_spilled_tokens * kv / self.d2h_bytes_per_s
         return (spill_s + disk_tokens * kv / self.disk_read_bytes_per_s
                 + restored_in_step_tokens * kv / self.h2d_bytes_per_s
-                + max(0.0, restore_s - step_s, copy_out_s - step_s))
+                + max(0.0, copy_stream_s - step_s, out_stream_s - step_s))
 
     def with_kv_bytes(self, ratio: float, what: str) -> CostModel:
         """This model for a KV cache of `ratio` times the bytes per token (FP8 over bf16: 0.5).
