@@ -128,7 +128,7 @@ class BlockAllocator:
         block_ids = list(block_ids)
         with self._lock:
             ref_counts = self._ref_counts
-            if not self._all_in_range(block_ids) or 0 in map(ref_counts.__getitem__, block_ids):
+            if not self._all_held(block_ids):
                 for block_id in block_ids:  # find the first bad id, for its error
                     self._check_in_range(block_id)
                     if ref_counts[block_id] == 0:
@@ -215,9 +215,12 @@ class BlockAllocator:
         return not block_ids or (set(map(type, block_ids)) == {int} and min(block_ids) >= 0
                                  and max(block_ids) < self.num_blocks)
 
+    def _all_held(self, block_ids: Sequence[int]) -> bool:
+        """Whether every id is in the pool and allocated (checked as a whole; see `_all_in_range`)."""
+        return self._all_in_range(block_ids) and 0 not in map(self._ref_counts.__getitem__, block_ids)
+
     def _validate_free(self, block_ids: Sequence[int]) -> None:
-        if (self._all_in_range(block_ids) and len(set(block_ids)) == len(block_ids)
-                and 0 not in map(self._ref_counts.__getitem__, block_ids)):
+        if self._all_held(block_ids) and len(set(block_ids)) == len(block_ids):
             return
         seen: set[int] = set()
         for block_id in block_ids:

@@ -277,13 +277,18 @@ class KVOffload:
         self.io.write(step.disk_writes, ready)
         self.io.delete(step.disk_deletes)
 
+    def _filling(self, host_blocks) -> list:
+        """The events C of the copies to the host still in flight (on the out stream) that fill one of
+        `host_blocks`."""
+        if not self._copying_out:
+            return []
+        wanted = set(host_blocks)
+        return [event for event, filling, *_ in self._copying_out if not filling.isdisjoint(wanted)]
+
     def _wait_copies_out(self, host_blocks: list[int]) -> None:
-        """Make the copy stream wait for the copies to the host still in flight (on the out stream) that fill one
-        of `host_blocks`."""
-        if host_blocks:
-            for event, filling, *_ in self._copying_out:
-                if any(host in filling for host in host_blocks):
-                    self.stream.wait_event(event)
+        """Make the copy stream wait for the copies to the host in flight that fill one of `host_blocks`."""
+        for event in self._filling(host_blocks):
+            self.stream.wait_event(event)
 
     def _ready(self, host_blocks: list[int]) -> _Ready | None:
         """What a disk thread that reads or fills `host_blocks` waits for: the copies issued so far on the copy
@@ -292,11 +297,7 @@ class KVOffload:
             return None
         issued = torch.cuda.Event(blocking=True)
         issued.record(self.stream)
-        events = [issued]
-        if self._copying_out:
-            wanted = set(host_blocks)
-            events += [event for event, filling, *_ in self._copying_out if not filling.isdisjoint(wanted)]
-        return _Ready(events)
+        return _Ready([issued, *self._filling(host_blocks)])
 
     def _hold_back_copies_out(self, nbytes: int) -> None:
         """Make the copy stream (so the gather about to run, and the step that waits for it) wait for the oldest
