@@ -237,17 +237,19 @@ def test_prefill_matches_reference(backend, case):
     assert_matches(out, expected, case[0])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, num_splits", [("triton", 1), ("torch", 1), ("triton", 3)])
 @pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=CASE_IDS[:2] + CASE_IDS[3:])
-def test_unified_mixed_step_matches_reference(backend, case):
-    seq_lens, q_lens = [1, 17, 40, 9, 33], [1, 1, 12, 9, 1]
+def test_unified_mixed_step_matches_reference(backend, num_splits, case):
+    """Also with the kv split 3 ways (16-key splits): each split's rows carry the V scale into the merge."""
+    seq_lens, q_lens = [1, 17, 90, 9, 33], [1, 1, 12, 9, 1]
     scenario, fp8, num_q_heads = _fp8_case(case, seq_lens, seed=7)
     cu = cu_seqlens(q_lens)
     query = scenario.query(int(cu[-1]), num_q_heads)
     args = (query, fp8.k_cache, fp8.v_cache, scenario.block_tables, scenario.seq_lens, cu)
     expected = reference_paged_attention(*args, scale=0.1, float64=True, **fp8.scales)
+    tuning = UnifiedTuning(block_m=16, block_n=16, num_splits=num_splits, min_split_tokens=16)
     out = paged_attention(*args, scale=0.1, max_seqlen_q=max(q_lens), max_seq_len=max(seq_lens), backend=backend,
-                          tuning=UnifiedTuning(block_m=16, block_n=16), **fp8.scales)
+                          tuning=tuning, **fp8.scales)
     assert_matches(out, expected, case[0])
 
 

@@ -22,7 +22,7 @@ from kernel_scenarios import (
     mixed_gpu_case,
 )
 
-from pagedkv.errors import KernelInputError
+from pagedkv.errors import InvalidArgumentError, KernelInputError
 from pagedkv.kernels import (
     DecodeTuning,
     KernelWorkspace,
@@ -114,6 +114,42 @@ def test_unified_empty_chunks_and_sequences(backend):
     batch = ([0, 20, 9, 0, 30, 5], [0, 0, 9, 0, 1, 5])
     out, expected = run_batch(CASES[0], batch, backend, seed=5)
     assert_matches(out, expected, torch.float32)
+
+
+# --------------------------------------------------------------------------- unified: split kv
+#: A few query tokens over long cached prefixes (the warm turn of a chat: a short message on a long restored
+#: prefix), beside decode rows and a short whole prompt: the split path's keys per split vary per tile.
+LONG_CONTEXT = ([1, 150, 140, 90, 33, 12], [1, 1, 12, 9, 1, 12])
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_unified_split_kv_matches_reference(case, num_splits):
+    """Each (query tile, kv head) split `num_splits` ways (16-key splits: a tile's split count follows its own
+    keys, so short ones use fewer), merged by the last split to arrive: the reference's answer."""
+    tuning = UnifiedTuning(block_m=16, block_n=16, num_splits=num_splits, min_split_tokens=16)
+    out, expected = run_batch(case, LONG_CONTEXT, "triton", tuning=tuning, seed=7)
+    assert_matches(out, expected, case[0])
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap", [(None, 3.0), (20, None)])
+def test_unified_split_kv_soft_cap_and_window(sliding_window, soft_cap):
+    """A soft cap splits like any score; a window runs unsplit (its tiles start at the window)."""
+    tuning = UnifiedTuning(block_m=16, block_n=16, num_splits=4, min_split_tokens=16)
+    out, expected = run_batch(CASES[2], LONG_CONTEXT, "triton", tuning=tuning, sliding_window=sliding_window,
+                              soft_cap=soft_cap, query_gain=3, seed=8)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_unified_splits_follow_the_grid():
+    """A grid of few programs splits up to `max_splits`, one already filling the SMs does not; forced counts win."""
+    tuning = UnifiedTuning()
+    assert tuning.splits_for(40, 132) == 13  # a 80-token step of one sequence, 8 kv heads: 5 tiles x 8
+    assert tuning.splits_for(10, 132) == 16  # capped
+    assert tuning.splits_for(2176, 132) == 1  # a 512-token bucket padded for 256 sequences
+    assert UnifiedTuning(num_splits=1).splits_for(10, 132) == 1
+    with pytest.raises(InvalidArgumentError):
+        UnifiedTuning(max_splits=0)
 
 
 def test_tile_to_sequence_search_on_ragged_batches():
@@ -291,3 +327,51 @@ def test_unified_mixed_step_is_cuda_graph_capturable():
         torch.cuda.synchronize()
         assert_gpu_matches(out, reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True),
                        torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", ENGINE_HEADS[:2], ids=["qwen3", "smollm2"])
+def test_unified_split_kv_long_prefix_on_cuda(heads):
+    """A warm chat turn: 80 new tokens on a 16K-token cached prefix, beside a decode row and a short prompt; the
+    default tuning splits this small grid's keys (asserted, so the test covers the split path)."""
+    from pagedkv.kernels.triton_unified import unified_splits
+
+    num_heads, num_kv_heads, head_dim = heads
+    seq_lens, q_lens = [16464, 2000, 50], [80, 1, 50]
+    scenario = GpuScenario(seq_lens, 16, num_kv_heads, head_dim, torch.bfloat16, seed=35)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    query = scenario.query(sum(q_lens), num_heads)
+    tuning = UnifiedTuning()
+    block_m, _, _ = tuning.tiles_for(head_dim, num_heads // num_kv_heads, 80)
+    grid = (sum(q_lens) // (block_m // (num_heads // num_kv_heads)) + len(q_lens)) * num_kv_heads
+    assert unified_splits(tuning, grid, query, query, None) > 1
+    expected = reference_paged_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, float64=True)
+    out = paged_attention(query, *scenario.kv, cu, scale=head_dim ** -0.5, max_seqlen_q=80, tuning=tuning)
+    assert_gpu_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_unified_split_kv_is_cuda_graph_capturable():
+    """Captured with its splits; replayed three times over other lengths: the arrival counters reset in the
+    graph, so every replay's merge sees exactly its own splits."""
+    num_heads, num_kv_heads, head_dim = ENGINE_HEADS[0]
+    seq_lens, q_lens = [9000, 300], [80, 1]
+    scenario = GpuScenario([9000, 9000], 16, num_kv_heads, head_dim, torch.bfloat16, seed=36)
+    scenario.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+    cu = torch.tensor([0, 80, 81], dtype=torch.int32, device="cuda")
+    query = scenario.query(81, num_heads)
+    out = torch.empty_like(query)
+    options = {"scale": 0.088, "max_seqlen_q": 80, "max_seq_len": 9000, "validate": False, "out": out}
+    paged_attention(query, *scenario.kv, cu, **options)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(query, *scenario.kv, cu, **options)
+    for new_seq_lens, new_cu in (([9000, 300], [0, 80, 81]), ([4000, 9000], [0, 40, 81]), ([700, 300], [0, 1, 81])):
+        scenario.seq_lens.copy_(torch.tensor(new_seq_lens, dtype=torch.int32))
+        cu.copy_(torch.tensor(new_cu, dtype=torch.int32))
+        query.copy_(torch.randn_like(query))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_gpu_matches(out, reference_paged_attention(query, *scenario.kv, cu, scale=0.088, float64=True),
+                           torch.bfloat16)

@@ -256,11 +256,38 @@ class UnifiedTuning:
     num_stages: int = 2
     decode_route: bool = True  # a batch of one-token rows (max_seqlen_q 1) runs the decode kernel instead
     decode: DecodeTuning = DecodeTuning()  # ... with these parameters
+    # Split-KV (see `splits_for`): a grid of few programs splits each program's kv tiles up to `max_splits`
+    # ways, until it holds `target_programs_per_sm` programs per SM; each split keeps at least
+    # `min_split_tokens` keys (a query tile's split count is decided on the device, from its own keys).
+    # `num_splits` forces the grid's split count (tests; 1 turns splitting off).
+    max_splits: int = 16
+    target_programs_per_sm: float = 4.0
+    min_split_tokens: int = 512
+    num_splits: int | None = None
 
     def __post_init__(self):
         _check_tiles(self)
         if not isinstance(self.decode, DecodeTuning):
             raise InvalidArgumentError(f"decode must be a DecodeTuning, got {type(self.decode).__name__}")
+        for name in ("max_splits", "min_split_tokens"):
+            require_positive_int(name, getattr(self, name))
+        if self.num_splits is not None:
+            require_positive_int("num_splits", self.num_splits)
+        if isinstance(self.target_programs_per_sm, bool) or not isinstance(self.target_programs_per_sm, (int, float)) \
+                or self.target_programs_per_sm <= 0:
+            raise InvalidArgumentError(f"target_programs_per_sm must be a number > 0, got {self.target_programs_per_sm!r}")
+
+    def splits_for(self, grid_programs: int, sm_count: int) -> int:
+        """The grid's kv split count, from host ints fixed per captured shape: a grid of (query tile, kv head)
+        programs under `target_programs_per_sm * sm_count` is split up to `max_splits` ways (a step's few
+        query tiles over long keys: a short prompt on a long cached prefix is otherwise a few dozen programs,
+        each walking the whole prefix, on 132 SMs). A grid padded for many sequences (`max_num_seqs` of
+        them) is large, so it stays unsplit whatever its real work."""
+        if self.num_splits is not None:
+            return self.num_splits
+        if grid_programs <= 0:
+            return 1
+        return max(1, min(self.max_splits, int(self.target_programs_per_sm * sm_count) // grid_programs))
 
     def tiles_for(self, head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int]:
         """(block_m, block_n, num_warps) for a batch whose longest chunk is `max_seqlen_q` tokens.
