@@ -1,7 +1,10 @@
 """A prompt is hashed once: keys a router computed are reused by the block manager and the scheduler."""
 
 from pagedkv.core.block_manager import KVBlockManager
-from pagedkv.core.prefix_cache import block_keys, hash_blocks
+import hashlib
+import struct
+
+from pagedkv.core.prefix_cache import block_keys, hash_block, hash_blocks
 from pagedkv.distributed.router import prompt_block_hashes
 
 BLOCK_SIZE = 4
@@ -33,3 +36,17 @@ def test_the_block_manager_caches_under_the_keys_it_was_given():
     assert bm.admit(2, PROMPT, known_keys=given) == len(given) * BLOCK_SIZE
     bm.free(2)
     bm.check_integrity()
+
+
+def test_hash_blocks_is_the_documented_chain():
+    """Keys are sha256(parent key || the block's tokens as little-endian int64), from 32 zero bytes: what a disk
+    tier written by an earlier version was keyed by (its files must stay findable). A partial tail has no key."""
+    tokens = [3, 70000, 2**40, 0, 5, 6, 7, 8, 9]
+    expected, parent = [], b"\x00" * 32
+    for start in (0, 4):
+        parent = hashlib.sha256(parent + struct.pack("<4q", *tokens[start:start + 4])).digest()
+        expected.append(parent)
+    assert hash_blocks(tokens, 4) == expected
+    assert [hash_block(None, tokens[:4]), hash_block(expected[0], tokens[4:8])] == expected
+    assert hash_blocks(tokens[4:], 4, expected[0]) == expected[1:]
+    assert hash_blocks(tokens[:3], 4) == []
