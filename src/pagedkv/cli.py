@@ -55,13 +55,14 @@ def offload_options(args: argparse.Namespace) -> dict:
     return {"kv_offload_memory": args.kv_offload_memory, "kv_offload_dir": args.kv_offload_dir,
             "kv_offload_disk_bytes": args.kv_offload_disk_size,
             "kv_offload_in_step_restore_tokens": args.kv_offload_in_step_restore_tokens,
-            "kv_offload_disk_writer": args.kv_offload_disk_writer}
+            "kv_offload_disk_writer": args.kv_offload_disk_writer,
+            "kv_offload_early_restore": args.kv_offload_early_restore}
 
 
 def add_engine_arguments(group) -> None:
     """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
     --max-model-len, --kv-offload-memory, --kv-offload-dir, --kv-offload-disk-size,
-    --kv-offload-disk-writer, --kv-offload-in-step-restore-tokens, --kv-cache-dtype,
+    --kv-offload-disk-writer, --kv-offload-in-step-restore-tokens, --kv-offload-early-restore, --kv-cache-dtype,
     --enforce-eager, --mixed-step-graphs."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
@@ -92,6 +93,9 @@ def add_engine_arguments(group) -> None:
                             "compute in it; the rest copy beside the step and compute from the next "
                             "(default: --max-num-batched-tokens; 0 for small models, whose KV copies nearly as "
                             "slowly as it computes)")
+    group.add_argument("--kv-offload-early-restore", action="store_true",
+                       help="start a restore's host-to-device copies at admission, before the evictions and the "
+                            "step's build (experimental: not yet measured on a GPU; one rank only)")
     from pagedkv.core.memory import KV_CACHE_DTYPES
 
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

@@ -383,6 +383,56 @@ def test_a_full_disk_turns_the_disk_tier_off_and_serving_goes_on(tmp_path, caplo
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=64), dict(max_num_batched_tokens=8)],
+                         ids=["in the step", "beside the step"])
+def test_early_restores_compute_the_same_tokens(options):
+    """With `kv_offload_early_restore` the scheduler hands each restore's host blocks to the runner before it
+    evicts and allocates, and the step scatters the staged blocks: every restore goes that way (counted), the
+    tokens are those without tiers, and the copy statistics are the usual ones (one copy per run of host blocks)."""
+    prompts = _chat_prompts(num_heads=3, per_head=2, head_len=20)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, GREEDY))
+    llm = _llm(num_blocks=9, watermark=0.0, kv_offload_memory=512 * 2**10, kv_offload_early_restore=True, **options)
+    offload = llm.engine.runner.offload
+    staged, stage = [], offload.stage_restore
+    llm.engine.scheduler.block_manager.tiers.stage_restore = lambda blocks: (staged.append(len(blocks)), stage(blocks))
+    assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected
+    assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected  # the prefixes restored from the host
+    stats = llm.stats()
+    assert stats["kv_restored_blocks"] > 0 and sum(staged) == stats["kv_restored_blocks"]
+    assert stats["kv_h2d_bytes"] == stats["kv_restored_blocks"] * llm.engine.pool.bytes_per_block
+    assert stats["kv_h2d_num_copies"] == len(staged)  # each prefix spilled tail first: one run of host blocks
+    assert not offload._early
+    llm.engine.check_integrity()
+
+
+def test_an_early_restore_the_step_does_not_claim_is_dropped():
+    """A restore staged for an admission that did not go through (the step names none of its blocks, or only
+    some) is never scattered: the step's own copies are as without it, and the next step starts clean."""
+    from pagedkv.engine.kv_offload import _claim, _Staged
+
+    entry = _Staged([5, 6], torch.zeros(2), None, None)
+    other = _Staged([9], torch.zeros(1), None, None)
+    early = [entry, other]
+    rest, claimed = _claim(early, [(5, 50), (6, 60), (7, 70)])
+    assert rest == [(7, 70)] and claimed == [(entry, [50, 60])] and early == [other]
+    assert _claim([_Staged([5, 8], torch.zeros(2), None, None)], [(5, 50)]) == ([(5, 50)], [])
+    prompts = _chat_prompts(num_heads=2, per_head=1, head_len=20)
+    llm = _llm(num_blocks=9, watermark=0.0, kv_offload_memory=512 * 2**10, kv_offload_early_restore=True)
+    expected = _tokens(_one_by_one(llm, prompts, GREEDY))
+    offload = llm.engine.runner.offload
+    offload.stage_restore([0, 1])  # as if an admission had staged host blocks 0 and 1, then backed out
+    assert len(offload._early) == 1
+    assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected
+    assert not offload._early
+    llm.engine.check_integrity()
+
+
+def test_early_restore_is_off_by_default_and_its_flag_is_checked():
+    assert _llm(kv_offload_memory=512 * 2**10).engine.scheduler.block_manager.tiers.stage_restore is None
+    with pytest.raises(ConfigError, match="kv_offload_early_restore"):
+        EngineConfig(kv_offload_early_restore="yes")
+
+
 def test_host_pool_stays_bounded_over_requests_with_aborts(tmp_path):
     """120 requests here (the model's steps are what costs); tests/core/test_kv_tiers.py runs 1,000 through the
     same bookkeeping without a model."""
@@ -427,14 +477,15 @@ GPU_POOLS = {"tiny-qwen3": dict(num_blocks=48), "tiny-gemma3": dict(num_blocks=7
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, writer", [(name, "threads") for name in GPU_POOLS] + [("tiny-qwen3", "process")])
+@pytest.mark.parametrize("name, writer, early", [(name, "threads", False) for name in GPU_POOLS]
+                         + [("tiny-qwen3", "process", False), ("tiny-qwen3", "threads", True)])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name, writer):
+def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name, writer, early):
     """The CUDA path: spills, pre-spills and restores on the side stream beside graphed steps, swap through the
     same pool, disk writes after a CUDA event, then a restart: the tokens of a pool with no tiers, every time.
     For the layer-group model every group's blocks take that path, keyed per group. With the writer process
     the host pool is shared memory registered with CUDA (pinned), and its writes wait for their copies'
-    events."""
+    events. With early restores the restores' copies start at admission, before the step's other copies."""
     from pagedkv.models.loader import random_model
 
     model = random_model(name, torch.float32, "cuda")
@@ -443,7 +494,8 @@ def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_
     options = dict(hf_model=model, block_size=BLOCK, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     expected = _tokens(LLM(num_blocks=2048, enable_prefix_caching=False, **options).generate(prompts, params))
     tiers = dict(kv_offload_memory=8 * 2**20, kv_offload_dir=str(tmp_path), watermark=0.0,
-                 preemption_mode="swap", swap_space=2**20, kv_offload_disk_writer=writer, **GPU_POOLS[name])
+                 preemption_mode="swap", swap_space=2**20, kv_offload_disk_writer=writer,
+                 kv_offload_early_restore=early, **GPU_POOLS[name])
     first = LLM(**options, **tiers)
     if writer == "process":
         from pagedkv.engine.kv_disk_process import ProcessDiskStore

@@ -18,6 +18,7 @@ TIERED = "GPU + host + disk"
 HOST_ONLY = "GPU + host (no disk tier)"
 WRITES_DURING_STEPS = f"{TIERED}, disk writes during steps"
 WRITER_PROCESS = f"{TIERED}, disk writer process"
+EARLY_RESTORE = f"{TIERED}, early restores"
 
 
 def in_step_label(tokens: int) -> str:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.core.block_table import BlockCopy
@@ -141,6 +141,9 @@ class KVTiers:
         self._writes: dict[BlockHash, list[int]] = {}  # key -> host blocks of its queued disk writes, in order
         self.copies = TierCopies()
         self.stats = TierStats()
+        # Called with a restore's host blocks as soon as they are chosen, before the admission's evictions and
+        # allocation (the runner starts their copies to the device then; `EngineConfig.kv_offload_early_restore`).
+        self.stage_restore: Callable[[list[int]], None] | None = None
 
     def begin_step(self) -> None:
         """A new step (see `HostTier.begin_step`). Disk loads may run on across steps until `finish_loads`."""

@@ -39,6 +39,9 @@ class EngineConfig:
     kv_offload_disk_writer: "threads" (default) or "process": the disk tier's writes in a child process
     over a host pool in shared memory, so they never take this process's interpreter lock
     (`pagedkv.engine.kv_disk_process`; threads again, with a warning, where /dev/shm cannot hold the pool).
+    kv_offload_early_restore: start copying a restore's host blocks to the device as soon as the scheduler has
+    chosen them, before it evicts and allocates their GPU blocks (off by default: not yet measured on a GPU;
+    ignored under tensor parallelism).
     """
 
     model: str | None = None
@@ -78,6 +81,7 @@ class EngineConfig:
     kv_offload_in_step_restore_tokens: int | None = None  # None: max_num_batched_tokens
     kv_offload_disk_writes_during_steps: bool = False
     kv_offload_disk_writer: str = "threads"  # or "process"
+    kv_offload_early_restore: bool = False  # start a restore's copies at admission (one rank; see kv_offload)
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
@@ -94,6 +98,8 @@ class EngineConfig:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise ConfigError(f"kv_offload_in_step_restore_tokens must be a number of tokens >= 0 (or None: "
                               f"max_num_batched_tokens), got {tokens!r}")
+        if not isinstance(self.kv_offload_early_restore, bool):
+            raise ConfigError(f"kv_offload_early_restore must be a bool, got {self.kv_offload_early_restore!r}")
         if self.kv_offload_disk_writer not in ("threads", "process"):
             raise ConfigError(f"kv_offload_disk_writer must be 'threads' or 'process', got "
                               f"{self.kv_offload_disk_writer!r}")

@@ -91,6 +91,10 @@ class LLMEngine:
         self.scheduler = startup.build_scheduler(config, setup, plan, self._seq_ids)
         self.pool, self.runner = startup.build_runner(config, setup, plan, self.device, self.tp)
         self._index_disk()
+        tiers = self.scheduler.block_manager.tiers
+        if config.kv_offload_early_restore and tiers is not None and self.runner.offload is not None \
+                and self.tp is None:  # (under TP every rank would have to stage its own shard)
+            tiers.stage_restore = self.runner.offload.stage_restore
         self.input_builder = StepInputBuilder(self.scheduler.block_manager, config.block_size,
                                               startup.num_table_rows(config))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.input_builder)

@@ -46,6 +46,13 @@ Disk reads and writes run on threads beside the steps (`kv_disk_io.py`). Between
 contiguous staging tensor, blocks move by one Triton kernel per direction (`pagedkv.kernels.block_moves`:
 torch's index_select + contiguous and index_copy_ ran at a fraction of the device's copy bandwidth).
 
+Early restores (`EngineConfig.kv_offload_early_restore`, one rank): the scheduler hands a restore's host blocks
+over as soon as it has chosen them (`stage_restore`), before it evicts and allocates the GPU blocks they go to and
+before the step is built; their copies into a staging tensor of their own start on the copy stream then, and
+`move` only scatters that tensor (after the copy stream's wait for the main stream, as any scatter). On the H200
+a warm turn on a 16K-token prefix admitted its restore 9-14 ms before the copy began. A staged restore the step
+does not name whole (the admission did not go through) is dropped.
+
 A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
 writes, so that its eviction later needs no copy (and no wait) at all.
 
@@ -100,6 +107,23 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _claim(early: list, copies: list) -> tuple[list, list]:
+    """(the pairs of `copies` (host block, device block) that no staged restore of `early` holds whole, and
+    (staged restore, its device blocks in its rows' order) for each that one does). A claimed restore leaves
+    `early`."""
+    if not early or not copies:
+        return copies, []
+    dst_of = {host: device for host, device in copies}
+    claimed = []
+    for entry in list(early):
+        if all(block in dst_of for block in entry.host_blocks):
+            claimed.append((entry, [dst_of.pop(block) for block in entry.host_blocks]))
+            early.remove(entry)
+    if not claimed:
+        return copies, []
+    return [c for c in copies if c[0] in dst_of], claimed
+
+
 def _source_runs(src: list[int], row_of: dict[int, int]) -> list[tuple[int, int, int, bool]]:
     """(index into src, first row, length, from the gathered tensor) of each run of consecutive host blocks in
     `src` that come from one place: the host pool (rows are host blocks), or, for the blocks in `row_of` (host
@@ -115,6 +139,17 @@ def _source_runs(src: list[int], row_of: dict[int, int]) -> list[tuple[int, int,
             runs.append([index, row_of[host] if gathered else host, 1, gathered])
         previous = host
     return [tuple(run) for run in runs]
+
+
+@dataclass
+class _Staged:
+    """A restore's host blocks copied at admission (`KVOffload.stage_restore`) into `staged`, in host-block order;
+    `start` and `copied` time the copies (CUDA events, or perf_counter on the CPU)."""
+
+    host_blocks: list[int]
+    staged: torch.Tensor
+    start: object
+    copied: object
 
 
 class _Ready:
@@ -203,6 +238,7 @@ class KVOffload:
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
         self._free_events: list = []  # timing events whose copies finished and were accounted: recorded again
         self._ids = _PinnedIds(self.device, self.stream) if self.is_cuda else None
+        self._early: list[_Staged] = []  # restores staged since the last step (`stage_restore`)
         self.disk = disk
         self.stats = OffloadStats()
         self.io = DiskIO(disk, self._host_bytes, self.stats, tp)
@@ -215,6 +251,7 @@ class KVOffload:
     # ------------------------------------------------------------------ one step
     def move(self, step) -> None:
         """Run a step's block moves (see the module docstring); returns once the main stream is ordered after them."""
+        early, self._early = self._early, []  # what this step does not claim is dropped
         if step.persist or step.persist_host or step.persist_order:
             self.persist(step.persist, step.persist_host, step.persist_order)
         if self._restores_done is not None:
@@ -238,12 +275,18 @@ class KVOffload:
         # blocks, which in prefix order would be one small copy per block instead of one copy per run.
         d2h, pre_offload = (sorted(c, key=lambda c: c[1]) for c in (d2h, step.pre_offload))
         h2d, restore = (sorted(c, key=lambda c: c[0]) for c in (h2d, step.restore))
-        ids = self._device_ids(d2h, h2d, restore, pre_offload)
+        h2d, h2d_staged = _claim(early, h2d)
+        restore, restore_staged = _claim(early, restore)
+        ids = self._device_ids([[c[0] for c in d2h], [c[1] for c in h2d], [c[1] for c in restore],
+                                [c[0] for c in pre_offload], *(dst for _, dst in h2d_staged + restore_staged)])
+        staged_ids = ids[4:4 + len(h2d_staged)], ids[4 + len(h2d_staged):]
         ready = None
         if not self.is_cuda:
             self._d2h(d2h, ids[0])
             self._h2d(h2d, ids[1])
+            self._scatter_staged(h2d_staged, staged_ids[0])
             self._h2d(restore, ids[2])
+            self._scatter_staged(restore_staged, staged_ids[1])
             self._d2h(pre_offload, ids[3])
         else:
             main = torch.cuda.current_stream(self.device)
@@ -261,21 +304,48 @@ class KVOffload:
                 if self._copying_out:
                     self._wait_copies_out([c[0] for c in h2d])
                 self._h2d(h2d, ids[1], after_the_step_before, spills)  # staged beside the step before (see above)
+                self._scatter_staged(h2d_staged, staged_ids[0])  # (after the wait for the main stream above)
                 spilled = torch.cuda.Event()
                 spilled.record(self.stream)
                 if beside:
                     if self._copying_out:  # (blocks this step spills are read from the gathered tensor: no wait)
                         self._wait_copies_out([c[0] for c in restore if c[0] not in spills[1]])
                     self._h2d(restore, ids[2], spills=spills)
+                    self._scatter_staged(restore_staged, staged_ids[1])
                     self._d2h(pre_offload, ids[3])
                     self._restores_done = torch.cuda.Event()
                     self._restores_done.record(self.stream)
-            if d2h or h2d:
+            if d2h or h2d or h2d_staged:
                 main.wait_event(spilled)  # outside any graph: the step's graphs are launched after this
             if step.disk_writes:  # their host blocks are filled by this step's copies to the host or earlier ones
                 ready = self._ready([block for _, block in step.disk_writes])
         self.io.write(step.disk_writes, ready)
         self.io.delete(step.disk_deletes)
+
+    def stage_restore(self, host_blocks: list[int]) -> None:
+        """Start copying a restore's host blocks to the device now, into a staging tensor of their own (in
+        host-block order: one copy per run of consecutive blocks), ordered after the copies to the host still in
+        flight that fill them; the step's `move` scatters it (see the module docstring). The blocks are busy on
+        the host tier from the caller on, so nothing writes them before the copies have read them."""
+        blocks = sorted(host_blocks)
+        with torch.cuda.stream(self.stream) if self.is_cuda else contextlib.nullcontext():
+            if self._copying_out:
+                self._wait_copies_out(blocks)
+            start = self._mark()
+            staged = torch.empty((len(blocks), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
+            runs = _runs(blocks)
+            for index, first, length in runs:
+                staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
+            self.stats.h2d_num_copies += len(runs)
+            copied = self._mark()
+        self._early.append(_Staged(blocks, staged, start, copied))
+
+    def _scatter_staged(self, claimed: list[tuple[_Staged, list[int]]], ids: list[torch.Tensor]) -> None:
+        """Scatter each staged restore into its GPU blocks (`ids`: their device ids in its rows' order)."""
+        for (entry, _), dst in zip(claimed, ids):
+            resumed = self._mark()
+            scatter_blocks(self._storage, dst, entry.staged)
+            self._done("h2d", len(entry.host_blocks) * self.block_nbytes, entry.start, entry.copied, resumed)
 
     def _filling(self, host_blocks) -> list:
         """The events C of the copies to the host still in flight (on the out stream) that fill one of
@@ -326,8 +396,9 @@ class KVOffload:
         end = self._mark(stream)
         if self.is_cuda:
             self._timings.append((direction, nbytes, start, copied, resumed, end))
-        else:
-            self._account(direction, nbytes, end - start, None if copied is None else copied - start)
+        else:  # as `_collect_timings`: the copies, then from `resumed` on (a staged restore waits between them)
+            seconds = end - start if resumed is None else (copied - start) + (end - resumed)
+            self._account(direction, nbytes, seconds, None if copied is None else copied - start)
 
     def _account(self, direction: str, nbytes: int, seconds: float, copy_seconds: float | None) -> None:
         st = self.stats
@@ -354,11 +425,9 @@ class KVOffload:
                 pending.append(timing)
         self._timings = pending
 
-    def _device_ids(self, d2h, h2d, restore, pre_offload) -> list[torch.Tensor]:
-        """The device block ids of each move (the first item of a device-to-host pair, the second of a
-        host-to-device one) as int64 tensors on the pool's device: one copy for all, on the copy stream (nothing to
-        copy for a step that moves no block: a move given no pairs reads no ids)."""
-        lists = [[c[0] for c in d2h], [c[1] for c in h2d], [c[1] for c in restore], [c[0] for c in pre_offload]]
+    def _device_ids(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        """Each list of device block ids as an int64 tensor on the pool's device: one copy for all, on the copy
+        stream (nothing to copy for a step that moves no block: a move given no pairs reads no ids)."""
         flat = [block for blocks in lists for block in blocks]
         ids = self._ids.to_device(flat) if self.is_cuda and flat else torch.tensor(flat, dtype=torch.int64)
         return list(ids.split([len(blocks) for blocks in lists]))

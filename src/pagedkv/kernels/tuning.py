@@ -273,9 +273,9 @@ class UnifiedTuning:
             require_positive_int(name, getattr(self, name))
         if self.num_splits is not None:
             require_positive_int("num_splits", self.num_splits)
-        if isinstance(self.target_programs_per_sm, bool) or not isinstance(self.target_programs_per_sm, (int, float)) \
-                or self.target_programs_per_sm <= 0:
-            raise InvalidArgumentError(f"target_programs_per_sm must be a number > 0, got {self.target_programs_per_sm!r}")
+        target = self.target_programs_per_sm
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or target <= 0:
+            raise InvalidArgumentError(f"target_programs_per_sm must be a number > 0, got {target!r}")
 
     def splits_for(self, grid_programs: int, sm_count: int) -> int:
         """The grid's kv split count, from host ints fixed per captured shape: a grid of (query tile, kv head)
