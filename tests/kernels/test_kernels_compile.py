@@ -63,3 +63,13 @@ def test_the_gluon_prefill_fits_one_program_per_sm_without_spills(compiled):
     for row in rows:
         assert row["wgmma"] > 0 and row["stack_bytes"] == 0
         assert row["shared_bytes"] <= 227 * 1024
+
+
+def test_the_unified_kernels_split_variant_keeps_its_registers(compiled):
+    """The split-KV variant (a short chunk on a long prefix) merges in a loop, not unrolled per split: no local
+    memory at head_dim 128 and the unsplit launch's residency (an unrolled 16-way merge spilled 18 KB). Head
+    dims that are not a power of 2 compile too (they run unsplit; the merge once broke their build)."""
+    rows = {row["case"]: row for row in compiled if row["kernel"] == "_unified_kernel"}
+    assert {"unified d80 group 7", "unified split-kv qwen3", "unified split-kv d256"} <= set(rows)
+    assert rows["unified split-kv qwen3"]["stack_bytes"] == 0
+    assert rows["unified split-kv qwen3"]["residency"] == rows["unified m64 llama3"]["residency"]

@@ -130,6 +130,14 @@ def _cases():
         return lambda: call(query, k_cache, v_cache, table, lens, cu, scale=0.1, max_seqlen_q=2048, validate=False,
                             backend="triton", tuning=tuning, **options)
 
+    def short_on_long(heads, tuning):
+        """80 new tokens on a 16K-token cached prefix (a warm chat turn) and a decode row: the split-KV variant."""
+        _, k_cache, v_cache, table, lens = paged(2, 16464, heads)
+        query = torch.zeros(81, heads[0], heads[2], dtype=torch.bfloat16)
+        cu = torch.tensor([0, 80, 81], dtype=torch.int32)
+        return lambda: paged_attention(query, k_cache, v_cache, table, lens, cu, scale=0.1, max_seqlen_q=80,
+                                       validate=False, backend="triton", tuning=tuning)
+
     def decode_write(heads, num_splits, dtype=torch.bfloat16):
         query, k_cache, v_cache, table, lens = paged(8, 4096, heads, dtype=dtype)
         key = torch.zeros(8, heads[1], heads[2], dtype=dtype)
@@ -205,6 +213,9 @@ def _cases():
         ("unified m64 llama3", varlen(paged_attention, llama, UnifiedTuning()), {}),
         ("unified m16 llama3", varlen(paged_attention, llama, UnifiedTuning(block_m=16)), {}),
         ("unified smollm2 window+cap", varlen(paged_attention, (9, 3, 64), None, **masked), {}),
+        ("unified d80 group 7", varlen(paged_attention, (14, 2, 80), UnifiedTuning()), {}),
+        ("unified split-kv qwen3", short_on_long((16, 8, 128), UnifiedTuning(num_splits=8)), {}),
+        ("unified split-kv d256", short_on_long((8, 2, 256), UnifiedTuning(num_splits=4)), {}),
         ("split prefill wide llama3", split_prefill(**wide), {}),
         ("split prefill wide gqa-packed llama3", split_prefill(**wide, pack_gqa=True), {}),
         ("gluon prefill llama3 page 16", gluon_prefill(llama, 16), {}),

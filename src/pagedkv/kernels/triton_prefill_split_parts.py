@@ -60,16 +60,14 @@ def prefix_tile(kc_desc, vc_desc, k_cache_ptr, v_cache_ptr, table_row, stride_bt
 
 
 @triton.jit
-def merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, counter_index, split, num_parts,
-                 token_rows, row_mask, head, num_heads, num_tokens, stride_out_t, stride_out_h,
+def merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, counter_index, split, token_rows,
+                 row_mask, head, num_heads, num_tokens, stride_out_t, stride_out_h,
                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Store this split's normalised rows and log2-sum-exp; the last split of the tile to arrive merges them all.
 
     Row r is query head `head` (one for all rows, or one per row) of token `token_rows[r]`.
     partial_out `[NUM_SPLITS, num_tokens, num_heads, HEAD_DIM]` fp32, partial_lse `[NUM_SPLITS,
-    num_tokens, num_heads]`; the counter goes back to 0 (see `triton_common.arrive`). `num_parts` (a
-    runtime value, at most NUM_SPLITS): how many splits of this tile take part, splits
-    0 .. num_parts - 1 (the others' partial rows are stale and never read).
+    num_tokens, num_heads]`; the counter goes back to 0 (see `triton_common.arrive`).
     """
     dims = tl.arange(0, HEAD_DIM)
     slot = token_rows * num_heads + head  # [BLOCK_M] int64
@@ -77,11 +75,11 @@ def merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr
     tl.store(partial_out_ptr + (part + slot)[:, None] * HEAD_DIM + dims[None, :], o, mask=row_mask[:, None])
     tl.store(partial_lse_ptr + part + slot, lse, mask=row_mask)
     counter = counters_ptr + counter_index
-    if arrive(counter) == num_parts - 1:
+    if arrive(counter) == NUM_SPLITS - 1:
         tl.debug_barrier()
         m = tl.zeros_like(lse) + float("-inf")
         for s in tl.static_range(NUM_SPLITS):
-            part_lse = tl.load(partial_lse_ptr + s * num_tokens * num_heads + slot, mask=row_mask & (s < num_parts),
+            part_lse = tl.load(partial_lse_ptr + s * num_tokens * num_heads + slot, mask=row_mask,
                                other=float("-inf"), cache_modifier=".cg")
             m = tl.maximum(m, part_lse)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -89,10 +87,9 @@ def merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr
         acc = tl.zeros_like(o)
         for s in tl.static_range(NUM_SPLITS):
             rows = s * num_tokens * num_heads + slot
-            taking_part = row_mask & (s < num_parts)
-            weight = tl.exp2(tl.load(partial_lse_ptr + rows, mask=taking_part, other=float("-inf"),
+            weight = tl.exp2(tl.load(partial_lse_ptr + rows, mask=row_mask, other=float("-inf"),
                                      cache_modifier=".cg") - m_safe)
-            part_o = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=taking_part[:, None],
+            part_o = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_mask[:, None],
                              other=0.0, cache_modifier=".cg")
             acc += part_o * weight[:, None]
             total += weight
@@ -191,7 +188,7 @@ def finish(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, counters_pt
         lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
         counter_index = (seq * (tl.num_programs(2) // NUM_SPLITS) + tile) * tl.num_programs(0) + tl.program_id(0)
         merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr, counter_index, split,
-                     NUM_SPLITS, token_rows, row_mask, head, num_heads, num_tokens, stride_out_t, stride_out_h,
+                     token_rows, row_mask, head, num_heads, num_tokens, stride_out_t, stride_out_h,
                      HEAD_DIM, NUM_SPLITS)
 
 

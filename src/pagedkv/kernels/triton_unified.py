@@ -27,13 +27,14 @@ start first and the short decode ones fill in behind them.
 Split KV. A step of a few query tiles is a grid of a few dozen programs (80 new tokens of one sequence on
 Qwen3-0.6B's 8 kv heads: 40), each walking its sequence's whole prefix: a warm chat turn's 80-token message on a
 16K-token restored prefix took 0.42 ms per layer on an H200 (11.8 ms of its 13.4 ms step), against ~20 us of
-reading the prefix at the HBM's rate. So a grid under `UnifiedTuning.target_programs_per_sm` programs per SM is
-split `NUM_SPLITS` ways (a host int from the grid alone, fixed per captured shape): split s of a query tile folds
-its share of the tile's kv tiles (whole tiles; the diagonal's masked ones in the split they fall in), stores its
-normalised rows and log2-sum-exp, and the last split to arrive merges them (`merge_splits`; the counters reset
-themselves, so a captured graph replays). A tile's split count is decided on the device from its own keys (at
-least `min_split_tokens` per split): decode rows and short prompts in the same launch take one split and store
-directly, their other split programs return at once. A grid padded for many sequences stays unsplit.
+reading the prefix at the HBM's rate. So a grid under `UnifiedTuning.target_programs_per_sm` programs per SM gets
+a third axis of splits (a host int from the grid alone, fixed per captured shape; one compiled variant for every
+split count, `SPLIT`): split s of a query tile folds its share of the tile's kv tiles (whole tiles, balanced; the
+diagonal's masked ones in the split they fall in), stores its normalised rows and log2-sum-exp, and the last split
+to arrive merges them in one online pass (`_merge_parts`; the counters reset themselves, so a captured graph
+replays). A tile's split count is decided on the device from its own keys (at least `min_split_tokens` per split):
+decode rows and short prompts in the same launch store directly, their other split programs return at once. A grid
+padded for many sequences (the engine's mixed-step graphs at the default `max_num_seqs` of 256) stays unsplit.
 
 FP8 caches (`KV_FP8`): as in the prefill kernel, the program's one KV head's K scale goes
 into `qk_scale` and its V scale onto the output; tiles convert in registers.
@@ -45,10 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.triton_common import LOG2E
+from pagedkv.kernels.triton_common import LOG2E, arrive
 from pagedkv.kernels.triton_fp8 import fp8_query
 from pagedkv.kernels.triton_prefill import causal_attend, prefill_tiles
-from pagedkv.kernels.triton_prefill_split_parts import merge_splits
 from pagedkv.kernels.tuning import UnifiedTuning, num_sms
 
 
@@ -79,11 +79,10 @@ def _unified_kernel(
     partial_out_ptr, partial_lse_ptr, counters_ptr, num_tokens, num_heads, min_split_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq = _find_sequence(cu_seqlens_q_ptr, stride_cu, tile, num_seqs, search_steps, BLOCK_Q)
     q_start = tl.load(cu_seqlens_q_ptr + seq * stride_cu).to(tl.int32)
     q_len = tl.load(cu_seqlens_q_ptr + (seq + 1) * stride_cu).to(tl.int32) - q_start
@@ -116,22 +115,26 @@ def _unified_kernel(
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     head_offset = kv_head.to(tl.int64) * stride_cache_h
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         acc, l_i, m_i = causal_attend(
             acc, l_i, m_i, q, ctx + q_tokens, first_pos, last_pos, sliding_window, k_cache_ptr, v_cache_ptr,
             table_row, stride_bt_b, head_offset, qk_scale, soft_cap, stride_cache_b, stride_cache_o,
             DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, KV_FP8)
-        num_parts = 1
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = o * v_scale
+        out_offsets = token_rows[:, None] * stride_out_t + heads[:, None] * stride_out_h + dims[None, :] * stride_out_d
+        tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # split s folds its share of the tile's kv tiles (whole tiles): unmasked below the diagonal, masked on it
+        split = tl.program_id(2)
         hi = last_pos + 1
         mid = first_pos // BLOCK_N * BLOCK_N
         num_tiles = tl.cdiv(hi, BLOCK_N)
-        num_parts = tl.maximum(tl.minimum(num_tiles // min_split_tiles, NUM_SPLITS), 1)
+        num_parts = tl.maximum(tl.minimum(num_tiles // min_split_tiles, tl.num_programs(2)), 1)
         if split >= num_parts:  # keys too few for this many splits: the tile's other splits cover them
             return
-        per = tl.cdiv(num_tiles, num_parts) * BLOCK_N
-        lo_s = split * per
-        hi_s = tl.minimum(lo_s + per, hi)
+        lo_s = split * num_tiles // num_parts * BLOCK_N
+        hi_s = tl.minimum((split + 1) * num_tiles // num_parts * BLOCK_N, hi)
         pos_q = ctx + q_tokens
         acc, l_i, m_i = prefill_tiles(
             acc, l_i, m_i, q, pos_q, lo_s, tl.minimum(hi_s, mid), k_cache_ptr, v_cache_ptr, table_row,
@@ -141,19 +144,52 @@ def _unified_kernel(
             acc, l_i, m_i, q, pos_q, tl.maximum(lo_s, mid), hi_s, k_cache_ptr, v_cache_ptr, table_row,
             stride_bt_b, head_offset, qk_scale, soft_cap, sliding_window, stride_cache_b, stride_cache_o,
             DIM_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, False, USE_SOFT_CAP, KV_FP8)
+        has_any = l_i > 0
+        o = acc / tl.where(has_any, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = o * v_scale
+        out_offsets = token_rows[:, None] * stride_out_t + heads[:, None] * stride_out_h + dims[None, :]
+        if num_parts == 1:  # a decode row or a short prompt in a split launch: no merge
+            tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
+            _merge_parts(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr + tile * tl.num_programs(1) + kv_head,
+                         out_ptr + out_offsets, split.to(tl.int64), num_parts, token_rows * num_heads + heads, row_mask,
+                         num_tokens * num_heads, dims, DIM_PAD)
 
-    has_any = l_i > 0
-    o = acc / tl.where(has_any, l_i, 1.0)[:, None]
-    if KV_FP8:
-        o = o * v_scale
-    if num_parts == 1:
-        out_offsets = token_rows[:, None] * stride_out_t + heads[:, None] * stride_out_h + dims[None, :] * stride_out_d
-        tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # the last of the tile's splits to arrive merges them (a split with no visible key weighs nothing)
-        lse = tl.where(has_any, m_i + tl.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
-        merge_splits(o, lse, partial_out_ptr, partial_lse_ptr, counters_ptr, out_ptr,
-                     tile * tl.num_programs(1) + kv_head, split, num_parts, token_rows, row_mask, heads, num_heads,
-                     num_tokens, stride_out_t, stride_out_h, HEAD_DIM, NUM_SPLITS)
+
+@triton.jit
+def _merge_parts(o, lse, partial_out_ptr, partial_lse_ptr, counter_ptr, out_ptrs, split, num_parts, slots, row_mask,
+                 part_stride, dims, DIM_PAD: tl.constexpr):
+    """Store this split's normalised rows (`slots`: token * num_heads + head, int64) and log2-sum-exp; the last of
+    the tile's `num_parts` splits to arrive merges them all into `out_ptrs` (one online pass, loaded through L2:
+    other programs of the launch wrote them; a loop, not unrolled, so its registers do not grow with the splits)
+    and resets the counter (so a captured graph replays).
+
+    partial_out `[splits, num_tokens, num_heads, DIM_PAD]` fp32, partial_lse `[splits, num_tokens, num_heads]`."""
+    rows = split * part_stride + slots
+    tl.store(partial_out_ptr + rows[:, None] * DIM_PAD + dims[None, :], o, mask=row_mask[:, None])
+    tl.store(partial_lse_ptr + rows, lse, mask=row_mask)
+    if arrive(counter_ptr) == num_parts - 1:
+        tl.debug_barrier()
+        m = tl.full(lse.shape, float("-inf"), dtype=tl.float32)
+        total = tl.zeros(lse.shape, dtype=tl.float32)
+        acc = tl.zeros(o.shape, dtype=tl.float32)
+        for s in range(0, num_parts):
+            rows = slots + s * part_stride  # (splits x tokens x heads fits int32; slots are int64)
+            part_lse = tl.load(partial_lse_ptr + rows, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+            m_new = tl.maximum(m, part_lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            weight = tl.exp2(part_lse - m_safe)
+            part_o = tl.load(partial_out_ptr + rows[:, None] * DIM_PAD + dims[None, :], mask=row_mask[:, None],
+                             other=0.0, cache_modifier=".cg")
+            acc = acc * alpha[:, None] + part_o * weight[:, None]
+            total = total * alpha + weight
+            m = m_new
+        merged = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptrs, merged.to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(counter_ptr, 0)
 
 
 def unified_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
@@ -179,7 +215,7 @@ def triton_unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     num_splits = unified_splits(tuning, tiles * num_kv_heads, query, out, sliding_window)
     if num_splits > 1:  # merge buffers (the counters reset themselves; fresh zeros keep a call self-contained)
         partial_out = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32,
-                                  device=out.device)
+                                  device=out.device)  # (head_dim is a power of 2 here: DIM_PAD)
         partial_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=out.device)
         counters = torch.zeros(tiles * num_kv_heads, dtype=torch.int32, device=out.device)
     else:
@@ -197,7 +233,7 @@ def triton_unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, KV_FP8=k_scale is not None,
-        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=tuning.num_stages,
+        SPLIT=num_splits > 1, num_warps=num_warps, num_stages=tuning.num_stages,
     )
     return out
 
