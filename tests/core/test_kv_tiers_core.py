@@ -500,3 +500,37 @@ def test_an_admission_touches_its_prefix_on_disk_before_its_own_evictions_write(
     bm.free(4)
     bm.begin_step()
     bm.check_integrity()
+
+
+def test_an_early_restore_skips_host_blocks_a_spill_of_the_same_step_fills():
+    """`stage_restore` (the runner's early copies) gets a restore's host blocks at once, but not when a spill of
+    the same step fills one of them: that copy to the host runs only with the step's moves, and the restore must
+    read the spill's gathered blocks there."""
+    bm = KVBlockManager(4, 4, num_offload_blocks=8)
+    staged = []
+    bm.tiers.stage_restore = staged.append
+    prompt, other = list(range(13)), list(range(100, 113))
+    _cache(bm, [prompt])  # cached on the GPU only
+    bm.take_tier_copies()
+    bm.begin_step()
+    bm.admit(2, other)  # takes the pool: the cached prefix spills to the host in this step
+    bm.append_slots(2, 13)
+    bm.free(2)
+    assert bm.admit(3, prompt) == 12  # its prefix back from the host blocks this step's spills fill
+    copies = bm.take_tier_copies()
+    restored = [c.src for c in copies.restore + copies.restore_in_step]
+    assert restored and set(restored) <= {c.dst for c in copies.offload}
+    assert staged == []
+    bm.free(3)
+    bm.begin_step()
+    bm.admit(4, other)  # the prefix's blocks leave the GPU again (their keys are on the host: no copy)
+    bm.append_slots(4, 13)
+    bm.free(4)
+    bm.take_tier_copies()
+    bm.begin_step()
+    assert bm.admit(5, prompt) == 12
+    copies = bm.take_tier_copies()
+    assert staged == [[c.src for c in copies.restore + copies.restore_in_step]]
+    bm.free(5)
+    bm.begin_step()
+    bm.check_integrity()

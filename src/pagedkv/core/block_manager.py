@@ -154,8 +154,7 @@ class KVBlockManager(PoolQueries):
         if not host_blocks:
             return []
         self.tiers.host.mark_busy(host_blocks)  # the GPU evictions below spill to the host: not over these
-        if self.tiers.stage_restore is not None:  # their copies may start now, before the evictions' bookkeeping
-            self.tiers.stage_restore(host_blocks)
+        self.tiers.stage(host_blocks)  # their copies may start now, before the evictions' bookkeeping
         self._ensure_free(len(host_blocks))
         gpu_blocks = self.allocator.allocate(len(host_blocks))
         for key, block in zip(keys, gpu_blocks):

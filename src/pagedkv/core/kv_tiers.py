@@ -145,6 +145,16 @@ class KVTiers:
         # allocation (the runner starts their copies to the device then; `EngineConfig.kv_offload_early_restore`).
         self.stage_restore: Callable[[list[int]], None] | None = None
 
+    def stage(self, host_blocks: Sequence[int]) -> None:
+        """Hand a restore's host blocks to `stage_restore` (when set), unless a spill of this step fills one of them:
+        its copy to the host runs only with the step's moves (such a restore reads the spill's gathered blocks, on
+        the step's own path)."""
+        if self.stage_restore is None:
+            return
+        if self.copies.offload and not {copy.dst for copy in self.copies.offload}.isdisjoint(host_blocks):
+            return
+        self.stage_restore(list(host_blocks))
+
     def begin_step(self) -> None:
         """A new step (see `HostTier.begin_step`). Disk loads may run on across steps until `finish_loads`."""
         self.host.begin_step()
