@@ -50,8 +50,9 @@ Early restores (`EngineConfig.kv_offload_early_restore`, one rank): the schedule
 over as soon as it has chosen them (`stage_restore`), before it evicts and allocates the GPU blocks they go to and
 before the step is built; their copies into a staging tensor of their own start on the copy stream then, and
 `move` only scatters that tensor (after the copy stream's wait for the main stream, as any scatter). On the H200
-a warm turn on a 16K-token prefix admitted its restore 9-14 ms before the copy began. A staged restore the step
-does not name whole (the admission did not go through) is dropped.
+a warm turn on a 16K-token prefix admitted its restore 5-14 ms (under the profiler) before the copy began. A
+staged restore the step does not name whole (the admission did not go through) is dropped; a restore whose host
+blocks a spill of the same step fills is not staged (`KVTiers.stage`: that copy to the host runs with the moves).
 
 A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
 writes, so that its eviction later needs no copy (and no wait) at all.
