@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.bench.engine_chat_tiers import DISK_CAP_BYTES, chat_pool_blocks, chat_workload
 from pagedkv.cli import parse_size
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.models.loader import random_model
-from pagedkv.sim.chat_tiers import MultiTurnChat
 
 GAP_US = 30.0  # device events closer than this on one stream are one span
 
@@ -55,20 +55,15 @@ def build(args, disk_dir: Path | None):
     model = random_model(args.model, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     if device.type != "cuda":
         model.config.max_position_embeddings = max(model.config.max_position_embeddings, 4096)
-    workload = MultiTurnChat(num_system_prompts=systems, num_conversations=conversations, num_turns=num_turns,
-                             num_concurrent=conversations, system_prompt_tokens=system_len, min_user_tokens=32,
-                             max_user_tokens=128, min_output_tokens=8, max_output_tokens=24,
-                             vocab_size=min(model.config.get_text_config().vocab_size, 32000))
+    workload = chat_workload((conversations, systems, num_turns, system_len), model)
     block_size = 16
-    mean_turn = (32 + 128 + 8 + 24) / 2
-    prefix_tokens = systems * system_len + conversations * mean_turn * (num_turns - 1)
-    num_blocks = int(max(0.1 * prefix_tokens, 1.2 * in_flight * workload.max_conversation_tokens) // block_size)
+    num_blocks = chat_pool_blocks(workload, in_flight, block_size)
     host = parse_size(args.host_memory)
     options = dict(hf_model=model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=in_flight,
                    max_model_len=workload.max_conversation_tokens, max_num_batched_tokens=4096,
                    kv_offload_memory=host, device=str(device))
     if disk_dir is not None:
-        options.update(kv_offload_dir=str(disk_dir), kv_offload_disk_bytes=max(12 << 30, host))
+        options.update(kv_offload_dir=str(disk_dir), kv_offload_disk_bytes=max(DISK_CAP_BYTES, host))
     if args.in_step_restore_tokens is not None:
         options["kv_offload_in_step_restore_tokens"] = args.in_step_restore_tokens
     if args.early_restore:

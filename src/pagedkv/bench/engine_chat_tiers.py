@@ -201,6 +201,28 @@ def warm_kernels(llm, workload: MultiTurnChat, max_in_flight: int) -> float:
     return time.perf_counter() - start
 
 
+def chat_workload(size: tuple[int, int, int, int], model, smoke: bool = False) -> MultiTurnChat:
+    """The bench's chat of `size` (conversations, system prompts, turns, system prompt tokens) for `model`:
+    32-128-token messages, 8-24-token answers (shorter in a smoke run)."""
+    conversations, systems, num_turns, system_len = size
+    return MultiTurnChat(num_system_prompts=systems, num_conversations=conversations, num_turns=num_turns,
+                         num_concurrent=conversations, system_prompt_tokens=system_len,
+                         min_user_tokens=8 if smoke else 32, max_user_tokens=16 if smoke else 128,
+                         min_output_tokens=4 if smoke else 8, max_output_tokens=8 if smoke else 24,
+                         vocab_size=min(model.config.get_text_config().vocab_size, 32000))
+
+
+def chat_pool_blocks(workload: MultiTurnChat, max_num_seqs: int, block_size: int) -> int:
+    """The GPU pool for `workload`: ~10% of what a cache could reuse by the last turn (each system prompt once,
+    and every conversation's history), at least the running turns with some room."""
+    mean_turn = (workload.min_user_tokens + workload.max_user_tokens + workload.min_output_tokens
+                 + workload.max_output_tokens) / 2
+    prefix_tokens_estimate = (workload.num_system_prompts * workload.system_prompt_tokens
+                              + workload.num_conversations * mean_turn * (workload.num_turns - 1))
+    batch_tokens = max_num_seqs * workload.max_conversation_tokens  # the running turns must fit
+    return int(max(0.1 * prefix_tokens_estimate, 1.2 * batch_tokens) // block_size)
+
+
 def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     """The three configurations, the restore bound and the restart for one model shape."""
     from pagedkv.engine.llm import LLM
@@ -211,18 +233,9 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
         args.chat_size or SIZES.get(name, SIZES["qwen3-0.6b"]))
     dtype = torch.float32 if smoke else torch.bfloat16
     model = random_model(name, dtype, device)
-    workload = MultiTurnChat(num_system_prompts=systems, num_conversations=conversations, num_turns=num_turns,
-                             num_concurrent=conversations, system_prompt_tokens=system_len,
-                             min_user_tokens=8 if smoke else 32, max_user_tokens=16 if smoke else 128,
-                             min_output_tokens=4 if smoke else 8, max_output_tokens=8 if smoke else 24,
-                             vocab_size=min(model.config.get_text_config().vocab_size, 32000))
+    workload = chat_workload((conversations, systems, num_turns, system_len), model, smoke)
     block_size = 16
-    mean_turn = (workload.min_user_tokens + workload.max_user_tokens + workload.min_output_tokens
-                 + workload.max_output_tokens) / 2
-    # What a cache could reuse by the last turn: each system prompt once, and every conversation's history.
-    prefix_tokens_estimate = systems * system_len + conversations * mean_turn * (num_turns - 1)
-    batch_tokens = max_num_seqs * workload.max_conversation_tokens  # the running turns must fit
-    num_blocks = int(max(0.1 * prefix_tokens_estimate, 1.2 * batch_tokens) // block_size)
+    num_blocks = chat_pool_blocks(workload, max_num_seqs, block_size)
     host_bytes = args.kv_offload_memory or (64 * 2**20 if smoke else 16 * 2**30)
     # Steps with prefill tokens replay graphs as the engine's default does (--mixed-step-graphs off: eagerly, so
     # that the run's eight engines start faster); the same in every configuration.

@@ -26,11 +26,12 @@ from collections.abc import Callable, Sequence
 from pagedkv.core.allocator import BlockAllocator
 
 BlockHash = bytes
+_ROOT = b"\x00" * 32  # the parent of a prompt's first block
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """The chained key of one full block: sha256 over the parent's key and the token ids."""
-    digest = hashlib.sha256(parent or b"\x00" * 32)
+    digest = hashlib.sha256(parent or _ROOT)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return digest.digest()
 
@@ -47,7 +48,7 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
     data = struct.pack(f"<{num_tokens}q", *token_ids[:num_tokens])
     step = block_size * 8
     sha256 = hashlib.sha256
-    key = parent or b"\x00" * 32
+    key = parent or _ROOT
     keys = []
     for start in range(0, len(data), step):
         key = sha256(key + data[start:start + step]).digest()

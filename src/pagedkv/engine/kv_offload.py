@@ -99,13 +99,7 @@ class OffloadStats:
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     """(index into ids, first id, length) of each run of consecutive ids."""
-    runs = []
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append((start, ids[start], i - start))
-            start = i
-    return runs
+    return [(index, first, length) for index, first, length, _ in _source_runs(ids, {})]
 
 
 def _claim(early: list, copies: list) -> tuple[list, list]:
@@ -332,14 +326,18 @@ class KVOffload:
         with torch.cuda.stream(self.stream) if self.is_cuda else contextlib.nullcontext():
             if self._copying_out:
                 self._wait_copies_out(blocks)
-            start = self._mark()
-            staged = torch.empty((len(blocks), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
-            runs = _runs(blocks)
-            for index, first, length in runs:
+            self._early.append(_Staged(blocks, *self._stage(len(blocks), _source_runs(blocks, {}))))
+
+    def _stage(self, num_blocks: int, runs) -> tuple[torch.Tensor, object, object]:
+        """A staging tensor of `num_blocks` blocks on the device with the `_source_runs` runs not from the gathered
+        tensor copied in from the host pool (on the current stream), and the marks around those copies."""
+        start = self._mark()
+        staged = torch.empty((num_blocks, *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
+        for index, first, length, gathered in runs:
+            if not gathered:
                 staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
-            self.stats.h2d_num_copies += len(runs)
-            copied = self._mark()
-        self._early.append(_Staged(blocks, staged, start, copied))
+        self.stats.h2d_num_copies += sum(not gathered for *_, gathered in runs)
+        return staged, start, self._mark()
 
     def _scatter_staged(self, claimed: list[tuple[_Staged, list[int]]], ids: list[torch.Tensor]) -> None:
         """Scatter each staged restore into its GPU blocks (`ids`: their device ids in its rows' order)."""
@@ -471,15 +469,9 @@ class KVOffload:
             if before_scatter is not None:
                 before_scatter()
             return
-        src = [c[0] for c in copies]
-        start = self._mark()
-        staged = torch.empty((len(copies), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
-        runs = _source_runs(src, spills[1])
-        for index, first, length, gathered in runs:
-            if not gathered:
-                staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
-        self.stats.h2d_num_copies += sum(not gathered for *_, gathered in runs)
-        copied = resumed = self._mark()
+        runs = _source_runs([c[0] for c in copies], spills[1])
+        staged, start, copied = self._stage(len(copies), runs)
+        resumed = copied
         if before_scatter is not None:
             before_scatter()
             resumed = self._mark()
