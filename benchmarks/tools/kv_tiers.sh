@@ -52,8 +52,9 @@ EXTRA+=(--gc "${GC:-freeze}")
 # WRITES_DURING_STEPS=1: one more configuration, the disk writers free to start while the step loop runs (the
 # engine's default holds them until it waits for the device).
 [ "${WRITES_DURING_STEPS:-0}" = 1 ] && EXTRA+=(--disk-writes-during-steps)
-# EARLY_RESTORE=1: one more configuration, the tiers with each restore's copies started at admission.
-[ "${EARLY_RESTORE:-0}" = 1 ] && EXTRA+=(--early-restore)
+# LATE_RESTORE=1: one more configuration, the tiers with each restore's copies issued with the step's other block
+# moves instead of at admission (the engine's default before early restores).
+[ "${LATE_RESTORE:-0}" = 1 ] && EXTRA+=(--late-restore)
 # WRITER_PROCESS=1: one more configuration, the disk writes in a child process over a shared host pool.
 [ "${WRITER_PROCESS:-0}" = 1 ] && EXTRA+=(--disk-writer-process)
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"

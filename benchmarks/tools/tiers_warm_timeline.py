@@ -2,7 +2,7 @@
 the chat-tiers workload through GPU + host tier (+ disk tier), one turn in flight.
 
     PYTHONPATH=src python3 benchmarks/tools/tiers_warm_timeline.py --out DIR [--chat-size 32,8,3,16384,1]
-        [--host-memory 24GiB] [--no-disk] [--profiled-turns 6] [--in-step-restore-tokens T] [--early-restore]
+        [--host-memory 24GiB] [--no-disk] [--profiled-turns 6] [--in-step-restore-tokens T] [--late-restore]
 
 The engine is built as the chat-tiers bench builds its tiered configuration (random weights, bf16, the GPU pool
 ~10% of the distinct prefix blocks, full graphs). The workload's turns run one at a time; the turns before the
@@ -66,8 +66,8 @@ def build(args, disk_dir: Path | None):
         options.update(kv_offload_dir=str(disk_dir), kv_offload_disk_bytes=max(DISK_CAP_BYTES, host))
     if args.in_step_restore_tokens is not None:
         options["kv_offload_in_step_restore_tokens"] = args.in_step_restore_tokens
-    if args.early_restore:
-        options["kv_offload_early_restore"] = True
+    if args.late_restore:
+        options["kv_offload_early_restore"] = False
     return LLM(**options), workload, num_blocks
 
 
@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--no-disk", action="store_true")
     parser.add_argument("--profiled-turns", type=int, default=6)
     parser.add_argument("--in-step-restore-tokens", type=int, default=None)
-    parser.add_argument("--early-restore", action="store_true", help="start each restore's copies at admission")
+    parser.add_argument("--late-restore", action="store_true",
+                        help="issue each restore's copies with the step's moves, not at admission")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (tiny-qwen3, small chat)")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()

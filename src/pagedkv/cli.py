@@ -93,9 +93,10 @@ def add_engine_arguments(group) -> None:
                             "compute in it; the rest copy beside the step and compute from the next "
                             "(default: --max-num-batched-tokens; 0 for small models, whose KV copies nearly as "
                             "slowly as it computes)")
-    group.add_argument("--kv-offload-early-restore", action="store_true",
+    group.add_argument("--kv-offload-early-restore", action=argparse.BooleanOptionalAction, default=True,
                        help="start a restore's host-to-device copies at admission, before the evictions and the "
-                            "step's build (experimental: not yet measured on a GPU; one rank only)")
+                            "step's build (default; one rank only: under TP each rank copies with the step); "
+                            "--no-kv-offload-early-restore issues them with the step's other block moves")
     from pagedkv.core.memory import KV_CACHE_DTYPES
 
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

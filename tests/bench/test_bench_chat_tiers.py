@@ -81,3 +81,30 @@ def test_a_turns_ttft_parts_add_up_to_its_ttft():
                                        "between_steps_s"))
     assert abs(total - parts["ttft_s"]) < 1e-12 and parts["wait_s"] == 0.010
     assert ttft_parts([], calls, timings) is None
+
+
+def test_turn_records_sum_their_steps_moves_and_the_report_names_the_slowest_warm_turns():
+    from pagedkv.bench.chat_tiers_report import slowest_turns_line
+    from pagedkv.bench.chat_tiers_run import turn_records
+    from pagedkv.engine.outputs import StepTiming
+    from pagedkv.engine.scheduler_types import StepShape
+
+    def timing(wait_s, **shape):
+        return StepTiming(StepShape(prefill_tokens=shape.pop("prefill", 0), decode_seqs=1, kv_tokens=10, **shape),
+                          0.0, 0.0, 0.0, wait_s, 0.0)
+
+    timings = [timing(0.100, prefill=64, offloaded_blocks=5), timing(0.002), None,
+               timing(0.030, restored_blocks=8, offloaded_blocks=3, pre_spilled_blocks=1, prefill=16)]
+    # "a" (cold) calls 0-1; "b" (warm) calls 2-3: a restoring call with no timing, then one that computes
+    calls = [(0.0, 0.1, 0, 1), (0.1, 0.11, 1, 2), (0.2, 0.21, 2, 3), (0.21, 0.25, 3, 4)]
+    records = turn_records(["a", "b", "lost"], {"a": 0.11, "b": 0.05}, {"b"}, {"a": 0, "b": 2, "lost": 4},
+                           {"a": 1, "b": 3}, calls, timings)
+    assert [r["id"] for r in records] == ["a", "b"]  # a turn with no first token has no TTFT to report
+    a, b = records
+    assert (a["steps"], a["spilled"], a["prefill_tokens"], a["reuse"]) == (2, 5, 64, False)
+    assert abs(a["wait_s"] - 0.102) < 1e-12
+    assert (b["steps"], b["restored"], b["spilled"], b["pre_spilled"], b["prefill_tokens"]) == (2, 8, 3, 1, 16)
+    line = slowest_turns_line(records)
+    assert line.startswith("b 50.0 ms (2 steps, wait 30.0 ms, restored 8, spilled 3, pre-spilled 1")
+    assert line.endswith("after a cold turn)") and "a 110" not in line  # cold turns are not warm turns
+    assert slowest_turns_line([a]) == "-"

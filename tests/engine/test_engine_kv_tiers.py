@@ -427,10 +427,26 @@ def test_an_early_restore_the_step_does_not_claim_is_dropped():
     llm.engine.check_integrity()
 
 
-def test_early_restore_is_off_by_default_and_its_flag_is_checked():
-    assert _llm(kv_offload_memory=512 * 2**10).engine.scheduler.block_manager.tiers.stage_restore is None
+def test_early_restore_is_on_by_default_and_its_flag_is_checked():
+    llm = _llm(kv_offload_memory=512 * 2**10)
+    assert llm.engine.scheduler.block_manager.tiers.stage_restore == llm.engine.runner.offload.stage_restore
     with pytest.raises(ConfigError, match="kv_offload_early_restore"):
         EngineConfig(kv_offload_early_restore="yes")
+
+
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=64), dict(max_num_batched_tokens=8)],
+                         ids=["in the step", "beside the step"])
+def test_restores_issued_with_the_step_compute_the_same_tokens(options):
+    """`kv_offload_early_restore=False`: no restore is staged at admission; the step's moves copy them (in the
+    step, or beside it with the requests computing from the next step), and the tokens are those without tiers."""
+    prompts = _chat_prompts(num_heads=3, per_head=2, head_len=20)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, GREEDY))
+    llm = _llm(num_blocks=9, watermark=0.0, kv_offload_memory=512 * 2**10, kv_offload_early_restore=False, **options)
+    assert llm.engine.scheduler.block_manager.tiers.stage_restore is None
+    assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected
+    assert _tokens(_one_by_one(llm, prompts, GREEDY)) == expected  # the prefixes restored from the host
+    assert llm.stats()["kv_restored_blocks"] > 0
+    llm.engine.check_integrity()
 
 
 def test_host_pool_stays_bounded_over_requests_with_aborts(tmp_path):
@@ -477,15 +493,16 @@ GPU_POOLS = {"tiny-qwen3": dict(num_blocks=48), "tiny-gemma3": dict(num_blocks=7
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, writer, early", [(name, "threads", False) for name in GPU_POOLS]
-                         + [("tiny-qwen3", "process", False), ("tiny-qwen3", "threads", True)])
+@pytest.mark.parametrize("name, writer, early", [(name, "threads", True) for name in GPU_POOLS]
+                         + [("tiny-qwen3", "process", True), ("tiny-qwen3", "threads", False)])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name, writer, early):
     """The CUDA path: spills, pre-spills and restores on the side stream beside graphed steps, swap through the
     same pool, disk writes after a CUDA event, then a restart: the tokens of a pool with no tiers, every time.
     For the layer-group model every group's blocks take that path, keyed per group. With the writer process
     the host pool is shared memory registered with CUDA (pinned), and its writes wait for their copies'
-    events. With early restores the restores' copies start at admission, before the step's other copies."""
+    events. With early restores (the default) the restores' copies start at admission, before the step's other
+    copies; without, they go with the step's moves."""
     from pagedkv.models.loader import random_model
 
     model = random_model(name, torch.float32, "cuda")

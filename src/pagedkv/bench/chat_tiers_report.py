@@ -18,7 +18,7 @@ TIERED = "GPU + host + disk"
 HOST_ONLY = "GPU + host (no disk tier)"
 WRITES_DURING_STEPS = f"{TIERED}, disk writes during steps"
 WRITER_PROCESS = f"{TIERED}, disk writer process"
-EARLY_RESTORE = f"{TIERED}, early restores"
+LATE_RESTORE = f"{TIERED}, restores issued with the step"
 
 
 def in_step_label(tokens: int) -> str:
@@ -91,6 +91,21 @@ def parts_line(parts: dict) -> str:
             f"{_ms(parts['untimed_s'])}, between the calls {_ms(parts['between_steps_s'])}")
 
 
+def slowest_turns_line(turns: list[dict], count: int = 3) -> str:
+    """The `count` slowest turns that reuse a system prompt, each with what its steps did and the turn submitted
+    before it (a cold one leaves blocks that the next turn's restore evicts)."""
+    before = {turn["id"]: turns[i - 1] if i else None for i, turn in enumerate(turns)}
+    warm = sorted((t for t in turns if t["reuse"]), key=lambda t: t["ttft_s"], reverse=True)[:count]
+    parts = []
+    for t in warm:
+        prior = before[t["id"]]
+        parts.append(f"{t['id']} {_ms(t['ttft_s'])} ms ({t['steps']} steps, wait {_ms(t['wait_s'])} ms, restored "
+                     f"{t['restored'] + t['restored_in_step']}, spilled {t['spilled']}, pre-spilled "
+                     f"{t['pre_spilled']}, {t['prefill_tokens']} prefill tokens; after "
+                     f"{'nothing' if prior is None else ('a warm' if prior['reuse'] else 'a cold') + ' turn'})")
+    return "; ".join(parts) if parts else "-"
+
+
 def _verdict(value: float | None, target: float) -> str:
     return "-" if value is None else ("met" if value >= target else "missed")
 
@@ -138,6 +153,9 @@ def _summary(model: dict) -> list[str]:
     for label, row in model["configs"].items():
         if row.get("ttft_reuse_parts"):
             lines.append(f"- Warm turns' TTFT by part, {label}: {parts_line(row['ttft_reuse_parts'])}")
+    for label, row in model["configs"].items():
+        if row.get("turns"):
+            lines.append(f"- Slowest warm turns, {label}: {slowest_turns_line(row['turns'])}")
     if "warm_up_s" in model:
         lines.append(f"- Before the configurations, the whole workload of another seed ran once through the tiers "
                      f"({model['warm_up_s']:.1f} s), so that Triton's compiles stay out of the measured runs")

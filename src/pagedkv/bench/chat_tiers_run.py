@@ -91,6 +91,7 @@ def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16, f
             "steps": step_summary(timings),
             "ttft_reuse_parts": ttft_parts([(ttft[r], first_call[r], token_call[r]) for r in ttft if r in reuses],
                                            calls, timings),
+            "turns": turn_records(list(submitted), ttft, reuses, first_call, token_call, calls, timings),
             "gc_collections": gc_watch.collections,
             "gc_max_pause_s": max((end - begin for begin, end in gc_watch.pauses), default=0.0), "prompts": prompts}
 
@@ -119,6 +120,34 @@ def ttft_parts(turns: list[tuple[float, int, int]], calls: list[tuple[float, flo
         sums["untimed_s"] += wall - timed
         sums["between_steps_s"] += value - wall
     return {"num_turns": len(turns), **{key: total / len(turns) for key, total in sums.items()}}
+
+
+def turn_records(order: list[str], ttft: dict, reuses: set, first_call: dict, token_call: dict,
+                 calls: list[tuple[float, float, int, int]], timings: list) -> list[dict]:
+    """Per turn in submission order: its TTFT, whether an earlier turn sent its system prompt (`reuse`), and over
+    the step calls from its submission to its first token: how many, the host's wait for the device, and the
+    blocks those steps moved (restored beside and in the step, spilled, pre-spilled) and prefill tokens computed
+    (of every request in them): what sets a slow warm turn apart."""
+    records = []
+    for request_id in order:
+        if request_id not in ttft:
+            continue
+        record = {"id": request_id, "ttft_s": ttft[request_id], "reuse": request_id in reuses,
+                  "steps": token_call[request_id] - first_call[request_id] + 1, "wait_s": 0.0, "restored": 0,
+                  "restored_in_step": 0, "spilled": 0, "pre_spilled": 0, "prefill_tokens": 0}
+        for _, _, lo, hi in calls[first_call[request_id]:token_call[request_id] + 1]:
+            for timing in timings[lo:hi]:
+                if timing is None:
+                    continue
+                shape = timing.shape
+                record["wait_s"] += timing.wait_s
+                record["restored"] += shape.restored_blocks
+                record["restored_in_step"] += shape.restored_in_step_blocks
+                record["spilled"] += shape.offloaded_blocks
+                record["pre_spilled"] += shape.pre_spilled_blocks
+                record["prefill_tokens"] += shape.prefill_tokens
+        records.append(record)
+    return records
 
 
 def step_summary(timings: list, num_slowest: int = 3) -> dict:

@@ -169,9 +169,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--disk-writer-process", action="store_true",
                         help="chat-tiers: one more configuration, the tiers with the disk writes in a child process "
                              "over a shared host pool (kv_offload_disk_writer=\"process\")")
-    parser.add_argument("--early-restore", action="store_true",
-                        help="chat-tiers: one more configuration, the tiers with each restore's copies started at "
-                             "admission (kv_offload_early_restore)")
+    parser.add_argument("--late-restore", action="store_true",
+                        help="chat-tiers: one more configuration, the tiers with each restore's copies issued with "
+                             "the step's other block moves instead of at admission (kv_offload_early_restore=False)")
     parser.add_argument("--in-step-restore-tokens", type=int, default=None, metavar="T",
                         help="chat-tiers: one more configuration, the tiers with at most T tokens' worth of restored "
                              "blocks copied before a step's kernels (--kv-offload-in-step-restore-tokens; 0: every "

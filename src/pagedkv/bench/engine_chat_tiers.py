@@ -50,8 +50,8 @@ import torch
 
 from pagedkv.core.prefix_cache import hash_blocks
 from pagedkv.bench.chat_tiers_report import (
-    EARLY_RESTORE,
     HOST_ONLY,
+    LATE_RESTORE,
     TIERED,
     WRITER_PROCESS,
     WRITES_DURING_STEPS,
@@ -254,9 +254,9 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     if args.disk_writer_process:  # the disk writes in a child process over a shared host pool (a disk of its own)
         configs.append((WRITER_PROCESS, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "process"),
                                              kv_offload_disk_writer="process")))
-    if args.early_restore:  # restores' copies started at admission (a disk of its own)
-        configs.append((EARLY_RESTORE, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "early"),
-                                            kv_offload_early_restore=True)))
+    if args.late_restore:  # restores' copies issued with the step, not at admission (a disk of its own)
+        configs.append((LATE_RESTORE, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "late"),
+                                           kv_offload_early_restore=False)))
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
                         dict(tiered, kv_offload_dir=str(Path(offload_dir) / "in-step"),

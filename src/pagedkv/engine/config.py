@@ -40,8 +40,8 @@ class EngineConfig:
     over a host pool in shared memory, so they never take this process's interpreter lock
     (`pagedkv.engine.kv_disk_process`; threads again, with a warning, where /dev/shm cannot hold the pool).
     kv_offload_early_restore: start copying a restore's host blocks to the device as soon as the scheduler has
-    chosen them, before it evicts and allocates their GPU blocks (off by default: not yet measured on a GPU;
-    ignored under tensor parallelism).
+    chosen them, before it evicts and allocates their GPU blocks (default on; False issues them with the step's
+    other block moves; ignored under tensor parallelism, where every rank copies its own shard with the step).
     """
 
     model: str | None = None
@@ -81,7 +81,7 @@ class EngineConfig:
     kv_offload_in_step_restore_tokens: int | None = None  # None: max_num_batched_tokens
     kv_offload_disk_writes_during_steps: bool = False
     kv_offload_disk_writer: str = "threads"  # or "process"
-    kv_offload_early_restore: bool = False  # start a restore's copies at admission (one rank; see kv_offload)
+    kv_offload_early_restore: bool = True  # start a restore's copies at admission (one rank; see kv_offload)
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
