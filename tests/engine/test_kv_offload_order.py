@@ -148,3 +148,32 @@ def test_a_disk_write_of_a_spilled_block_reads_it_after_its_copy_to_the_host(dev
     assert offload.disk.load(key, out.view(torch.uint8).numpy())
     assert torch.equal(out, storage[:, :, 2].cpu())
     offload.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["restore_in_step", "restore"])
+def test_a_restore_staged_at_admission_holds_up_only_the_requests_that_need_it(device, where):
+    """A restore staged at admission (`stage_restore`) whose copies are slow (on CUDA behind a sleep on the stage
+    stream), then the step that spills another block and claims the restore: its gather and, for a restore beside
+    the step, the main stream go on without waiting for the staged copies; a restore in the step holds the main
+    stream (its kernels read the blocks); either way the scatter waits for them, so the blocks come back whole."""
+    storage, offload = _offload(device, num_blocks=8, num_host_blocks=4, block_tokens=256)
+    restored = torch.randn_like(offload.host[0])
+    offload.host[0] = restored
+    spilled = storage[:, :, 2].clone()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        with torch.cuda.stream(offload.stage_stream):
+            torch.cuda._sleep(OUT_STREAM_SLEEP_CYCLES)
+    offload.stage_restore([0])
+    offload.move(_step(offload=[BlockCopy(2, 1)], **{where: [BlockCopy(0, 5)]}))
+    if device == "cuda":
+        main_done = torch.cuda.Event()
+        main_done.record()
+        main_done.synchronize()  # the main stream's work up to the step's kernels
+        assert offload.stage_stream.query() is (where == "restore_in_step")
+        torch.cuda.synchronize()
+    assert torch.equal(storage[:, :, 5], restored.to(device))
+    assert torch.equal(offload.host[1].to(device), spilled)
+    assert not offload._early
+    offload.close()

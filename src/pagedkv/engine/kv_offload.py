@@ -47,13 +47,20 @@ contiguous staging tensor, blocks move by one Triton kernel per direction (`page
 torch's index_select + contiguous and index_copy_ ran at a fraction of the device's copy bandwidth).
 
 Early restores (`EngineConfig.kv_offload_early_restore`, the default on one rank): the scheduler hands a
-restore's host blocks over as soon as it has chosen them (`stage_restore`), before it evicts and allocates the GPU blocks they go to and
-before the step is built; their copies into a staging tensor of their own start on the copy stream then, and
-`move` only scatters that tensor (after the copy stream's wait for the main stream, as any scatter). On the H200
-a warm turn on a 16K-token prefix admitted its restore 5-14 ms (under the profiler) before the copy began;
-staged at admission, the copy begins 3-6 ms after submission and the turn's TTFT falls by ~5 ms (of ~50). A
-staged restore the step does not name whole (the admission did not go through) is dropped; a restore whose host
-blocks a spill of the same step fills is not staged (`KVTiers.stage`: that copy to the host runs with the moves).
+restore's host blocks over as soon as it has chosen them (`stage_restore`), before it evicts and allocates the
+GPU blocks they go to and before the step is built; their copies into a staging tensor of their own start then,
+on a stream of their own (the stage stream), and `move` only scatters that tensor on the copy stream, after
+the copy stream's wait for the main stream (as any scatter) and for the staged copies. On the copy stream
+itself the staged copies would hold up the step's gathers behind them, and with the gathers the main stream:
+on the H200 the first warm 16K turn after a run of cold ones, whose admission also spilled the blocks they
+left, waited ~20 ms longer than the others. The host blocks a staged copy reads are busy from the admission on,
+so nothing writes them before the copy stream (whose scatter waits for that copy) has let them go; a spill or
+disk read into them after that is ordered after the copy stream. On the H200 a warm turn on a 16K-token prefix
+admitted its restore 5-14 ms (under the profiler) before the copy began; staged at admission the copy begins
+3-6 ms after submission, and the turn's TTFT falls by ~5 ms (of ~50). A staged restore the step does not name
+whole (the admission did not go through) is dropped (nothing waits for its copies, whose result nothing reads);
+a restore whose host blocks a spill of the same step fills is not staged (`KVTiers.stage`: that copy to the
+host runs with the moves).
 
 A pre-spill copies a cached block the GPU is likely to evict soon, which no kernel of this step
 writes, so that its eviction later needs no copy (and no wait) at all.
@@ -228,6 +235,9 @@ class KVOffload:
         self.block_nbytes = self._host_bytes.shape[1]
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.out_stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # gathered blocks -> host
+        # Restores staged at admission (`stage_restore`): a stream of their own, so that the step's gathers on the
+        # copy stream (and the main stream waiting for them) never queue behind a long restore's copies.
+        self.stage_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._restores_done = None  # event B of the last step that restored
         # (event C, host blocks, bytes, gathered blocks) of the copies to the host that may be in flight
         self._copying_out: list[tuple] = []
@@ -324,25 +334,30 @@ class KVOffload:
         flight that fill them; the step's `move` scatters it (see the module docstring). The blocks are busy on
         the host tier from the caller on, so nothing writes them before the copies have read them."""
         blocks = sorted(host_blocks)
-        with torch.cuda.stream(self.stream) if self.is_cuda else contextlib.nullcontext():
+        stream = self.stage_stream
+        with torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext():
             if self._copying_out:
-                self._wait_copies_out(blocks)
-            self._early.append(_Staged(blocks, *self._stage(len(blocks), _source_runs(blocks, {}))))
+                self._wait_copies_out(blocks, stream)
+            self._early.append(_Staged(blocks, *self._stage(len(blocks), _source_runs(blocks, {}), stream)))
 
-    def _stage(self, num_blocks: int, runs) -> tuple[torch.Tensor, object, object]:
+    def _stage(self, num_blocks: int, runs, stream=None) -> tuple[torch.Tensor, object, object]:
         """A staging tensor of `num_blocks` blocks on the device with the `_source_runs` runs not from the gathered
-        tensor copied in from the host pool (on the current stream), and the marks around those copies."""
-        start = self._mark()
+        tensor copied in from the host pool (on the current stream, which is `stream`, default the copy stream),
+        and the marks around those copies (recorded on it)."""
+        start = self._mark(stream)
         staged = torch.empty((num_blocks, *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
         for index, first, length, gathered in runs:
             if not gathered:
                 staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
         self.stats.h2d_num_copies += sum(not gathered for *_, gathered in runs)
-        return staged, start, self._mark()
+        return staged, start, self._mark(stream)
 
     def _scatter_staged(self, claimed: list[tuple[_Staged, list[int]]], ids: list[torch.Tensor]) -> None:
         """Scatter each staged restore into its GPU blocks (`ids`: their device ids in its rows' order)."""
         for (entry, _), dst in zip(claimed, ids):
+            if self.is_cuda:  # its copies ran on the stage stream; the tensor was allocated there
+                self.stream.wait_event(entry.copied)
+                entry.staged.record_stream(self.stream)
             resumed = self._mark()
             scatter_blocks(self._storage, dst, entry.staged)
             self._done("h2d", len(entry.host_blocks) * self.block_nbytes, entry.start, entry.copied, resumed)
@@ -355,10 +370,11 @@ class KVOffload:
         wanted = set(host_blocks)
         return [event for event, filling, *_ in self._copying_out if not filling.isdisjoint(wanted)]
 
-    def _wait_copies_out(self, host_blocks: list[int]) -> None:
-        """Make the copy stream wait for the copies to the host in flight that fill one of `host_blocks`."""
+    def _wait_copies_out(self, host_blocks: list[int], stream=None) -> None:
+        """Make `stream` (default the copy stream) wait for the copies to the host in flight that fill one of
+        `host_blocks`."""
         for event in self._filling(host_blocks):
-            self.stream.wait_event(event)
+            (stream or self.stream).wait_event(event)
 
     def _ready(self, host_blocks: list[int]) -> _Ready | None:
         """What a disk thread that reads or fills `host_blocks` waits for: the copies issued so far on the copy
