@@ -2,12 +2,15 @@
 the chat-tiers workload through GPU + host tier (+ disk tier), one turn in flight.
 
     PYTHONPATH=src python3 benchmarks/tools/tiers_warm_timeline.py --out DIR [--chat-size 32,8,3,16384,1]
-        [--host-memory 24GiB] [--no-disk] [--profiled-turns 6] [--in-step-restore-tokens T] [--late-restore]
+        [--host-memory 24GiB] [--no-disk] [--profiled-turns 6] [--first-profiled-turn N]
+        [--in-step-restore-tokens T] [--late-restore]
 
 The engine is built as the chat-tiers bench builds its tiered configuration (random weights, bf16, the GPU pool
 ~10% of the distinct prefix blocks, full graphs). The workload's turns run one at a time; the turns before the
-profiled window warm the caches and Triton's compiles. For each profiled turn whose system prompt an earlier turn
-sent, the tool prints, in ms from its submission: the host's ranges (step calls and, inside them, schedule,
+profiled window warm the caches and Triton's compiles (`--first-profiled-turn N` starts the window at turn N,
+e.g. 8 for the first warm turn after the cold first uses of 8 system prompts; another seed's workload then runs
+through a warm-up engine first, so that the early window compiles nothing). For each profiled turn whose system
+prompt an earlier turn sent, the tool prints, in ms from its submission: the host's ranges (step calls and, inside them, schedule,
 build, block moves, launch, the wait for the device) and the device's busy spans per stream (kernels and copies
 merged where less than 30 us apart, with their first names). Writes `timeline.txt` and `trace.json.gz` (the
 Chrome trace of the window) under DIR; asserts nothing. A CPU smoke (no device spans):
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gzip
 import json
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.bench.engine_chat_tiers import DISK_CAP_BYTES, chat_pool_blocks, chat_workload
+from pagedkv.bench.engine_chat_tiers import DISK_CAP_BYTES, chat_pool_blocks, chat_workload, warm_kernels
 from pagedkv.cli import parse_size
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.sampling_params import SamplingParams
@@ -68,7 +72,7 @@ def build(args, disk_dir: Path | None):
         options["kv_offload_in_step_restore_tokens"] = args.in_step_restore_tokens
     if args.late_restore:
         options["kv_offload_early_restore"] = False
-    return LLM(**options), workload, num_blocks
+    return LLM(**options), workload, num_blocks, options
 
 
 def spans(events: list[dict]) -> list[tuple[float, float, int, list[str]]]:
@@ -115,6 +119,8 @@ def main() -> None:
     parser.add_argument("--host-memory", default="24GiB")
     parser.add_argument("--no-disk", action="store_true")
     parser.add_argument("--profiled-turns", type=int, default=6)
+    parser.add_argument("--first-profiled-turn", type=int, default=None,
+                        help="the window's first turn (default: half-way, or after two turns per system prompt)")
     parser.add_argument("--in-step-restore-tokens", type=int, default=None)
     parser.add_argument("--late-restore", action="store_true",
                         help="issue each restore's copies with the step's moves, not at admission")
@@ -124,11 +130,19 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     disk_dir = None if args.no_disk else Path(tempfile.mkdtemp(prefix="kv_timeline."))
-    llm, workload, num_blocks = build(args, disk_dir)
+    llm, workload, num_blocks, options = build(args, disk_dir)
+    turns = workload.fixed_turns()
+    if args.first_profiled_turn is None:
+        first_window = max(len(turns) // 2, workload.num_system_prompts * 2)
+    else:  # Triton's compiles first, on a warm-up engine (no disk tier) and another seed's conversations
+        first_window = args.first_profiled_turn
+        warm = {key: value for key, value in options.items() if not key.startswith("kv_offload_disk")}
+        warm.pop("kv_offload_dir", None)
+        seconds = warm_kernels(LLM(**warm), dataclasses.replace(workload, seed=workload.seed + 1),
+                               warm["max_num_seqs"])
+        print(f"warm-up: another seed's workload through a warm-up engine, {seconds:.1f} s", flush=True)
     engine = llm.engine
     engine.stream_outputs = True
-    turns = workload.fixed_turns()
-    first_window = max(len(turns) // 2, workload.num_system_prompts * 2)
     window = turns[first_window:first_window + args.profiled_turns]
     ttft: dict[str, float] = {}
 

@@ -102,9 +102,10 @@ def test_turn_records_sum_their_steps_moves_and_the_report_names_the_slowest_war
     assert [r["id"] for r in records] == ["a", "b"]  # a turn with no first token has no TTFT to report
     a, b = records
     assert (a["steps"], a["spilled"], a["prefill_tokens"], a["reuse"]) == (2, 5, 64, False)
-    assert abs(a["wait_s"] - 0.102) < 1e-12
+    assert abs(a["wait_s"] - 0.102) < 1e-12 and abs(a["untimed_s"] - 0.008) < 1e-12  # 0.11 s of calls, 0.102 timed
+    assert abs(b["untimed_s"] - 0.02) < 1e-12  # the restoring call's 10 ms, and 10 ms of the other's
     assert (b["steps"], b["restored"], b["spilled"], b["pre_spilled"], b["prefill_tokens"]) == (2, 8, 3, 1, 16)
     line = slowest_turns_line(records)
-    assert line.startswith("b 50.0 ms (2 steps, wait 30.0 ms, restored 8, spilled 3, pre-spilled 1")
+    assert line.startswith("b 50.0 ms (2 steps, wait 30.0 ms, untimed 20.0 ms, restored 8, spilled 3, pre-spilled 1")
     assert line.endswith("after a cold turn)") and "a 110" not in line  # cold turns are not warm turns
     assert slowest_turns_line([a]) == "-"

@@ -99,7 +99,8 @@ def slowest_turns_line(turns: list[dict], count: int = 3) -> str:
     parts = []
     for t in warm:
         prior = before[t["id"]]
-        parts.append(f"{t['id']} {_ms(t['ttft_s'])} ms ({t['steps']} steps, wait {_ms(t['wait_s'])} ms, restored "
+        parts.append(f"{t['id']} {_ms(t['ttft_s'])} ms ({t['steps']} steps, wait {_ms(t['wait_s'])} ms, untimed "
+                     f"{_ms(t.get('untimed_s'))} ms, restored "
                      f"{t['restored'] + t['restored_in_step']}, spilled {t['spilled']}, pre-spilled "
                      f"{t['pre_spilled']}, {t['prefill_tokens']} prefill tokens; after "
                      f"{'nothing' if prior is None else ('a warm' if prior['reuse'] else 'a cold') + ' turn'})")

@@ -125,20 +125,26 @@ def ttft_parts(turns: list[tuple[float, int, int]], calls: list[tuple[float, flo
 def turn_records(order: list[str], ttft: dict, reuses: set, first_call: dict, token_call: dict,
                  calls: list[tuple[float, float, int, int]], timings: list) -> list[dict]:
     """Per turn in submission order: its TTFT, whether an earlier turn sent its system prompt (`reuse`), and over
-    the step calls from its submission to its first token: how many, the host's wait for the device, and the
-    blocks those steps moved (restored beside and in the step, spilled, pre-spilled) and prefill tokens computed
-    (of every request in them): what sets a slow warm turn apart."""
+    the step calls from its submission to its first token: how many, the host's wait for the device, the time
+    in calls with no step timing or outside it (`untimed_s`: steps with nothing to compute, such as one that
+    only restores, as in `ttft_parts`), and the blocks the timed steps moved (restored beside and in the step,
+    spilled, pre-spilled) and prefill tokens computed (of every request in them): what sets a slow warm turn
+    apart. A step with nothing to compute has no timing, so the moves of a turn's restore-only step (its
+    restore, and the spills its admission caused) are not counted here."""
     records = []
     for request_id in order:
         if request_id not in ttft:
             continue
         record = {"id": request_id, "ttft_s": ttft[request_id], "reuse": request_id in reuses,
-                  "steps": token_call[request_id] - first_call[request_id] + 1, "wait_s": 0.0, "restored": 0,
+                  "steps": token_call[request_id] - first_call[request_id] + 1, "wait_s": 0.0, "untimed_s": 0.0,
+                  "restored": 0,
                   "restored_in_step": 0, "spilled": 0, "pre_spilled": 0, "prefill_tokens": 0}
-        for _, _, lo, hi in calls[first_call[request_id]:token_call[request_id] + 1]:
+        for begin, end, lo, hi in calls[first_call[request_id]:token_call[request_id] + 1]:
+            record["untimed_s"] += end - begin
             for timing in timings[lo:hi]:
                 if timing is None:
                     continue
+                record["untimed_s"] -= timing.total_s
                 shape = timing.shape
                 record["wait_s"] += timing.wait_s
                 record["restored"] += shape.restored_blocks
