@@ -10,10 +10,10 @@ The engine is built as the chat-tiers bench builds its tiered configuration (ran
 profiled window warm the caches and Triton's compiles (`--first-profiled-turn N` starts the window at turn N,
 e.g. 8 for the first warm turn after the cold first uses of 8 system prompts; another seed's workload then runs
 through a warm-up engine first, so that the early window compiles nothing). For each profiled turn whose system
-prompt an earlier turn sent, the tool prints, in ms from its submission: the host's ranges (step calls and, inside them, schedule,
-build, block moves, launch, the wait for the device) and the device's busy spans per stream (kernels and copies
-merged where less than 30 us apart, with their first names). Writes `timeline.txt` and `trace.json.gz` (the
-Chrome trace of the window) under DIR; asserts nothing. A CPU smoke (no device spans):
+prompt an earlier turn sent, the tool prints, in ms from its submission: the host's ranges (step calls and,
+inside them, schedule, build, block moves, launch, the wait for the device) and the device's busy spans per
+stream (kernels and copies merged where less than 30 us apart, with their first names). Writes `timeline.txt`
+and `trace.json.gz` (the Chrome trace of the window) under DIR; asserts nothing. A CPU smoke (no device spans):
 `--device cpu --model tiny-qwen3 --chat-size 8,2,3,256,1 --host-memory 64MiB`.
 """
 
