@@ -55,6 +55,9 @@ EXTRA+=(--gc "${GC:-freeze}")
 # LATE_RESTORE=1: one more configuration, the tiers with each restore's copies issued with the step's other block
 # moves instead of at admission (the engine's default before early restores).
 [ "${LATE_RESTORE:-0}" = 1 ] && EXTRA+=(--late-restore)
+# WRITE_THROUGH=1: one more configuration, the tiers copying each committed block to the host tier ahead of any
+# eviction (a cold turn's blocks are then on the host before the next turn evicts them).
+[ "${WRITE_THROUGH:-0}" = 1 ] && EXTRA+=(--write-through)
 # WRITER_PROCESS=1: one more configuration, the disk writes in a child process over a shared host pool.
 [ "${WRITER_PROCESS:-0}" = 1 ] && EXTRA+=(--disk-writer-process)
 say "models $MODELS, host tier $HOST_MEMORY, disk tier in $DIR ($(df -h "$DIR" | tail -1 | tr -s ' '))"

@@ -3,7 +3,7 @@ the chat-tiers workload through GPU + host tier (+ disk tier), one turn in fligh
 
     PYTHONPATH=src python3 benchmarks/tools/tiers_warm_timeline.py --out DIR [--chat-size 32,8,3,16384,1]
         [--host-memory 24GiB] [--no-disk] [--profiled-turns 6] [--first-profiled-turn N]
-        [--in-step-restore-tokens T] [--late-restore]
+        [--in-step-restore-tokens T] [--late-restore] [--write-through]
 
 The engine is built as the chat-tiers bench builds its tiered configuration (random weights, bf16, the GPU pool
 ~10% of the distinct prefix blocks, full graphs). The workload's turns run one at a time; the turns before the
@@ -72,6 +72,8 @@ def build(args, disk_dir: Path | None):
         options["kv_offload_in_step_restore_tokens"] = args.in_step_restore_tokens
     if args.late_restore:
         options["kv_offload_early_restore"] = False
+    if args.write_through:
+        options["kv_offload_write_through"] = True
     return LLM(**options), workload, num_blocks, options
 
 
@@ -122,6 +124,7 @@ def main() -> None:
     parser.add_argument("--first-profiled-turn", type=int, default=None,
                         help="the window's first turn (default: half-way, or after two turns per system prompt)")
     parser.add_argument("--in-step-restore-tokens", type=int, default=None)
+    parser.add_argument("--write-through", action="store_true", help="copy committed blocks to the host early")
     parser.add_argument("--late-restore", action="store_true",
                         help="issue each restore's copies with the step's moves, not at admission")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (tiny-qwen3, small chat)")

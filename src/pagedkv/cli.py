@@ -56,14 +56,15 @@ def offload_options(args: argparse.Namespace) -> dict:
             "kv_offload_disk_bytes": args.kv_offload_disk_size,
             "kv_offload_in_step_restore_tokens": args.kv_offload_in_step_restore_tokens,
             "kv_offload_disk_writer": args.kv_offload_disk_writer,
-            "kv_offload_early_restore": args.kv_offload_early_restore}
+            "kv_offload_early_restore": args.kv_offload_early_restore,
+            "kv_offload_write_through": args.kv_offload_write_through}
 
 
 def add_engine_arguments(group) -> None:
     """The engine flags `generate` and `serve` share: --device, --dtype, --block-size, --kv-cache-memory,
     --max-model-len, --kv-offload-memory, --kv-offload-dir, --kv-offload-disk-size,
-    --kv-offload-disk-writer, --kv-offload-in-step-restore-tokens, --kv-offload-early-restore, --kv-cache-dtype,
-    --enforce-eager, --mixed-step-graphs."""
+    --kv-offload-disk-writer, --kv-offload-in-step-restore-tokens, --[no-]kv-offload-early-restore,
+    --kv-offload-write-through, --kv-cache-dtype, --enforce-eager, --mixed-step-graphs."""
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     group.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: bf16 on CUDA)")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -97,6 +98,10 @@ def add_engine_arguments(group) -> None:
                        help="start a restore's host-to-device copies at admission, before the evictions and the "
                             "step's build (default; one rank only: under TP each rank copies with the step); "
                             "--no-kv-offload-early-restore issues them with the step's other block moves")
+    group.add_argument("--kv-offload-write-through", action="store_true",
+                       help="copy each prefix block to the host tier as soon as its KV is computed (up to 128 a "
+                            "step, into free host blocks), so that evicting it later needs no copy "
+                            "(experimental: not yet measured on a GPU)")
     from pagedkv.core.memory import KV_CACHE_DTYPES
 
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

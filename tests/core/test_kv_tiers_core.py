@@ -207,7 +207,17 @@ def _tier_key_of(bm, gpu_block):
     return group_key(bm.caches[group]._key_of[gpu_block], group)
 
 
-@pytest.mark.parametrize("make", [_one_table_manager, _layer_group_manager], ids=["one table", "layer groups"])
+def _write_through(make):
+    """`make`'s manager with write-through on (the same sizes)."""
+    bm = make()
+    bm._init_write_through(True)
+    return bm
+
+
+@pytest.mark.parametrize("make", [_one_table_manager, _layer_group_manager,
+                                  lambda: _write_through(_one_table_manager),
+                                  lambda: _write_through(_layer_group_manager)],
+                         ids=["one table", "layer groups", "one table, write-through", "layer groups, write-through"])
 def test_random_lifecycles_leave_every_tier_clean(make):
     """1,000 requests over shared prefixes with aborts and swaps: every tier's integrity holds throughout."""
     rng = random.Random(5)
@@ -230,7 +240,10 @@ def test_random_lifecycles_leave_every_tier_clean(make):
             bm.commit(seq_id, prompt, len(prompt))
             bm.release_out_of_window(seq_id, len(prompt))
             live[seq_id] = prompt
+        bm.pre_spill()
         copies = bm.take_tier_copies()
+        for copy in copies.pre_offload:  # a copy ahead of eviction names the block the host then holds
+            assert bm.tiers.host._key_of.get(copy.dst) == _tier_key_of(bm, copy.src), copy
         for copy in copies.restore + copies.restore_in_step:  # a spill never took the host block a restore reads
             assert bm.tiers.host._key_of.get(copy.src) == _tier_key_of(bm, copy.dst), copy
         bm.tiers.finish_writes([(key, rng.random() < 0.95) for key, _ in copies.disk_writes])
@@ -532,5 +545,71 @@ def test_an_early_restore_skips_host_blocks_a_spill_of_the_same_step_fills():
     copies = bm.take_tier_copies()
     assert staged == [[c.src for c in copies.restore + copies.restore_in_step]]
     bm.free(5)
+    bm.begin_step()
+    bm.check_integrity()
+
+
+@pytest.mark.parametrize("make", [lambda **kw: KVBlockManager(16, 4, num_offload_blocks=16, **kw),
+                                  lambda **kw: HybridBlockManager(
+                                      group_layers((SLIDING_ATTENTION, FULL_ATTENTION), 6, bytes_per_token_per_layer=64),
+                                      32, 4, num_offload_blocks=32, max_query_tokens=64, **kw)],
+                         ids=["one table", "layer groups"])
+def test_write_through_copies_a_running_prompts_blocks_once_computed_so_their_eviction_copies_nothing(make):
+    """With write-through a running sequence's blocks go to the host tier from the step after they are committed
+    (never before: until then their KV may not be computed), once; evicting them later spills nothing. Without
+    it, nothing is copied while the sequence runs, and the eviction spills every block."""
+    prompt = list(range(13))  # 3 full blocks
+    for write_through in (True, False):
+        bm = make(write_through=write_through)
+        bm.begin_step()
+        bm.admit(1, prompt)
+        bm.append_slots(1, len(prompt))
+        bm.schedule(1, 0, len(prompt))
+        bm.pre_spill()  # the prompt's KV is not computed yet
+        assert not bm.take_tier_copies().pre_offload
+        bm.commit(1, prompt, len(prompt))  # its step launched: 3 blocks computed (per group)
+        bm.begin_step()
+        bm.pre_spill()
+        ahead = bm.take_tier_copies().pre_offload
+        for copy in ahead:
+            assert bm.tiers.host._key_of.get(copy.dst) == _tier_key_of(bm, copy.src)
+        bm.begin_step()
+        bm.pre_spill()
+        assert not bm.take_tier_copies().pre_offload  # each block once
+        bm.free(1)
+        bm.begin_step()
+        size = 4 * bm.num_blocks  # the longest filler the pool admits: it evicts the prompt's blocks
+        while not bm.can_admit(bm.blocks_to_admit(list(range(500, 500 + size))), 0.0):
+            size -= 1
+        filler = list(range(500, 500 + size))
+        bm.admit(2, filler)
+        bm.append_slots(2, len(filler))
+        bm.schedule(2, 0, len(filler))
+        spilled = bm.take_tier_copies().offload
+        if write_through:
+            assert len(ahead) >= 3 and not spilled
+        else:
+            assert not ahead and len(spilled) >= 3
+        bm.free(2)
+        bm.begin_step()
+        assert bm.admit(3, prompt) == 12  # a host hit either way
+        bm.free(3)
+        bm.begin_step()
+        bm.check_integrity()
+
+
+def test_write_through_stops_when_the_host_tier_has_no_free_block():
+    """Write-through takes free host blocks only; once none is left its queue is dropped (the host tier's LRU,
+    not a guess about evictions, decides what the host keeps), and the blocks spill on eviction as without it."""
+    bm = KVBlockManager(32, 4, num_offload_blocks=2, write_through=True)
+    prompt = list(range(21))  # 5 full blocks, 2 host blocks
+    bm.begin_step()
+    bm.admit(1, prompt)
+    bm.append_slots(1, len(prompt))
+    bm.commit(1, prompt, len(prompt))
+    bm.begin_step()
+    bm.pre_spill()
+    assert len(bm.take_tier_copies().pre_offload) == 2 and not bm._write_through
+    bm.free(1)
     bm.begin_step()
     bm.check_integrity()

@@ -427,6 +427,30 @@ def test_an_early_restore_the_step_does_not_claim_is_dropped():
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_write_through_keeps_tokens_and_takes_the_copies_off_the_evictions(mode):
+    """`kv_offload_write_through`: each committed block goes to the host tier in the steps after it, so the
+    evictions of a pool too small for two prompts spill fewer blocks than without it; the tokens are those
+    without tiers (greedy, under preemption), and the copies ahead of eviction are counted apart."""
+    prompts = _chat_prompts(num_heads=3, per_head=2, head_len=20)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = _tokens(_llm(enable_prefix_caching=False).generate(prompts, params))
+    spills = {}
+    for write_through in (False, True):
+        llm = _llm(num_blocks=9, watermark=0.0, max_num_batched_tokens=16, preemption_mode=mode,
+                   swap_space=32 * 2**10, kv_offload_memory=512 * 2**10, kv_offload_write_through=write_through)
+        llm.engine.step_timings = []
+        assert _tokens(_one_by_one(llm, prompts, params)) == expected
+        assert _tokens(llm.generate(prompts, params)) == expected  # together: preemption, hits on the host
+        shapes = [timing.shape for timing in llm.engine.step_timings]
+        spills[write_through] = (sum(s.offloaded_blocks for s in shapes), sum(s.pre_spilled_blocks for s in shapes))
+        assert llm.stats()["kv_restored_blocks"] > 0
+        llm.engine.check_integrity()
+    assert spills[True][0] < spills[False][0] and spills[True][1] > spills[False][1], spills
+    with pytest.raises(ConfigError, match="kv_offload_write_through"):
+        EngineConfig(kv_offload_write_through=1)
+
+
 def test_early_restore_is_on_by_default_and_its_flag_is_checked():
     llm = _llm(kv_offload_memory=512 * 2**10)
     assert llm.engine.scheduler.block_manager.tiers.stage_restore == llm.engine.runner.offload.stage_restore
@@ -493,16 +517,20 @@ GPU_POOLS = {"tiny-qwen3": dict(num_blocks=48), "tiny-gemma3": dict(num_blocks=7
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, writer, early", [(name, "threads", True) for name in GPU_POOLS]
-                         + [("tiny-qwen3", "process", True), ("tiny-qwen3", "threads", False)])
+@pytest.mark.parametrize("name, writer, early, write_through",
+                         [(name, "threads", True, False) for name in GPU_POOLS]
+                         + [("tiny-qwen3", "process", True, False), ("tiny-qwen3", "threads", False, False),
+                            ("tiny-qwen3", "threads", True, True), ("tiny-gemma3", "threads", True, True)])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name, writer, early):
+def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_cache_dtype, name, writer, early,
+                                                                    write_through):
     """The CUDA path: spills, pre-spills and restores on the side stream beside graphed steps, swap through the
     same pool, disk writes after a CUDA event, then a restart: the tokens of a pool with no tiers, every time.
     For the layer-group model every group's blocks take that path, keyed per group. With the writer process
     the host pool is shared memory registered with CUDA (pinned), and its writes wait for their copies'
     events. With early restores (the default) the restores' copies start at admission, before the step's other
-    copies; without, they go with the step's moves."""
+    copies; without, they go with the step's moves. With write-through the committed blocks go to the host in
+    the steps after their kernels, read by the copy stream after its wait for the main stream."""
     from pagedkv.models.loader import random_model
 
     model = random_model(name, torch.float32, "cuda")
@@ -512,7 +540,7 @@ def test_cuda_side_stream_copies_keep_tokens_and_survive_a_restart(tmp_path, kv_
     expected = _tokens(LLM(num_blocks=2048, enable_prefix_caching=False, **options).generate(prompts, params))
     tiers = dict(kv_offload_memory=8 * 2**20, kv_offload_dir=str(tmp_path), watermark=0.0,
                  preemption_mode="swap", swap_space=2**20, kv_offload_disk_writer=writer,
-                 kv_offload_early_restore=early, **GPU_POOLS[name])
+                 kv_offload_early_restore=early, kv_offload_write_through=write_through, **GPU_POOLS[name])
     first = LLM(**options, **tiers)
     if writer == "process":
         from pagedkv.engine.kv_disk_process import ProcessDiskStore

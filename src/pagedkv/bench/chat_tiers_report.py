@@ -19,6 +19,7 @@ HOST_ONLY = "GPU + host (no disk tier)"
 WRITES_DURING_STEPS = f"{TIERED}, disk writes during steps"
 WRITER_PROCESS = f"{TIERED}, disk writer process"
 LATE_RESTORE = f"{TIERED}, restores issued with the step"
+WRITE_THROUGH = f"{TIERED}, write-through"
 
 
 def in_step_label(tokens: int) -> str:

@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     parser.add_argument("--late-restore", action="store_true",
                         help="chat-tiers: one more configuration, the tiers with each restore's copies issued with "
                              "the step's other block moves instead of at admission (kv_offload_early_restore=False)")
+    parser.add_argument("--write-through", action="store_true",
+                        help="chat-tiers: one more configuration, the tiers copying each committed block to the host "
+                             "ahead of any eviction (kv_offload_write_through)")
     parser.add_argument("--in-step-restore-tokens", type=int, default=None, metavar="T",
                         help="chat-tiers: one more configuration, the tiers with at most T tokens' worth of restored "
                              "blocks copied before a step's kernels (--kv-offload-in-step-restore-tokens; 0: every "

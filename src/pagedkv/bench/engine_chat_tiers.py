@@ -53,6 +53,7 @@ from pagedkv.bench.chat_tiers_report import (
     HOST_ONLY,
     LATE_RESTORE,
     TIERED,
+    WRITE_THROUGH,
     WRITER_PROCESS,
     WRITES_DURING_STEPS,
     in_step_label,
@@ -257,6 +258,9 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     if args.late_restore:  # restores' copies issued with the step, not at admission (a disk of its own)
         configs.append((LATE_RESTORE, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "late"),
                                            kv_offload_early_restore=False)))
+    if args.write_through:  # committed blocks copied to the host ahead of any eviction (a disk of its own)
+        configs.append((WRITE_THROUGH, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "write-through"),
+                                            kv_offload_write_through=True)))
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
                         dict(tiered, kv_offload_dir=str(Path(offload_dir) / "in-step"),

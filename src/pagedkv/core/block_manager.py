@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pagedkv.core.allocator import BlockAllocator
 from pagedkv.core.block_table import BlockCopy, BlockTable, num_blocks_for
 from pagedkv.core.kv_tiers import KVTiers
-from pagedkv.core.pool_queries import PRE_SPILL_BLOCKS, PoolQueries
+from pagedkv.core.pool_queries import PRE_SPILL_BLOCKS, WRITE_THROUGH_BLOCKS, PoolQueries
 from pagedkv.core.prefix_cache import BlockHash, PrefixCache, block_keys
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
 
@@ -38,7 +38,7 @@ class KVBlockManager(PoolQueries):
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  num_swap_blocks: int = 0, max_num_tokens: int | None = None, num_offload_blocks: int = 0,
-                 disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0):
+                 disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0, write_through: bool = False):
         require_positive_int("block_size", block_size)
         self._init_restores(max_in_step_restore_blocks)
         require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
@@ -52,6 +52,7 @@ class KVBlockManager(PoolQueries):
                              disk_capacity_blocks=disk_capacity_blocks) if num_host_blocks else None
         on_evict = self.tiers.on_gpu_evict if self.tiers is not None and cache_on_host else None
         self.prefix_cache = PrefixCache(self.allocator, on_evict) if enable_prefix_caching else None
+        self._init_write_through(write_through)
         self._pre_spilled: tuple | None = None  # (cache, host, loading) state a `pre_spill` found settled
         self._tables: dict[int, BlockTable] = {}
         self._swapped: dict[int, tuple[list[int], int]] = {}  # seq id -> (host blocks, num tokens)
@@ -184,7 +185,10 @@ class KVBlockManager(PoolQueries):
         return keys
 
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
-        """Copy the GPU cache's next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""
+        """Copy the GPU cache's next evictions to the host tier ahead of time (beside this step; see `KVTiers`),
+        then, with write-through, the blocks committed since (`_write_through_step`)."""
+        if self._write_through:
+            self._write_through_step(WRITE_THROUGH_BLOCKS)
         if self.tiers is None or self.prefix_cache is None or not self.prefix_cache.num_evictable:
             return
         # A decode step changes neither the cache's eviction order nor the host: skip the scan that found
@@ -272,6 +276,7 @@ class KVBlockManager(PoolQueries):
                               keys[-1] if keys else None)
         for offset, key in enumerate(new_keys):
             self.prefix_cache.insert(key, table.block_ids[len(keys) + offset])
+        self._queue_write_through(self.prefix_cache, new_keys)
         keys.extend(new_keys)
 
     # ------------------------------------------------------------------ release

@@ -43,7 +43,7 @@ from pagedkv.core.group_tables import count_table_owners, held_blocks
 from pagedkv.core.group_tiers import GroupHit, GroupTiers, eviction_hook, group_key
 from pagedkv.core.kv_groups import KVLayout
 from pagedkv.core.kv_tiers import KVTiers
-from pagedkv.core.pool_queries import PRE_SPILL_BLOCKS, PoolQueries
+from pagedkv.core.pool_queries import PRE_SPILL_BLOCKS, WRITE_THROUGH_BLOCKS, PoolQueries
 from pagedkv.core.prefix_cache import BlockHash, PrefixCache, block_keys
 from pagedkv.core.sliding_table import SlidingBlockTable
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, require_positive_int
@@ -56,7 +56,8 @@ class HybridBlockManager(GroupSwap, PoolQueries):
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  num_swap_blocks: int = 0, max_num_tokens: int | None = None, max_query_tokens: int = 2048,
-                 num_offload_blocks: int = 0, disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0):
+                 num_offload_blocks: int = 0, disk_capacity_blocks: int = 0, max_in_step_restore_blocks: int = 0,
+                 write_through: bool = False):
         require_positive_int("block_size", block_size)
         self._init_restores(max_in_step_restore_blocks)
         require_positive_int("num_swap_blocks", num_swap_blocks, allow_zero=True)
@@ -84,6 +85,7 @@ class HybridBlockManager(GroupSwap, PoolQueries):
         # The hit-rate statistics live on one cache: a hit is decided for all groups at once.
         self.prefix_cache = self.caches[0] if self.caches else None
         self._group_tiers = GroupTiers(self.groups, self.caches, self.tiers, block_size) if self.caches else None
+        self._init_write_through(write_through and self.caches is not None)
         self._tables: dict[int, list[BlockTable]] = {}
         self._num_tokens: dict[int, int] = {}  # tokens with slots in the full groups (the scheduler's view)
         # seq id -> (per group: table tokens, dropped entries, CPU blocks in logical order), tokens
@@ -212,7 +214,10 @@ class HybridBlockManager(GroupSwap, PoolQueries):
                                           (len(token_ids) - 1) // self.block_size)
 
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
-        """Copy the GPU caches' next evictions to the host tier ahead of time (beside this step; see `KVTiers`)."""
+        """Copy the GPU caches' next evictions to the host tier ahead of time (beside this step; see `KVTiers`),
+        then, with write-through, the blocks committed since (`_write_through_step`)."""
+        if self._write_through:
+            self._write_through_step(WRITE_THROUGH_BLOCKS)
         if self.tiers is not None and self._group_tiers is not None and self.num_free_blocks > self.allocator.num_free:
             self.tiers.pre_spill(self._group_tiers.spill_candidates(2 * max_blocks), max_blocks)
 
@@ -315,11 +320,12 @@ class HybridBlockManager(GroupSwap, PoolQueries):
             return
         new_keys = block_keys(token_ids[:num_full * self.block_size], self.block_size, known_keys, len(keys),
                               keys[-1] if keys else None)
-        for table, cache in zip(self._tables[seq_id], self.caches):
+        for g, (table, cache) in enumerate(zip(self._tables[seq_id], self.caches)):
             for offset, key in enumerate(new_keys):
                 index = len(keys) + offset
                 if index < len(table.block_ids) and table.block_ids[index] != self.null_block:
                     cache.insert(key, table.block_ids[index])
+            self._queue_write_through(cache, new_keys, g)
         keys.extend(new_keys)
 
     def release_out_of_window(self, seq_id: int, num_computed_tokens: int) -> None:

@@ -113,6 +113,10 @@ class PrefixCache:
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._block_of
 
+    def block_of(self, key: BlockHash) -> int | None:
+        """The block cached under `key`, or None."""
+        return self._block_of.get(key)
+
     def match(self, keys: Sequence[BlockHash]) -> list[int]:
         """The blocks of the longest cached prefix of `keys` (no references taken)."""
         return cached_prefix(self._block_of, keys)

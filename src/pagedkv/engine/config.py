@@ -42,6 +42,9 @@ class EngineConfig:
     kv_offload_early_restore: start copying a restore's host blocks to the device as soon as the scheduler has
     chosen them, before it evicts and allocates their GPU blocks (default on; False issues them with the step's
     other block moves; ignored under tensor parallelism, where every rank copies its own shard with the step).
+    kv_offload_write_through: copy each prefix block to the host tier as soon as its KV is computed (up to 128
+    blocks a step, beside the steps, into free host blocks only), so that its eviction later needs no copy; off
+    by default (experimental: not yet measured on a GPU).
     """
 
     model: str | None = None
@@ -82,6 +85,7 @@ class EngineConfig:
     kv_offload_disk_writes_during_steps: bool = False
     kv_offload_disk_writer: str = "threads"  # or "process"
     kv_offload_early_restore: bool = True  # start a restore's copies at admission (one rank; see kv_offload)
+    kv_offload_write_through: bool = False  # copy committed blocks to the host ahead of eviction
 
     def __post_init__(self):
         require_positive_int("block_size", self.block_size)
@@ -98,8 +102,9 @@ class EngineConfig:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise ConfigError(f"kv_offload_in_step_restore_tokens must be a number of tokens >= 0 (or None: "
                               f"max_num_batched_tokens), got {tokens!r}")
-        if not isinstance(self.kv_offload_early_restore, bool):
-            raise ConfigError(f"kv_offload_early_restore must be a bool, got {self.kv_offload_early_restore!r}")
+        for name in ("kv_offload_early_restore", "kv_offload_write_through"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_offload_disk_writer not in ("threads", "process"):
             raise ConfigError(f"kv_offload_disk_writer must be 'threads' or 'process', got "
                               f"{self.kv_offload_disk_writer!r}")

@@ -44,7 +44,8 @@ class Scheduler(StepPlanner, StepUpdater):
                 enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=config.num_swap_blocks,
                 max_num_tokens=max(config.max_model_len, config.block_size),
                 max_query_tokens=config.max_num_batched_tokens, num_offload_blocks=config.num_offload_blocks,
-                disk_capacity_blocks=config.disk_capacity_blocks, max_in_step_restore_blocks=max_in_step_restores)
+                disk_capacity_blocks=config.disk_capacity_blocks, max_in_step_restore_blocks=max_in_step_restores,
+                write_through=config.kv_write_through)
         else:
             self.block_manager = KVBlockManager(
                 config.num_blocks,
@@ -55,6 +56,7 @@ class Scheduler(StepPlanner, StepUpdater):
                 num_offload_blocks=config.num_offload_blocks,
                 disk_capacity_blocks=config.disk_capacity_blocks,
                 max_in_step_restore_blocks=max_in_step_restores,
+                write_through=config.kv_write_through,
             )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

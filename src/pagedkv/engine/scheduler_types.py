@@ -56,6 +56,7 @@ class SchedulerConfig:
     disk_capacity_blocks: int = 0  # blocks the disk tier may hold (0: no disk tier)
     # tokens' worth of restored blocks copied before a step's kernels (None: max_num_batched_tokens); see kv_offload
     max_in_step_restore_tokens: int | None = None
+    kv_write_through: bool = False  # copy committed blocks to the host tier ahead of eviction (see pool_queries)
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

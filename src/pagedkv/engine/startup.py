@@ -193,6 +193,7 @@ def build_scheduler(config: EngineConfig, setup: ModelSetup, plan: PoolPlan, seq
             enable_prefix_caching=config.enable_prefix_caching, num_swap_blocks=plan.num_swap_blocks,
             num_offload_blocks=plan.num_offload_blocks, disk_capacity_blocks=plan.disk_capacity_blocks,
             max_in_step_restore_tokens=config.kv_offload_in_step_restore_tokens,
+            kv_write_through=config.kv_offload_write_through,
             kv_layout=setup.kv_layout,
         ),
         eos_token_ids=setup.eos_token_ids,
