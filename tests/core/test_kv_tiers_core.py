@@ -551,7 +551,8 @@ def test_an_early_restore_skips_host_blocks_a_spill_of_the_same_step_fills():
 
 @pytest.mark.parametrize("make", [lambda **kw: KVBlockManager(16, 4, num_offload_blocks=16, **kw),
                                   lambda **kw: HybridBlockManager(
-                                      group_layers((SLIDING_ATTENTION, FULL_ATTENTION), 6, bytes_per_token_per_layer=64),
+                                      group_layers((SLIDING_ATTENTION, FULL_ATTENTION), 6,
+                                                   bytes_per_token_per_layer=64),
                                       32, 4, num_offload_blocks=32, max_query_tokens=64, **kw)],
                          ids=["one table", "layer groups"])
 def test_write_through_copies_a_running_prompts_blocks_once_computed_so_their_eviction_copies_nothing(make):
@@ -611,5 +612,34 @@ def test_write_through_stops_when_the_host_tier_has_no_free_block():
     bm.pre_spill()
     assert len(bm.take_tier_copies().pre_offload) == 2 and not bm._write_through
     bm.free(1)
+    bm.begin_step()
+    bm.check_integrity()
+
+
+@pytest.mark.parametrize("make", [lambda: KVBlockManager(32, 4, num_offload_blocks=16, write_through=True),
+                                  lambda: HybridBlockManager(
+                                      group_layers((SLIDING_ATTENTION, FULL_ATTENTION), 6,
+                                                   bytes_per_token_per_layer=64),
+                                      32, 4, num_offload_blocks=32, max_query_tokens=64, write_through=True)],
+                         ids=["one table", "layer groups"])
+def test_write_through_copies_a_prefix_two_requests_computed_in_one_step_once(make):
+    """Two requests admitted in one step with the same new prompt both compute it (neither can hit the other) and
+    both commit its keys: one copy per key, and no host block taken without its key (a leak `check_integrity`
+    names)."""
+    bm = make()
+    prompt = list(range(13))
+    bm.begin_step()
+    for seq_id in (1, 2):
+        bm.admit(seq_id, prompt)
+        bm.append_slots(seq_id, len(prompt))
+        bm.schedule(seq_id, 0, len(prompt))
+    for seq_id in (1, 2):
+        bm.commit(seq_id, prompt, len(prompt))
+    bm.begin_step()
+    bm.pre_spill()
+    copies = bm.take_tier_copies().pre_offload
+    assert len({bm.tiers.host._key_of.get(c.dst) for c in copies}) == len(copies) > 0
+    bm.free(1)
+    bm.free(2)
     bm.begin_step()
     bm.check_integrity()

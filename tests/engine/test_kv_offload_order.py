@@ -82,10 +82,13 @@ def test_a_block_spilled_and_restored_in_one_step_comes_back_whole(device, where
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["restore_in_step", "restore"])
 @pytest.mark.parametrize("held_back", [False, True])
-def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_back, monkeypatch):
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_back, staged, monkeypatch):
     """Many blocks spill in two steps (long copies to the host), and the very next step, whose kernels may have
     started before those copies ran, restores two of them and overwrites the spilled GPU blocks; `held_back`:
-    with no bytes allowed in flight, so the second gather waits for the first step's copies."""
+    with no bytes allowed in flight, so the second gather waits for the first step's copies (and lets go of
+    them: a restore staged at admission, on a stream of its own, must still wait for them); `staged`: the
+    restore's copies start at admission (`stage_restore`)."""
     if held_back:
         monkeypatch.setattr(KVOffload, "MAX_BYTES_COPYING_OUT", 0)
     storage, offload = _offload(device, num_blocks=66, num_host_blocks=64, block_tokens=256)
@@ -97,6 +100,8 @@ def test_a_restore_in_the_next_step_reads_the_spill_whole(device, where, held_ba
         # held back, the second gather (on the copy stream) waits for the first batch's copies out
         assert offload.stream.query() is not held_back
     storage[:, :, :64] = -1.0  # the step's kernels reuse the spilled blocks (on the main stream, as they would)
+    if staged:
+        offload.stage_restore([0, 63])
     offload.move(_step(**{where: [BlockCopy(0, 64), BlockCopy(63, 65)]}))
     if device == "cuda":
         torch.cuda.synchronize()

@@ -186,17 +186,16 @@ class KVBlockManager(PoolQueries):
 
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
         """Copy the GPU cache's next evictions to the host tier ahead of time (beside this step; see `KVTiers`),
-        then, with write-through, the blocks committed since (`_write_through_step`)."""
+        then, with write-through, the blocks committed since (`_write_through_step`: the next evictions come
+        first, as they need the free host blocks soonest)."""
+        if self.tiers is not None and self.prefix_cache is not None and self.prefix_cache.num_evictable \
+                and self._pre_spilled != self._pre_spill_state():
+            # (A decode step changes neither the cache's eviction order nor the host: the skip above spares the
+            # scan that found every candidate on the host already.)
+            settled = self.tiers.pre_spill(self.prefix_cache.next_evicted(2 * max_blocks), max_blocks)
+            self._pre_spilled = self._pre_spill_state() if settled else None
         if self._write_through:
             self._write_through_step(WRITE_THROUGH_BLOCKS)
-        if self.tiers is None or self.prefix_cache is None or not self.prefix_cache.num_evictable:
-            return
-        # A decode step changes neither the cache's eviction order nor the host: skip the scan that found
-        # every candidate on the host already.
-        if self._pre_spilled == self._pre_spill_state():
-            return
-        settled = self.tiers.pre_spill(self.prefix_cache.next_evicted(2 * max_blocks), max_blocks)
-        self._pre_spilled = self._pre_spill_state() if settled else None
 
     def _pre_spill_state(self) -> tuple[int, int, int]:
         """What a settled `pre_spill` depends on: the GPU cache's evictable blocks, the host tier, disk loads."""

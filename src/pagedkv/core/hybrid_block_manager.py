@@ -216,10 +216,10 @@ class HybridBlockManager(GroupSwap, PoolQueries):
     def pre_spill(self, max_blocks: int = PRE_SPILL_BLOCKS) -> None:
         """Copy the GPU caches' next evictions to the host tier ahead of time (beside this step; see `KVTiers`),
         then, with write-through, the blocks committed since (`_write_through_step`)."""
-        if self._write_through:
-            self._write_through_step(WRITE_THROUGH_BLOCKS)
         if self.tiers is not None and self._group_tiers is not None and self.num_free_blocks > self.allocator.num_free:
             self.tiers.pre_spill(self._group_tiers.spill_candidates(2 * max_blocks), max_blocks)
+        if self._write_through:
+            self._write_through_step(WRITE_THROUGH_BLOCKS)
 
     def persist(self) -> tuple[list[tuple[BlockHash, int]], list[tuple[BlockHash, int]]]:
         """Cached blocks of every group to write to disk at shutdown, ((tier key, GPU block), (tier key, host

@@ -190,15 +190,20 @@ class KVTiers:
         self._queue_write(key, blocks[0])
 
     def pre_spill(self, candidates: Sequence[tuple[BlockHash, int]], max_blocks: int) -> bool:
-        """Copy up to `max_blocks` of `candidates` (evictable GPU blocks, next to be evicted first) to the host now,
-        beside the step, so that evicting them later needs no copy. Only free host blocks are used: a guess
-        about the future never evicts a cached host block. True when every candidate is on the host (or loading)
+        """Copy up to `max_blocks` of `candidates` (GPU blocks whose KV is computed, next to be evicted first: the
+        evictable ones, or with write-through committed blocks of running requests) to the host now, beside the
+        step, so that evicting them later needs no copy. A key named twice is copied once. Only free host blocks
+        are used: a guess about the future never evicts a cached host block. True when every candidate is on the host (or loading)
         after the call: a call on the same candidates and host would do nothing."""
         if not self.cache_on_host:
             return True
         # Plain dict lookups: this runs at every step that changed the GPU cache's evictable blocks.
         on_host, loading = self.host._block_of, self._loading
-        todo = [(key, gpu_block) for key, gpu_block in candidates if key not in on_host and key not in loading]
+        todo, named = [], set()  # two requests that computed one prefix in a step commit its keys twice
+        for key, gpu_block in candidates:
+            if key not in on_host and key not in loading and key not in named:
+                named.add(key)
+                todo.append((key, gpu_block))
         take = min(len(todo), max_blocks, self.host.allocator.num_free)
         if take > 0:
             # Free blocks only (take <= num_free: nothing is evicted): nothing else reads or writes them this step.

@@ -56,7 +56,7 @@ on the H200 the first warm 16K turn after a run of cold ones, whose admission al
 left, waited ~20 ms longer than the others. The host blocks a staged copy reads are busy from the admission on,
 so nothing writes them before the copy stream (whose scatter waits for that copy) has let them go; a spill or
 disk read into them after that is ordered after the copy stream. On the H200 a warm turn on a 16K-token prefix
-admitted its restore 5-14 ms (under the profiler) before the copy began; staged at admission the copy begins
+admitted its restore 9-14 ms (under the profiler) before the copy began; staged at admission the copy begins
 3-6 ms after submission, and the turn's TTFT falls by ~5 ms (of ~50). A staged restore the step does not name
 whole (the admission did not go through) is dropped (nothing waits for its copies, whose result nothing reads);
 a restore whose host blocks a spill of the same step fills is not staged (`KVTiers.stage`: that copy to the
@@ -241,6 +241,9 @@ class KVOffload:
         self._restores_done = None  # event B of the last step that restored
         # (event C, host blocks, bytes, gathered blocks) of the copies to the host that may be in flight
         self._copying_out: list[tuple] = []
+        # (event C, host blocks) of copies to the host that `_hold_back_copies_out` let go of (the copy stream
+        # waits for them) and that may still run: the stage stream, which that wait does not cover, still must
+        self._held_out: list[tuple] = []
         self._timings: list[tuple] = []  # (direction, bytes, start, copied, resumed, end): CUDA events or None
         self._free_events: list = []  # timing events whose copies finished and were accounted: recorded again
         self._ids = _PinnedIds(self.device, self.stream) if self.is_cuda else None
@@ -266,6 +269,8 @@ class KVOffload:
         self._collect_timings()
         if self._copying_out:  # let go of finished copies out (their gathered blocks with them), once a step
             self._copying_out = [entry for entry in self._copying_out if not entry[0].query()]
+        if self._held_out:
+            self._held_out = [entry for entry in self._held_out if not entry[0].query()]
         if not self.io.reports:
             self.io.poll()  # a worker rank: nobody reads its results, but its finished writes must be let go
         if step.disk_loads:  # copies issued before this step may still read or fill the host blocks these fill
@@ -336,7 +341,7 @@ class KVOffload:
         blocks = sorted(host_blocks)
         stream = self.stage_stream
         with torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext():
-            if self._copying_out:
+            if self._copying_out or self._held_out:
                 self._wait_copies_out(blocks, stream)
             self._early.append(_Staged(blocks, *self._stage(len(blocks), _source_runs(blocks, {}), stream)))
 
@@ -365,10 +370,10 @@ class KVOffload:
     def _filling(self, host_blocks) -> list:
         """The events C of the copies to the host still in flight (on the out stream) that fill one of
         `host_blocks`."""
-        if not self._copying_out:
+        if not self._copying_out and not self._held_out:
             return []
         wanted = set(host_blocks)
-        return [event for event, filling, *_ in self._copying_out if not filling.isdisjoint(wanted)]
+        return [event for event, filling, *_ in self._copying_out + self._held_out if not filling.isdisjoint(wanted)]
 
     def _wait_copies_out(self, host_blocks: list[int], stream=None) -> None:
         """Make `stream` (default the copy stream) wait for the copies to the host in flight that fill one of
@@ -393,8 +398,9 @@ class KVOffload:
         pending = self._copying_out
         held = sum(entry[2] for entry in pending)
         while pending and held + nbytes > self.MAX_BYTES_COPYING_OUT:
-            event, _, freed, _ = pending.pop(0)  # after this wait, stream order covers its blocks
+            event, filling, freed, _ = pending.pop(0)  # after this wait, the copy stream's order covers its blocks
             self.stream.wait_event(event)
+            self._held_out.append((event, filling))  # (not the stage stream's: see `_filling`)
             held -= freed
 
     def _mark(self, stream=None):
