@@ -1,5 +1,7 @@
 """The chat-tiers bench's turn loop: TTFT over every turn, and apart over the turns that reuse a system prompt."""
 
+import argparse
+import dataclasses
 import types
 
 from pagedkv.bench.chat_tiers_run import run_chat
@@ -109,3 +111,31 @@ def test_turn_records_sum_their_steps_moves_and_the_report_names_the_slowest_war
     assert line.startswith("b 50.0 ms (2 steps, wait 30.0 ms, untimed 20.0 ms, restored 8, spilled 3, pre-spilled 1")
     assert line.endswith("after a cold turn)") and "a 110" not in line  # cold turns are not warm turns
     assert slowest_turns_line([a]) == "-"
+
+
+def test_each_optional_configuration_is_a_flag_and_the_tiered_engine_with_its_own_changes(tmp_path):
+    """One table (`EXTRA_CONFIGS`) gives `pagedkv bench engine` its switches and the bench its configurations:
+    each switch parses to its field, and each configuration keeps the tiered host tier, has a disk of its own (or
+    none) and its own engine options."""
+    from pagedkv.bench.engine_chat_tiers import EXTRA_CONFIGS
+    from pagedkv.engine.config import EngineConfig
+
+    tiered = dict(kv_offload_memory=2**20, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=2**21)
+    disks = {tiered["kv_offload_dir"]}
+    fields = {field.name for field in dataclasses.fields(EngineConfig)}
+    parser = argparse.ArgumentParser()
+    for extra in EXTRA_CONFIGS:
+        parser.add_argument(extra.flag, action="store_true")
+    assert len({extra.label for extra in EXTRA_CONFIGS}) == len(EXTRA_CONFIGS)
+    for extra in EXTRA_CONFIGS:
+        args = parser.parse_args([extra.flag])
+        assert [e.flag for e in EXTRA_CONFIGS if getattr(args, e.dest)] == [extra.flag]
+        options = extra.options(tiered, tmp_path)
+        assert options["kv_offload_memory"] == tiered["kv_offload_memory"]
+        for name, value in extra.overrides:
+            assert name in fields and options[name] == value
+        if extra.disk is None:
+            assert "kv_offload_dir" not in options
+        else:
+            assert options["kv_offload_dir"] not in disks and options["kv_offload_disk_bytes"] == 2**21
+            disks.add(options["kv_offload_dir"])

@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
     from rich.console import Console
     from rich.table import Table
 
+    from pagedkv.bench.engine_chat_tiers import EXTRA_CONFIGS
     from pagedkv.engine.llm import LLM
     from pagedkv.models.loader import random_model
 
@@ -161,20 +162,8 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
                         help="chat-tiers: C conversations of T turns over K system prompts of S tokens, F turns in "
                              "flight, for every model (default per model: 128,64,3,1024,4 for Qwen3-0.6B, "
                              "96,48,3,1024,4 for Llama-3-8B); e.g. 32,16,3,8192,2 for long shared prefixes")
-    parser.add_argument("--host-tier-only", action="store_true",
-                        help="chat-tiers: one more configuration, the same host tier without the disk tier")
-    parser.add_argument("--disk-writes-during-steps", action="store_true",
-                        help="chat-tiers: one more configuration, the tiers with disk writes free to start while "
-                             "the step loop schedules and launches (kv_offload_disk_writes_during_steps)")
-    parser.add_argument("--disk-writer-process", action="store_true",
-                        help="chat-tiers: one more configuration, the tiers with the disk writes in a child process "
-                             "over a shared host pool (kv_offload_disk_writer=\"process\")")
-    parser.add_argument("--late-restore", action="store_true",
-                        help="chat-tiers: one more configuration, the tiers with each restore's copies issued with "
-                             "the step's other block moves instead of at admission (kv_offload_early_restore=False)")
-    parser.add_argument("--write-through", action="store_true",
-                        help="chat-tiers: one more configuration, the tiers copying each committed block to the host "
-                             "ahead of any eviction (kv_offload_write_through)")
+    for extra in EXTRA_CONFIGS:
+        parser.add_argument(extra.flag, action="store_true", help=f"chat-tiers: one more configuration, {extra.help}")
     parser.add_argument("--in-step-restore-tokens", type=int, default=None, metavar="T",
                         help="chat-tiers: one more configuration, the tiers with at most T tokens' worth of restored "
                              "blocks copied before a step's kernels (--kv-offload-in-step-restore-tokens; 0: every "

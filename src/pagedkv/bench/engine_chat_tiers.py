@@ -64,6 +64,48 @@ from pagedkv.bench.chat_tiers_run import run_chat
 from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
 
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraConfig:
+    """An optional configuration of the bench: the tiered one with some engine options changed, run when
+    `pagedkv bench engine` gets `flag`."""
+
+    flag: str
+    label: str  # its row in the report
+    help: str
+    disk: str | None  # its disk tier's subdirectory (each configuration a disk of its own); None: no disk tier
+    overrides: tuple[tuple[str, object], ...] = ()  # EngineConfig fields over the tiered configuration's
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def options(self, tiered: dict, offload_dir: Path) -> dict:
+        """The engine options: `tiered`'s host tier, a disk of its own (or none), then the overrides."""
+        if self.disk is None:
+            base = {"kv_offload_memory": tiered["kv_offload_memory"]}
+        else:
+            base = dict(tiered, kv_offload_dir=str(Path(offload_dir) / self.disk))
+        return dict(base, **dict(self.overrides))
+
+
+EXTRA_CONFIGS = (
+    ExtraConfig("--host-tier-only", HOST_ONLY, "the same host tier without the disk tier (what the disk writers "
+                "cost the steps)", None),
+    ExtraConfig("--disk-writes-during-steps", WRITES_DURING_STEPS, "the tiers with disk writes free to start while "
+                "the step loop schedules and launches (kv_offload_disk_writes_during_steps)", "during",
+                (("kv_offload_disk_writes_during_steps", True),)),
+    ExtraConfig("--disk-writer-process", WRITER_PROCESS, "the tiers with the disk writes in a child process over a "
+                "shared host pool (kv_offload_disk_writer=\"process\")", "process",
+                (("kv_offload_disk_writer", "process"),)),
+    ExtraConfig("--late-restore", LATE_RESTORE, "the tiers with each restore's copies issued with the step's other "
+                "block moves instead of at admission (kv_offload_early_restore=False)", "late",
+                (("kv_offload_early_restore", False),)),
+    ExtraConfig("--write-through", WRITE_THROUGH, "the tiers copying each committed block to the host ahead of any "
+                "eviction (kv_offload_write_through)", "write-through", (("kv_offload_write_through", True),)),
+)
+
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
 SIZES = {"qwen3-0.6b": (128, 64, 3, 1024, 4), "llama3-8b": (96, 48, 3, 1024, 4)}
 SMOKE_SIZE = (12, 6, 2, 48, 2)
@@ -247,20 +289,8 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     disk_bytes = 64 * 2**20 if smoke else max(DISK_CAP_BYTES, host_bytes)
     tiered = dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir), kv_offload_disk_bytes=disk_bytes)
     configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}), (TIERED, tiered)]
-    if args.host_tier_only:  # the same host tier without the disk tier: what the disk writers cost the steps
-        configs.append((HOST_ONLY, dict(kv_offload_memory=host_bytes)))
-    if args.disk_writes_during_steps:  # the disk writers not held while the step loop runs (a disk of its own)
-        configs.append((WRITES_DURING_STEPS, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "during"),
-                                                  kv_offload_disk_writes_during_steps=True)))
-    if args.disk_writer_process:  # the disk writes in a child process over a shared host pool (a disk of its own)
-        configs.append((WRITER_PROCESS, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "process"),
-                                             kv_offload_disk_writer="process")))
-    if args.late_restore:  # restores' copies issued with the step, not at admission (a disk of its own)
-        configs.append((LATE_RESTORE, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "late"),
-                                           kv_offload_early_restore=False)))
-    if args.write_through:  # committed blocks copied to the host ahead of any eviction (a disk of its own)
-        configs.append((WRITE_THROUGH, dict(tiered, kv_offload_dir=str(Path(offload_dir) / "write-through"),
-                                            kv_offload_write_through=True)))
+    configs += [(extra.label, extra.options(tiered, offload_dir))
+                for extra in EXTRA_CONFIGS if getattr(args, extra.dest)]  # each with a disk of its own
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
                         dict(tiered, kv_offload_dir=str(Path(offload_dir) / "in-step"),
