@@ -182,26 +182,3 @@ def test_a_restore_staged_at_admission_holds_up_only_the_requests_that_need_it(d
     assert torch.equal(offload.host[1].to(device), spilled)
     assert not offload._early
     offload.close()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("staged", [False, True])
-def test_long_runs_cross_in_pieces_and_come_back_whole(device, staged):
-    """A run of consecutive host blocks longer than `copy_chunk_blocks` goes to the host and back in pieces (so
-    that a small copy in the same direction, such as a step's sampled tokens, never waits behind a long one):
-    every block lands where it should, and the restore counts one copy per piece."""
-    storage, offload = _offload(device, num_blocks=24, num_host_blocks=16)
-    offload.copy_chunk_blocks = 3
-    spilled = storage[:, :, :11].clone()
-    offload.move(_step(offload=[BlockCopy(block, block + 2) for block in range(11)]))  # host blocks 2..12
-    storage[:, :, :11] = -1.0
-    restored = list(range(2, 13))
-    if staged:
-        offload.stage_restore(restored)
-    offload.move(_step(restore=[BlockCopy(host, host + 11) for host in restored]))  # GPU blocks 13..23
-    if device == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(offload.host[2:13].to(device).movedim(0, 2), spilled)
-    assert torch.equal(storage[:, :, 13:24], spilled)
-    assert offload.stats.h2d_num_copies == 4  # 11 blocks in pieces of 3
-    offload.close()

@@ -214,11 +214,6 @@ class KVOffload:
 
     # Gathered blocks waiting for their copies to the host, beyond which a new gather waits (~36 ms of PCIe)
     MAX_BYTES_COPYING_OUT = 2 << 30
-    # A run of blocks crosses PCIe in copies of at most this many bytes (~0.6 ms at 55 GB/s). Copies in one
-    # direction queue on the device's copy engine whatever their stream: on the H200 the first token of a turn
-    # whose admission spilled a cold 16K-token prompt (~1,030 blocks, one 35 ms copy to the host) waited for the
-    # end of that copy before its own few bytes could cross. In pieces, a small copy waits for one piece at most.
-    COPY_CHUNK_BYTES = 32 << 20
 
     def __init__(self, pool, num_host_blocks: int, *, disk: DiskStore | None = None, tp=None, shared_host=None):
         self.pool = pool
@@ -238,7 +233,6 @@ class KVOffload:
             self.host = torch.empty((num_host_blocks, *block_shape), dtype=storage.dtype, pin_memory=self.is_cuda)
         self._host_bytes = self.host.view(torch.uint8).reshape(num_host_blocks, -1).numpy()  # [Nh, bytes]
         self.block_nbytes = self._host_bytes.shape[1]
-        self.copy_chunk_blocks = max(1, self.COPY_CHUNK_BYTES // self.block_nbytes)  # blocks per PCIe copy
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.out_stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # gathered blocks -> host
         # Restores staged at admission (`stage_restore`): a stream of their own, so that the step's gathers on the
@@ -341,7 +335,7 @@ class KVOffload:
 
     def stage_restore(self, host_blocks: list[int]) -> None:
         """Start copying a restore's host blocks to the device now, into a staging tensor of their own (in
-        host-block order: one copy per run of consecutive blocks, a long run in pieces), ordered after the copies to the host still in
+        host-block order: one copy per run of consecutive blocks), ordered after the copies to the host still in
         flight that fill them; the step's `move` scatters it (see the module docstring). The blocks are busy on
         the host tier from the caller on, so nothing writes them before the copies have read them."""
         blocks = sorted(host_blocks)
@@ -359,18 +353,9 @@ class KVOffload:
         staged = torch.empty((num_blocks, *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
         for index, first, length, gathered in runs:
             if not gathered:
-                self.stats.h2d_num_copies += self._copy_run(staged, index, self.host, first, length)
+                staged[index:index + length].copy_(self.host[first:first + length], non_blocking=True)
+        self.stats.h2d_num_copies += sum(not gathered for *_, gathered in runs)
         return staged, start, self._mark(stream)
-
-    def _copy_run(self, dst: torch.Tensor, dst_first: int, src: torch.Tensor, src_first: int, length: int) -> int:
-        """dst[dst_first:][:length] = src[src_first:][:length] across PCIe (non-blocking, on the current stream), in
-        copies of at most `copy_chunk_blocks` blocks (see `COPY_CHUNK_BYTES`); returns how many copies."""
-        piece = self.copy_chunk_blocks
-        for offset in range(0, length, piece):
-            n = min(piece, length - offset)
-            dst[dst_first + offset:dst_first + offset + n].copy_(src[src_first + offset:src_first + offset + n],
-                                                                   non_blocking=True)
-        return -(-length // piece)
 
     def _scatter_staged(self, claimed: list[tuple[_Staged, list[int]]], ids: list[torch.Tensor]) -> None:
         """Scatter each staged restore into its GPU blocks (`ids`: their device ids in its rows' order)."""
@@ -471,7 +456,7 @@ class KVOffload:
 
     def _d2h(self, copies, src):
         """(device block, host block) pairs in host-block order, `src` their device ids: gather on the device,
-        then one copy per run of host blocks, a long run in pieces (on CUDA on the out stream, after the gather). Returns the gathered
+        then one copy per run of host blocks (on CUDA on the out stream, after the gather). Returns the gathered
         blocks [n, 2, L, B, Hkv, D] (None if no pairs)."""
         if not copies:
             return None
@@ -487,7 +472,7 @@ class KVOffload:
             start = self._mark(out)  # the copy's own time, not the gather's or the queue's before it
         with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
             for index, first, length in _runs(dst):
-                self._copy_run(self.host, first, blocks, index, length)
+                self.host[first:first + length].copy_(blocks[index:index + length], non_blocking=True)
             self._done("d2h", nbytes, start, stream=out)
             if out is not None:
                 copied_out = torch.cuda.Event(blocking=True)

@@ -111,7 +111,7 @@ class EngineStats:
     kv_h2d_bytes: int = 0
     kv_h2d_seconds: float = 0.0  # staged copies plus the scatter into the pool's layout
     kv_h2d_copy_seconds: float = 0.0  # the pinned host -> device copies alone
-    kv_h2d_num_copies: int = 0  # host -> device copies (one per run of consecutive host blocks, 32 MiB at most)
+    kv_h2d_num_copies: int = 0  # host -> device copies (one per run of consecutive host blocks)
     kv_disk_read_bytes: int = 0
     kv_disk_read_seconds: float = 0.0
     kv_disk_write_bytes: int = 0
