@@ -1,6 +1,5 @@
 """The chat-tiers bench's turn loop: TTFT over every turn, and apart over the turns that reuse a system prompt."""
 
-import argparse
 import dataclasses
 import types
 
@@ -113,29 +112,36 @@ def test_turn_records_sum_their_steps_moves_and_the_report_names_the_slowest_war
     assert slowest_turns_line([a]) == "-"
 
 
-def test_each_optional_configuration_is_a_flag_and_the_tiered_engine_with_its_own_changes(tmp_path):
+#: Each optional configuration as the bench defined it: switch -> (label, disk subdirectory, engine overrides).
+EXPECTED_EXTRA = {
+    "--host-tier-only": ("GPU + host (no disk tier)", None, {}),
+    "--disk-writes-during-steps": ("GPU + host + disk, disk writes during steps", "during",
+                                   {"kv_offload_disk_writes_during_steps": True}),
+    "--disk-writer-process": ("GPU + host + disk, disk writer process", "process",
+                              {"kv_offload_disk_writer": "process"}),
+    "--late-restore": ("GPU + host + disk, restores issued with the step", "late", {"kv_offload_early_restore": False}),
+    "--write-through": ("GPU + host + disk, write-through", "write-through", {"kv_offload_write_through": True}),
+}
+
+
+def test_each_optional_switch_of_bench_engine_adds_its_configuration(tmp_path):
     """One table (`EXTRA_CONFIGS`) gives `pagedkv bench engine` its switches and the bench its configurations:
-    each switch parses to its field, and each configuration keeps the tiered host tier, has a disk of its own (or
-    none) and its own engine options."""
-    from pagedkv.bench.engine_chat_tiers import EXTRA_CONFIGS
+    through the bench's own parser each switch adds exactly its configuration, with the tiered host tier, a disk
+    of its own (or none) and its engine options; no switch adds none."""
+    from pagedkv.bench.engine import build_parser
+    from pagedkv.bench.engine_chat_tiers import EXTRA_CONFIGS, extra_configs
     from pagedkv.engine.config import EngineConfig
 
-    tiered = dict(kv_offload_memory=2**20, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=2**21)
-    disks = {tiered["kv_offload_dir"]}
+    assert {extra.flag for extra in EXTRA_CONFIGS} == set(EXPECTED_EXTRA)
     fields = {field.name for field in dataclasses.fields(EngineConfig)}
-    parser = argparse.ArgumentParser()
-    for extra in EXTRA_CONFIGS:
-        parser.add_argument(extra.flag, action="store_true")
-    assert len({extra.label for extra in EXTRA_CONFIGS}) == len(EXTRA_CONFIGS)
-    for extra in EXTRA_CONFIGS:
-        args = parser.parse_args([extra.flag])
-        assert [e.flag for e in EXTRA_CONFIGS if getattr(args, e.dest)] == [extra.flag]
-        options = extra.options(tiered, tmp_path)
-        assert options["kv_offload_memory"] == tiered["kv_offload_memory"]
-        for name, value in extra.overrides:
-            assert name in fields and options[name] == value
-        if extra.disk is None:
-            assert "kv_offload_dir" not in options
+    tiered = dict(kv_offload_memory=2**20, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=2**21)
+    parser = build_parser()
+    assert extra_configs(parser.parse_args([]), tiered, tmp_path) == []
+    for flag, (label, disk, overrides) in EXPECTED_EXTRA.items():
+        [(got_label, options)] = extra_configs(parser.parse_args(["--preset", "chat-tiers", flag]), tiered, tmp_path)
+        assert got_label == label
+        assert set(overrides) <= fields
+        if disk is None:
+            assert options == {"kv_offload_memory": 2**20, **overrides}
         else:
-            assert options["kv_offload_dir"] not in disks and options["kv_offload_disk_bytes"] == 2**21
-            disks.add(options["kv_offload_dir"])
+            assert options == {**tiered, "kv_offload_dir": str(tmp_path / disk), **overrides}

@@ -127,14 +127,9 @@ def chat_size(text: str) -> tuple[int, int, int, int, int]:
     return values
 
 
-def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> int:
-    """Run the benchmark; print a table; write engine.json, engine.md, engine_run.json and cost_model.json."""
-    from rich.console import Console
-    from rich.table import Table
-
+def build_parser(prog: str = "pagedkv bench engine") -> ArgumentParser:
+    """`pagedkv bench engine`'s arguments."""
     from pagedkv.bench.engine_chat_tiers import EXTRA_CONFIGS
-    from pagedkv.engine.llm import LLM
-    from pagedkv.models.loader import random_model
 
     parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="random-weight architecture (pagedkv.hf.RANDOM_CONFIGS)")
@@ -190,7 +185,18 @@ def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> i
                              "pagedkv_eager,pagedkv_hf_modules")
     parser.add_argument("--calibration-requests", type=int, default=96)
     add_out_argument(parser, "engine.json, engine.md, engine_run.json and cost_model.json")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "pagedkv bench engine") -> int:
+    """Run the benchmark; print a table; write engine.json, engine.md, engine_run.json and cost_model.json."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pagedkv.engine.llm import LLM
+    from pagedkv.models.loader import random_model
+
+    args = build_parser(prog).parse_args(argv)
     from pagedkv.core.memory import check_kv_cache_dtype
 
     if args.preset == "chat-tiers":

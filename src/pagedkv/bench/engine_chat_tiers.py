@@ -65,7 +65,6 @@ from pagedkv.results import provenance, write_json
 from pagedkv.sim.chat_tiers import MultiTurnChat
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ExtraConfig:
     """An optional configuration of the bench: the tiered one with some engine options changed, run when
@@ -105,6 +104,11 @@ EXTRA_CONFIGS = (
     ExtraConfig("--write-through", WRITE_THROUGH, "the tiers copying each committed block to the host ahead of any "
                 "eviction (kv_offload_write_through)", "write-through", (("kv_offload_write_through", True),)),
 )
+
+def extra_configs(args, tiered: dict, offload_dir: Path) -> list[tuple[str, dict]]:
+    """(label, engine options) of each optional configuration whose switch `args` has on, in table order."""
+    return [(extra.label, extra.options(tiered, offload_dir)) for extra in EXTRA_CONFIGS if getattr(args, extra.dest)]
+
 
 #: Per model: (conversations, system prompts, turns, system prompt tokens, max_num_seqs).
 SIZES = {"qwen3-0.6b": (128, 64, 3, 1024, 4), "llama3-8b": (96, 48, 3, 1024, 4)}
@@ -289,8 +293,7 @@ def run_model(name: str, args, device: torch.device, offload_dir: Path) -> dict:
     disk_bytes = 64 * 2**20 if smoke else max(DISK_CAP_BYTES, host_bytes)
     tiered = dict(kv_offload_memory=host_bytes, kv_offload_dir=str(offload_dir), kv_offload_disk_bytes=disk_bytes)
     configs = [("no prefix cache", dict(enable_prefix_caching=False)), ("GPU only", {}), (TIERED, tiered)]
-    configs += [(extra.label, extra.options(tiered, offload_dir))
-                for extra in EXTRA_CONFIGS if getattr(args, extra.dest)]  # each with a disk of its own
+    configs += extra_configs(args, tiered, offload_dir)
     if args.in_step_restore_tokens is not None:  # the same tiers, restores moved beside the step (a disk of its own)
         configs.append((in_step_label(args.in_step_restore_tokens),
                         dict(tiered, kv_offload_dir=str(Path(offload_dir) / "in-step"),
