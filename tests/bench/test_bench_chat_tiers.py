@@ -67,21 +67,26 @@ def test_turns_that_reuse_a_system_prompt_are_reported_apart_from_its_first_use(
 
 
 def test_a_turns_ttft_parts_add_up_to_its_ttft():
-    from pagedkv.bench.chat_tiers_run import ttft_parts
+    from pagedkv.bench.chat_tiers_run import ttft_parts, turn_records
     from pagedkv.engine.outputs import StepTiming
+    from pagedkv.engine.scheduler_types import StepShape
 
-    timings = [StepTiming(None, 0.001, 0.002, 0.003, 0.010, 0.004)]  # 20 ms of the second call's 25
+    shape = StepShape(prefill_tokens=16, decode_seqs=0, kv_tokens=16)
+    timings = [StepTiming(shape, 0.001, 0.002, 0.003, 0.010, 0.004)]  # 20 ms of the second call's 25
     # submitted at t=0; call 0 (an unrelated earlier call) is skipped; call 1, 5 ms, restores only (no timing);
     # call 2, 25 ms, computes; 2 ms between them and 3 ms before the first
     calls = [(-1.0, -0.5, 0, 0), (0.003, 0.008, 0, 0), (0.010, 0.035, 0, 1)]
-    parts = ttft_parts([(0.035, 1, 2)], calls, timings)
+    records = turn_records(["t"], {"t": 0.035}, {"t"}, {"t": 1}, {"t": 2}, calls, timings)
+    parts = ttft_parts(records)
     assert parts["steps"] == 2 and parts["num_turns"] == 1
     assert abs(parts["untimed_s"] - 0.010) < 1e-12  # the restoring call's 5 ms and 5 ms of the other's
     assert abs(parts["between_steps_s"] - 0.005) < 1e-12
     total = sum(parts[key] for key in ("schedule_s", "build_s", "launch_s", "wait_s", "update_s", "untimed_s",
                                        "between_steps_s"))
     assert abs(total - parts["ttft_s"]) < 1e-12 and parts["wait_s"] == 0.010
-    assert ttft_parts([], calls, timings) is None
+    assert ttft_parts([]) is None
+    twice = ttft_parts(records * 2)  # means over the turns
+    assert twice["num_turns"] == 2 and all(twice[key] == parts[key] for key in parts if key != "num_turns")
 
 
 def test_turn_records_sum_their_steps_moves_and_the_report_names_the_slowest_warm_turns():

@@ -82,6 +82,7 @@ def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16, f
         gc.unfreeze()  # the engine's objects may be collected again once it is dropped
     timings, engine.step_timings = engine.step_timings, None
     values = list(ttft.values())
+    records = turn_records(list(submitted), ttft, reuses, first_call, token_call, calls, timings)
     reusing = [value for request_id, value in ttft.items() if request_id in reuses]
     return {"elapsed_s": elapsed, "num_requests": len(values), "num_output_tokens": num_output_tokens,
             "output_tokens_per_s": num_output_tokens / elapsed, "ttft_p50_s": percentile(values, 50),
@@ -89,64 +90,40 @@ def run_chat(engine, turns: list, max_in_flight: int, system_tokens: int = 16, f
             "num_reuse_requests": len(reusing), "ttft_reuse_p50_s": percentile(reusing, 50) if reusing else None,
             "ttft_reuse_p99_s": percentile(reusing, 99) if reusing else None,
             "steps": step_summary(timings),
-            "ttft_reuse_parts": ttft_parts([(ttft[r], first_call[r], token_call[r]) for r in ttft if r in reuses],
-                                           calls, timings),
-            "turns": turn_records(list(submitted), ttft, reuses, first_call, token_call, calls, timings),
+            "ttft_reuse_parts": ttft_parts([record for record in records if record["reuse"]]),
+            "turns": records,
             "gc_collections": gc_watch.collections,
             "gc_max_pause_s": max((end - begin for begin, end in gc_watch.pauses), default=0.0), "prompts": prompts}
-
-
-def ttft_parts(turns: list[tuple[float, int, int]], calls: list[tuple[float, float, int, int]],
-               timings: list) -> dict | None:
-    """Where the TTFT of `turns` ((TTFT, first step call after submission, call that returned the first token))
-    went, as means over them in seconds: the step calls in between (`steps`, how many) by phase, the part of those
-    calls no step timing covers (steps with nothing to compute, such as one that only restores: `untimed_s`), and
-    the time between the calls (`between_steps_s`: submitting, the loop's own work). The parts add up to `ttft_s`."""
-    if not turns:
-        return None
-    sums = dict.fromkeys(("ttft_s", "steps", *STEP_PHASES, "untimed_s", "between_steps_s"), 0.0)
-    for value, first, last in turns:
-        sums["ttft_s"] += value
-        sums["steps"] += last - first + 1
-        wall = timed = 0.0
-        for begin, end, lo, hi in calls[first:last + 1]:
-            wall += end - begin
-            for timing in timings[lo:hi]:
-                if timing is None:
-                    continue
-                for phase in STEP_PHASES:
-                    sums[phase] += getattr(timing, phase)
-                timed += timing.total_s
-        sums["untimed_s"] += wall - timed
-        sums["between_steps_s"] += value - wall
-    return {"num_turns": len(turns), **{key: total / len(turns) for key, total in sums.items()}}
 
 
 def turn_records(order: list[str], ttft: dict, reuses: set, first_call: dict, token_call: dict,
                  calls: list[tuple[float, float, int, int]], timings: list) -> list[dict]:
     """Per turn in submission order: its TTFT, whether an earlier turn sent its system prompt (`reuse`), and over
-    the step calls from its submission to its first token: how many, the host's wait for the device, the time
-    in calls with no step timing or outside it (`untimed_s`: steps with nothing to compute, such as one that
-    only restores, as in `ttft_parts`), and the blocks the timed steps moved (restored beside and in the step,
-    spilled, pre-spilled) and prefill tokens computed (of every request in them): what sets a slow warm turn
-    apart. A step with nothing to compute has no timing, so the moves of a turn's restore-only step (its
-    restore, and the spills its admission caused) are not counted here."""
+    the step calls from its submission to its first token: how many (`steps`), their host time by phase, the time
+    in calls that no step timing covers (`untimed_s`: steps with nothing to compute, such as one that only
+    restores), the time between the calls (`between_steps_s`: submitting, the loop's own work; the parts add up to
+    `ttft_s`), and the blocks the timed steps moved (restored beside and in the step, spilled, pre-spilled) and
+    prefill tokens computed (of every request in them): what sets a slow warm turn apart. A step with nothing to
+    compute has no timing, so the moves of a turn's restore-only step (its restore, and the spills its admission
+    caused) are not counted here."""
     records = []
     for request_id in order:
         if request_id not in ttft:
             continue
         record = {"id": request_id, "ttft_s": ttft[request_id], "reuse": request_id in reuses,
-                  "steps": token_call[request_id] - first_call[request_id] + 1, "wait_s": 0.0, "untimed_s": 0.0,
-                  "restored": 0,
-                  "restored_in_step": 0, "spilled": 0, "pre_spilled": 0, "prefill_tokens": 0}
+                  "steps": token_call[request_id] - first_call[request_id] + 1,
+                  **dict.fromkeys(STEP_PHASES, 0.0), "untimed_s": 0.0, "between_steps_s": ttft[request_id],
+                  "restored": 0, "restored_in_step": 0, "spilled": 0, "pre_spilled": 0, "prefill_tokens": 0}
         for begin, end, lo, hi in calls[first_call[request_id]:token_call[request_id] + 1]:
             record["untimed_s"] += end - begin
+            record["between_steps_s"] -= end - begin
             for timing in timings[lo:hi]:
                 if timing is None:
                     continue
                 record["untimed_s"] -= timing.total_s
+                for phase in STEP_PHASES:
+                    record[phase] += getattr(timing, phase)
                 shape = timing.shape
-                record["wait_s"] += timing.wait_s
                 record["restored"] += shape.restored_blocks
                 record["restored_in_step"] += shape.restored_in_step_blocks
                 record["spilled"] += shape.offloaded_blocks
@@ -154,6 +131,16 @@ def turn_records(order: list[str], ttft: dict, reuses: set, first_call: dict, to
                 record["prefill_tokens"] += shape.prefill_tokens
         records.append(record)
     return records
+
+
+def ttft_parts(records: list[dict]) -> dict | None:
+    """Where the TTFT of the turns of `records` (`turn_records`) went, as means over them in seconds: the step
+    calls in between (`steps`, how many) by phase, `untimed_s` and `between_steps_s`; the parts add up to
+    `ttft_s`. None for no turns."""
+    if not records:
+        return None
+    keys = ("ttft_s", "steps", *STEP_PHASES, "untimed_s", "between_steps_s")
+    return {"num_turns": len(records), **{key: sum(r[key] for r in records) / len(records) for key in keys}}
 
 
 def step_summary(timings: list, num_slowest: int = 3) -> dict:
