@@ -362,6 +362,10 @@ class KVOffload:
         for (entry, _), dst in zip(claimed, ids):
             if self.is_cuda:  # its copies ran on the stage stream; the tensor was allocated there
                 self.stream.wait_event(entry.copied)
+                # The copy stream reads it after the last reference here is dropped: record_stream keeps its
+                # memory from reuse on the stage stream until the scatter is done. (`_d2h` instead holds its
+                # gathered tensor in `_copying_out` until the event of its copies to the host has passed:
+                # record_stream held that memory back from reuse longer.)
                 entry.staged.record_stream(self.stream)
             resumed = self._mark()
             scatter_blocks(self._storage, dst, entry.staged)
