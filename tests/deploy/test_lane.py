@@ -48,6 +48,15 @@ async def _collect(lane, ids):
     return await read_outputs(lane.messages(), ids)
 
 
+async def _eventually(condition, seconds: float = 30.0) -> bool:
+    """Poll `condition` until it holds or `seconds` pass (a loaded 2-core CI machine can take seconds to drain an
+    engine process); its last value."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return condition()
+
+
 def _idle(replica) -> bool:
     """Nothing running or waiting, read as the replica reads its queues beside the engine thread (an engine
     process's pipe has one reader, the engine thread: calling into the engine from here would race it)."""
@@ -115,17 +124,10 @@ def test_an_abort_by_lane_frees_the_blocks_and_a_closed_lane_takes_its_requests_
         messages = lane.messages()
         await messages.__anext__()  # they are generating
         lane.send(("abort", "aborted"))
-        for _ in range(100):
-            if "aborted" not in replica._tasks:
-                break
-            await asyncio.sleep(0.05)
-        aborted_gone = "aborted" not in replica._tasks
+        aborted_gone = await _eventually(lambda: "aborted" not in replica._tasks)
         orphan_running = "orphan" in replica._tasks
         lane.close()  # the sender went away: nobody can read its requests' outputs
-        for _ in range(100):
-            if _idle(replica):
-                break
-            await asyncio.sleep(0.05)
+        await _eventually(lambda: _idle(replica))
         return aborted_gone, orphan_running
 
     aborted_gone, orphan_running = on_loop(run())
