@@ -21,6 +21,8 @@ numbers cost O(samples) host work instead of O(rows x vocab) integer hashing on 
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +31,16 @@ import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.env import env_choice
 from pagedkv.errors import InvalidArgumentError, require_positive_int
+from pagedkv.kernels.host_store import store_to_host
+
+logger = logging.getLogger(__name__)
+
+#: How a step's results reach the host on CUDA: "kernel" stores them into pinned memory from the SMs (not
+#: queued behind KV copies to the host on the copy engine, `pagedkv.kernels.host_store`); "copy" is a
+#: non-blocking copy. PAGEDKV_RESULTS_TO_HOST switches it for comparison.
+RESULTS_TO_HOST = ("kernel", "copy")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's state increment
 
@@ -258,6 +269,11 @@ class Sampler:
         self.vocab_size = require_positive_int("vocab_size", vocab_size)
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.results_to_host = env_choice("PAGEDKV_RESULTS_TO_HOST", RESULTS_TO_HOST, "kernel")
+        # (event, pinned tensor) of results still being stored: a kernel's stores, unlike a copy, do not
+        # tell the pinned-memory allocator when they end, so the tensor is kept here until its event has
+        # completed, even if its SamplerOutput is dropped unread.
+        self._storing: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
 
     def _check(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         if logits.dim() != 2 or logits.shape != (len(rows), self.vocab_size):
@@ -276,7 +292,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample `rows` from `logits` ([rows, vocab], any float dtype, on the device).
 
-        Returns at once; the results come back in one non-blocking copy that `SamplerOutput` waits for.
+        Returns at once; the results reach pinned host memory asynchronously (one kernel, or one copy), and
+        `SamplerOutput` waits for them.
         """
         self._check(logits, rows)
         if not rows:
@@ -308,14 +325,30 @@ class Sampler:
             parts += [logprobs.gather(1, tokens).double(), top.values.double(), top.indices.double()]
         return self._send(torch.cat(parts, dim=1), step.num_samples, step.logprobs_ks, tokens[:, 0])
 
-    @staticmethod
-    def _send(result: torch.Tensor, num_samples: list[int], logprobs_ks: list, device_tokens: torch.Tensor):
-        """Start the one device-to-host copy of a step's results (pinned memory, an event to wait on)."""
+    def _send(self, result: torch.Tensor, num_samples: list[int], logprobs_ks: list, device_tokens: torch.Tensor):
+        """Start moving a step's results to pinned host memory (one kernel or one copy, an event to wait on)."""
         event = None
         if result.is_cuda:
+            while self._storing and self._storing[0][0].query():
+                self._storing.popleft()
             host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-            host.copy_(result, non_blocking=True)
+            stored = self.results_to_host == "kernel" and self._store(result, host)
+            if not stored:
+                host.copy_(result, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
+            if stored:
+                self._storing.append((event, host))
             result = host
         return SamplerOutput(result, event, num_samples, logprobs_ks, device_tokens=device_tokens)
+
+    def _store(self, result: torch.Tensor, host: torch.Tensor) -> bool:
+        """Store `result` into `host` by a kernel; False (and copies from then on) where the device cannot."""
+        try:
+            store_to_host(result.contiguous(), host)
+        except Exception as error:  # noqa: BLE001 - e.g. pinned memory not mapped for the device: copy instead
+            logger.warning("storing step results to pinned host memory from a kernel failed (%s); copying them "
+                           "instead", error)
+            self.results_to_host = "copy"
+            return False
+        return True
