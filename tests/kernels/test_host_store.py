@@ -91,7 +91,9 @@ def test_device_store_does_not_wait_for_copies_to_the_host_issued_before_it():
     big_host = torch.empty(big.shape, dtype=torch.uint8, pin_memory=True)
     tokens = torch.arange(64, device="cuda")
     host = torch.zeros(64, dtype=torch.int64, pin_memory=True)
+    store_to_host(tokens.flip(0), host)  # compiles the kernel first: a compile outlasts the copy
     torch.cuda.synchronize()
+    assert host.tolist() == list(range(63, -1, -1))
     with torch.cuda.stream(side):
         big_host.copy_(big, non_blocking=True)
         copied = torch.cuda.Event()
