@@ -24,8 +24,9 @@ CASES = [
     ((BLOCK + 7,), torch.int64),
     ((2, 3), torch.int32),
     ((7,), torch.uint8),
+    ((4,), torch.float16),
 ]
-CASE_IDS = ["greedy-tokens", "logprobs", "two-programs", "int32-words", "bytes"]
+CASE_IDS = ["greedy-tokens", "logprobs", "two-programs", "int32", "bytes", "fp16-as-int64"]
 
 
 def random_bytes(shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -14,7 +14,8 @@ host once an event recorded after the kernel has completed. One program stores u
 `BLOCK` 8-byte words: a step's results are a few KB at most.
 
     dst[i] = src[i]      src contiguous on the device, dst contiguous pinned host memory,
-                         same shape and dtype, viewed as int64 words (or bytes)
+                         same shape and dtype; 4- and 8-byte dtypes as they are, others
+                         viewed as the widest integer word that fits (or bytes)
 
 `store_to_host_reference` is the plain copy it replaces (`dst.copy_(src, non_blocking=True)`).
 On CPU (and under TRITON_INTERPRET=1, which runs kernels on host tensors) the Triton path runs
@@ -52,8 +53,15 @@ if triton is not None:
         tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
 
+#: Dtypes the kernel moves as they are (a load and a store of 4 or 8 bytes copy the bits, NaN payloads included):
+#: a step's results are int64 or float64, and need no reinterpreting views on the hot path.
+WORD_DTYPES = (torch.int64, torch.float64, torch.int32, torch.float32)
+
+
 def _words(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (contiguous) as a flat tensor of the widest word its bytes and address allow."""
+    if tensor.dtype in WORD_DTYPES:
+        return tensor
     flat = tensor.reshape(-1).view(torch.uint8)
     for word in (torch.int64, torch.int32):
         if flat.numel() % word.itemsize == 0 and tensor.data_ptr() % word.itemsize == 0:
@@ -77,15 +85,18 @@ def _check(src: object, dst: object) -> None:
                                "can only store to host memory that is mapped for the device")
 
 
-def store_to_host(src: torch.Tensor, dst: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def store_to_host(src: torch.Tensor, dst: torch.Tensor, *, backend: str = "auto",
+                  validate: bool = True) -> torch.Tensor:
     """dst = src, stored by a kernel on the current stream (no copy engine); returns `dst`.
 
     src contiguous on the device; dst a contiguous pinned host tensor of src's shape and dtype.
     Asynchronous like a non-blocking copy: record an event after the call and wait for it before
     reading `dst`, and keep both tensors alive until it has completed. Backends follow
     `pagedkv.kernels.ops.resolve_backend` ("auto": Triton on CUDA, the reference on CPU).
+    `validate=False` skips the checks (the sampler's own pinned tensors; `is_pinned` asks the driver).
     """
-    _check(src, dst)
+    if validate:
+        _check(src, dst)
     if src.numel() == 0:
         return dst
     if resolve_backend(backend, src.device) == "torch":
@@ -95,7 +106,7 @@ def store_to_host(src: torch.Tensor, dst: torch.Tensor, *, backend: str = "auto"
     from pagedkv.kernels.launch import bound
 
     words, out = _words(src), _words(dst)
-    if words.dtype != out.dtype:  # the two addresses allow different widths: bytes always fit both
+    if words.dtype != out.dtype:  # the two addresses allow different widths: bytes fit both
         words, out = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
     num_words = words.numel()
     bound(_store_kernel).config(BLOCK=BLOCK, num_warps=4).launch(
