@@ -107,7 +107,7 @@ if triton is not None:
             tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-def _word_dtype(chunk_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
+def word_dtype(chunk_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
     """The widest integer dtype whose size divides `chunk_bytes` and every tensor's base address."""
     for dtype in WORD_DTYPES:
         size = dtype.itemsize
@@ -125,7 +125,7 @@ def _launch(storage: torch.Tensor, ids: torch.Tensor, staged: torch.Tensor, *, t
     num_rows = 2 * num_layers
     chunk_elements = block_size * num_kv_heads * head_dim
     chunk_bytes = chunk_elements * storage.element_size()
-    word = _word_dtype(chunk_bytes, storage, staged)
+    word = word_dtype(chunk_bytes, storage, staged)
     chunk = chunk_bytes // word.itemsize  # words per chunk
     pool = storage.view(num_rows, num_blocks, chunk_elements).view(torch.uint8).view(word)  # [2L, N, chunk]
     staged_words = staged.view(-1, num_rows, chunk_elements).view(torch.uint8).view(word)  # [n, 2L, chunk]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import KernelInputError
+from pagedkv.kernels.block_moves import word_dtype
 from pagedkv.kernels.ops import resolve_backend
 
 try:
@@ -55,18 +56,15 @@ if triton is not None:
 
 #: Dtypes the kernel moves as they are (a load and a store of 4 or 8 bytes copy the bits, NaN payloads included):
 #: a step's results are int64 or float64, and need no reinterpreting views on the hot path.
-WORD_DTYPES = (torch.int64, torch.float64, torch.int32, torch.float32)
+DIRECT_DTYPES = (torch.int64, torch.float64, torch.int32, torch.float32)
 
 
-def _words(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (contiguous) as a flat tensor of the widest word its bytes and address allow."""
-    if tensor.dtype in WORD_DTYPES:
-        return tensor
-    flat = tensor.reshape(-1).view(torch.uint8)
-    for word in (torch.int64, torch.int32):
-        if flat.numel() % word.itemsize == 0 and tensor.data_ptr() % word.itemsize == 0:
-            return flat.view(word)
-    return flat
+def _as_words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`src` and `dst` (contiguous, same dtype) as flat tensors of the widest integer word both allow."""
+    if src.dtype in DIRECT_DTYPES:
+        return src, dst
+    word = word_dtype(src.numel() * src.element_size(), src, dst)
+    return src.reshape(-1).view(torch.uint8).view(word), dst.reshape(-1).view(torch.uint8).view(word)
 
 
 def _check(src: object, dst: object) -> None:
@@ -105,9 +103,7 @@ def store_to_host(src: torch.Tensor, dst: torch.Tensor, *, backend: str = "auto"
         raise KernelInputError("backend 'triton' needs Triton, which is not installed")
     from pagedkv.kernels.launch import bound
 
-    words, out = _words(src), _words(dst)
-    if words.dtype != out.dtype:  # the two addresses allow different widths: bytes fit both
-        words, out = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+    words, out = _as_words(src, dst)
     num_words = words.numel()
     bound(_store_kernel).config(BLOCK=BLOCK, num_warps=4).launch(
         (triton.cdiv(num_words, BLOCK), 1, 1), (words, out), (num_words,))
